@@ -1,0 +1,44 @@
+"""The Celery application: ``celery -A outbox.celery_app worker|beat``.
+
+Built from ``Settings.from_env()`` (celeryconfig.py); the relay and consumer tasks are registered by
+functions of their packages, so ``relay/`` and ``consumers/`` hold no module-level Celery state.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from celeryconfig import Settings, celery_config
+from outbox.embedded import resolve_broker_url
+
+
+def create_celery_app(settings: Settings | None = None, *, broker_url: str | None = None) -> Celery:
+    settings = settings or Settings.from_env()
+    url = broker_url or resolve_broker_url(settings.broker_url, home=settings.home)
+    app = Celery("outbox", set_as_current=False)
+    app.conf.update(celery_config(settings, url))
+    app.conf["outbox_settings"] = settings
+    for register in _registrars():
+        register(app, settings)
+    return app
+
+
+def _registrars() -> list:  # type: ignore[type-arg]
+    """Task registration functions of the packages that exist so far."""
+    found = []
+    try:
+        from relay.tasks import register as register_relay
+
+        found.append(register_relay)
+    except ImportError:
+        pass
+    try:
+        from consumers.tasks import register as register_consumers
+
+        found.append(register_consumers)
+    except ImportError:
+        pass
+    return found
+
+
+app = create_celery_app()

@@ -1,0 +1,25 @@
+"""The ``outbox`` command. Each concept's commands live in their own module of this package."""
+
+from __future__ import annotations
+
+import sys
+
+
+from outbox.cli.common import settings_group
+from outbox.cli.db import db
+from outbox.cli.demo import demo
+from outbox.cli.embedded import embedded_redis
+
+
+@settings_group
+def cli() -> None:
+    """Transactional outbox, inbox and idempotent consumers on Celery."""
+
+
+cli.add_command(db)
+cli.add_command(demo)
+cli.add_command(embedded_redis)
+
+
+def main() -> None:
+    sys.exit(cli.main(prog_name="outbox", standalone_mode=True))

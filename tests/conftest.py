@@ -1,0 +1,151 @@
+"""Fixtures shared by every layer.
+
+Service fixtures skip with a clear reason when a server is down locally, and FAIL under CI=true.
+Postgres tests get a fresh database per test session (several sessions can run at once).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from celeryconfig import Settings
+from outbox import migrate
+from outbox.clock import ManualClock
+from outbox.db import make_engine, make_session_factory
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+RABBITMQ_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+def require_service(name: str, host: str, port: int) -> None:
+    """Skip (locally) or fail (CI=true) when a service does not accept connections."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return
+    except OSError as e:
+        reason = f"{name} is not reachable on {host}:{port} ({e}); start it with ../shared/services-up.sh"
+        if IN_CI:
+            pytest.fail(f"CI=true and {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def tmp_home(tmp_path: Path) -> Path:
+    home = tmp_path / "home"
+    home.mkdir()
+    return home
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'test.db'}"
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture
+def sqlite_engine(sqlite_url: str) -> Iterator[sa.Engine]:
+    engine = make_engine(sqlite_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def sqlite_sessions(sqlite_engine: sa.Engine) -> sessionmaker[Session]:
+    return make_session_factory(sqlite_engine)
+
+
+@pytest.fixture
+def sqlite_session(sqlite_sessions: sessionmaker[Session]) -> Iterator[Session]:
+    with sqlite_sessions() as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str]:
+    """A migrated database of its own for this test session; dropped at the end."""
+    require_service("PostgreSQL", "127.0.0.1", 5432)
+    name = f"outbox_test_{uuid.uuid4().hex[:10]}"
+    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    migrate.upgrade(url)
+    yield url
+    with admin.connect() as c:
+        c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_database: str) -> Iterator[str]:
+    """The session's Postgres database, emptied before each test (schema stays)."""
+    engine = make_engine(pg_database)
+    with engine.begin() as c:
+        tables = c.exec_driver_sql(
+            "SELECT tablename FROM pg_tables WHERE schemaname='public' AND tablename <> 'alembic_version'"
+        ).scalars().all()
+        if tables:
+            c.exec_driver_sql("TRUNCATE " + ", ".join(f'"{t}"' for t in tables) + " RESTART IDENTITY CASCADE")
+    engine.dispose()
+    yield pg_database
+
+
+@pytest.fixture
+def pg_engine(pg_url: str) -> Iterator[sa.Engine]:
+    engine = make_engine(pg_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_sessions(pg_engine: sa.Engine) -> sessionmaker[Session]:
+    return make_session_factory(pg_engine)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_sessions(request: pytest.FixtureRequest) -> sessionmaker[Session]:
+    """The same test on SQLite and on real Postgres."""
+    if request.param == "sqlite":
+        sessions: sessionmaker[Session] = request.getfixturevalue("sqlite_sessions")
+    else:
+        sessions = request.getfixturevalue("pg_sessions")
+    return sessions
+
+
+@pytest.fixture
+def redis_url() -> str:
+    require_service("Redis", "127.0.0.1", 6379)
+    return REDIS_URL
+
+
+@pytest.fixture
+def rabbitmq_url() -> str:
+    require_service("RabbitMQ", "127.0.0.1", 5672)
+    return RABBITMQ_URL
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A unique exchange/queue prefix so concurrent runs never share queues on a shared broker."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def settings(tmp_home: Path, sqlite_url: str, namespace: str) -> Settings:
+    return Settings(home=tmp_home, database_url=sqlite_url, namespace=namespace, broker_url="memory://")

@@ -1,0 +1,106 @@
+"""Rule 1: the order and its outbox row commit together, or neither does."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from orders import outbox
+from orders.models import Order, OrderLine, OutboxMessage
+from orders.service import ORDER_PLACED, parse_order, place_order
+from outbox.clock import ManualClock
+from outbox.errors import (
+    DuplicateOrderError,
+    MessageTooLargeError,
+    SerializationError,
+    UnknownEventTypeError,
+    ValidationError,
+)
+
+ORDER = {"order_id": "o-1", "customer_id": "c-1", "email": "a@example.com", "currency": "EUR",
+         "lines": [{"sku": "sku-1", "quantity": 2, "unit_price_cents": 500}]}
+
+
+def count(sessions: sessionmaker[Session], model: type) -> int:
+    with sessions() as s:
+        return int(s.scalar(sa.select(sa.func.count()).select_from(model)) or 0)
+
+
+def test_order_and_outbox_row_commit_together(any_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+    # Given a valid order
+    req = parse_order(ORDER)
+    # When it is placed
+    with any_sessions() as s:
+        place_order(s, req, clock=clock)
+    # Then the order, its line and one pending OrderPlaced row exist
+    with any_sessions() as s:
+        row = s.scalars(sa.select(OutboxMessage)).one()
+        assert s.get(Order, "o-1") is not None
+    assert count(any_sessions, OrderLine) == 1
+    assert row.type == ORDER_PLACED
+    assert row.payload["order_id"] == "o-1" and row.payload["total_cents"] == 1000
+    assert row.published_at_ms is None and row.dead_lettered_at_ms is None
+    assert row.attempts == 0 and row.next_attempt_at_ms == clock.now_ms() == row.created_at_ms
+    assert row.headers["entity_key"] == "order:o-1" and row.headers["entity_version"] == 1
+
+
+def test_failed_commit_leaves_neither_order_nor_outbox_row(any_sessions: sessionmaker[Session],
+                                                           clock: ManualClock) -> None:
+    # Given an order already placed
+    with any_sessions() as s:
+        place_order(s, parse_order(ORDER), clock=clock)
+    # When a second order with the same primary key is placed
+    with any_sessions() as s, pytest.raises(DuplicateOrderError, match="already exists"):
+        place_order(s, parse_order({**ORDER, "email": "b@example.com"}), clock=clock)
+    # Then the commit failed as a whole: still one order and ONE outbox row, not two
+    assert count(any_sessions, Order) == 1
+    assert count(any_sessions, OutboxMessage) == 1
+
+
+def test_caller_rollback_discards_the_event(sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+    with sqlite_sessions() as s:
+        outbox.add(s, outbox.Event(type="OrderPlaced", payload={"order_id": "x"}), clock=clock)
+        s.rollback()
+    assert count(sqlite_sessions, OutboxMessage) == 0
+
+
+@pytest.mark.parametrize(
+    ("event", "error", "match"),
+    [
+        (outbox.Event(type="", payload={}), ValidationError, "non-empty"),
+        (outbox.Event(type="OrderPlaced", payload={"x": object()}), SerializationError, "JSON"),
+        (outbox.Event(type="OrderPlaced", payload={"x": float("nan")}), SerializationError, "JSON"),
+        (outbox.Event(type="Nope", payload={}), UnknownEventTypeError, "no consumer is routed"),
+        (outbox.Event(type="OrderPlaced", payload={"blob": "x" * 2000}), MessageTooLargeError, "over the limit"),
+        (outbox.Event(type="OrderPlaced", payload={}, entity_key="order:1", entity_version=0),
+         ValidationError, "entity_version"),
+    ],
+)
+def test_outbox_writer_refuses_undeliverable_events(sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+                                                    event: outbox.Event, error: type, match: str) -> None:
+    with sqlite_sessions() as s:
+        with pytest.raises(error, match=match):
+            outbox.add(s, event, clock=clock, max_message_bytes=1000, known_types=["OrderPlaced"])
+        s.commit()
+    assert count(sqlite_sessions, OutboxMessage) == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ([], "JSON object"),
+        ({**ORDER, "extra": 1}, "unknown field"),
+        ({**ORDER, "customer_id": None}, "customer_id"),
+        ({**ORDER, "email": "nope"}, "email"),
+        ({**ORDER, "currency": "euro"}, "currency"),
+        ({**ORDER, "lines": []}, "non-empty"),
+        ({**ORDER, "lines": [{"sku": "a", "quantity": 0, "unit_price_cents": 1}]}, "quantity"),
+        ({**ORDER, "lines": [{"sku": "a", "quantity": True, "unit_price_cents": 1}]}, "quantity"),
+        ({**ORDER, "lines": [{"sku": "a", "quantity": 1, "unit_price_cents": -1}]}, "unit_price_cents"),
+        ({**ORDER, "order_id": "bad id with spaces"}, "order_id"),
+    ],
+)
+def test_parse_order_names_the_bad_field(body: object, match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        parse_order(body)
