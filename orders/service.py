@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from orders import outbox
 from orders.models import Order, OrderLine
 from outbox.clock import Clock, SystemClock
+from outbox.crashpoints import DISARMED, CrashPoints
 from outbox.db import is_unique_violation
 from outbox.errors import DatabaseError, DuplicateOrderError, ValidationError
 
@@ -107,7 +108,8 @@ def order_placed_payload(req: OrderRequest) -> dict[str, Any]:
 
 
 def place_order(session: Session, req: OrderRequest, *, clock: Clock | None = None,
-                max_message_bytes: int | None = None, correlation_id: str | None = None) -> Order:
+                max_message_bytes: int | None = None, correlation_id: str | None = None,
+                crash_points: CrashPoints = DISARMED) -> Order:
     """Write the order and its ``OrderPlaced`` event in ONE commit.
 
     A failed commit (duplicate id, database down) rolls back both and raises; there is never an
@@ -131,6 +133,7 @@ def place_order(session: Session, req: OrderRequest, *, clock: Clock | None = No
             clock=clock, max_message_bytes=max_message_bytes,
         )
         session.commit()
+        crash_points.reached("after_order_commit")
     except exc.IntegrityError as e:
         session.rollback()
         if is_unique_violation(e):

@@ -57,3 +57,7 @@ class BrokerUnavailableError(PublishError):
 
 class EmbeddedServerError(OutboxError):
     """The embedded Redis server could not be started or reached."""
+
+
+class NotFoundError(ValidationError):
+    """A caller named something (a dead-letter id, a consumer) that does not exist; nothing changed."""

@@ -1,0 +1,42 @@
+"""The main job runs end to end: ``outbox demo --orders 20`` in a subprocess exits 0."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.workers, pytest.mark.slow]
+
+
+def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env["OUTBOX_HOME"] = str(tmp_path / "var")
+    outbox_cli = Path(sys.executable).parent / "outbox"
+    proc = subprocess.run([str(outbox_cli), "demo", "--orders", "20", "--duplicates", "3", "--timeout", "150"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "every count adds up" in out
+    # the embedded redis-server it started is stopped again
+    assert not (tmp_path / "var" / "redis" / "redis.port").exists(), out
+
+
+def test_demo_rejects_bad_arguments(tmp_path: Path) -> None:
+    outbox_cli = Path(sys.executable).parent / "outbox"
+    proc = subprocess.run([str(outbox_cli), "demo", "--orders", "0"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--orders" in proc.stderr
+
+
+def test_bad_configuration_is_a_usage_error(tmp_path: Path) -> None:
+    env = {**os.environ, "OUTBOX_RELAY_BATCH_SIZE": "lots"}
+    outbox_cli = Path(sys.executable).parent / "outbox"
+    proc = subprocess.run([str(outbox_cli), "db", "upgrade"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "OUTBOX_RELAY_BATCH_SIZE must be int" in proc.stderr
