@@ -197,6 +197,10 @@ def celery_config(settings: Settings, broker_url: str) -> dict[str, Any]:
                 "schedule": settings.relay_poll_interval_s,
                 "options": {"queue": relay_queue.name, "expires": max(settings.relay_poll_interval_s, 1.0)},
             },
+            "prune-retention": {  # ops.tasks: hourly, inbox kept >= broker_redelivery_window_ms
+                "task": "ops.tasks.prune", "schedule": 3600.0,
+                "options": {"queue": relay_queue.name, "expires": 3600.0},
+            },
         },
         "beat_schedule_filename": str((settings.home / "celerybeat-schedule").resolve()),
         "worker_hijack_root_logger": False,

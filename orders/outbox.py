@@ -41,13 +41,14 @@ class Event:
         return h
 
 
-def add(session: Session, event: Event, *, clock: Clock | None = None,
-        max_message_bytes: int | None = None, known_types: Iterable[str] | None = None) -> OutboxMessage:
-    """Stage ``event`` as a pending outbox row in ``session`` (the caller commits).
+def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes: int | None = None,
+                  known_types: Iterable[str] | None = None) -> dict[str, Any]:
+    """Validate ``event`` and return the column values of its pending outbox row.
 
-    Refuses, before anything is written, an event that could never be delivered: no type, a
-    payload that is not JSON, one over the size limit, or (when ``known_types`` is given) a type
-    that no consumer is routed for.
+    The one place that decides what an outbox row holds, shared by every writer (this SQLAlchemy
+    one and ``outbox_django``). Refuses, before anything is written, an event that could never be
+    delivered: no type, a payload that is not JSON, one over the size limit, or (when
+    ``known_types`` is given) a type that no consumer is routed for.
     """
     if not isinstance(event.type, str) or not event.type.strip():
         raise ValidationError("event type must be a non-empty string")
@@ -64,14 +65,24 @@ def add(session: Session, event: Event, *, clock: Clock | None = None,
     if max_message_bytes is not None:
         check_size(encoded, limit=max_message_bytes, what=f"{event.type} event")
     now = (clock or SystemClock()).now_ms()
-    row = OutboxMessage(
-        message_id=event.message_id,
-        type=event.type,
-        payload=dict(event.payload),
-        headers=headers,
-        created_at_ms=now,
-        next_attempt_at_ms=now,
-        attempts=0,
-    )
+    return {
+        "message_id": event.message_id,
+        "type": event.type,
+        "payload": dict(event.payload),
+        "headers": headers,
+        "created_at_ms": now,
+        "next_attempt_at_ms": now,
+        "attempts": 0,
+    }
+
+
+def add(session: Session, event: Event, *, clock: Clock | None = None,
+        max_message_bytes: int | None = None, known_types: Iterable[str] | None = None) -> OutboxMessage:
+    """Stage ``event`` as a pending outbox row in ``session`` (the caller commits).
+
+    Validation is ``outbox_values``: nothing is added to the session for an event it refuses.
+    """
+    row = OutboxMessage(**outbox_values(event, clock=clock, max_message_bytes=max_message_bytes,
+                                        known_types=known_types))
     session.add(row)
     return row

@@ -93,4 +93,7 @@ def create_app(*, settings: Settings | None = None, session_factory: sessionmake
     def healthz() -> tuple[Response, int]:
         return jsonify({"ok": True}), 200
 
+    from ops.admin import init_app as init_ops  # /admin/dead-letters and /metrics
+
+    init_ops(app)
     return app

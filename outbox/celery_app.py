@@ -38,6 +38,9 @@ def _registrars() -> list:  # type: ignore[type-arg]
         found.append(register_consumers)
     except ImportError:
         pass
+    from ops.tasks import register as register_ops  # ops.tasks.prune (beat) and the worker's /metrics
+
+    found.append(register_ops)
     return found
 
 

@@ -61,3 +61,7 @@ class EmbeddedServerError(OutboxError):
 
 class NotFoundError(ValidationError):
     """A caller named something (a dead-letter id, a consumer) that does not exist; nothing changed."""
+
+
+class TransactionRequiredError(OutboxError):
+    """An outbox row was to be written outside a transaction (autocommit would publish rolled-back work)."""

@@ -9,6 +9,8 @@ from outbox.cli.common import settings_group
 from outbox.cli.db import db
 from outbox.cli.demo import demo
 from outbox.cli.embedded import embedded_redis
+from outbox.cli.ops import dead_letters, prune, stats
+from outbox.cli.relay import relay
 
 
 @settings_group
@@ -19,6 +21,10 @@ def cli() -> None:
 cli.add_command(db)
 cli.add_command(demo)
 cli.add_command(embedded_redis)
+cli.add_command(dead_letters)
+cli.add_command(prune)
+cli.add_command(stats)
+cli.add_command(relay)
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+"""Provoke every failure on purpose: real processes, real SIGKILLs, invariants checked after."""

@@ -1,0 +1,249 @@
+"""Brokers a chaos run can take down and bring back.
+
+Redis: a redis-server of our own on a free port, ``--appendonly yes --appendfsync always``, stopped
+for real (SIGKILL, so nothing gets a graceful flush) and restarted on the same port and data dir;
+whatever it acknowledged must still be there. RabbitMQ: the shared server is never stopped, so the
+outage is a loopback TCP proxy we cut (every connection reset, the port refuses) and restore; every
+queue and exchange lives under the run's own namespace and is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from outbox.embedded import free_port
+from outbox.errors import EmbeddedServerError
+
+SHARED_RABBITMQ_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+class ChaosBroker(Protocol):
+    kind: str
+
+    @property
+    def url(self) -> str: ...
+
+    def start(self) -> None: ...
+
+    def outage_begin(self) -> None: ...
+
+    def outage_end(self) -> None: ...
+
+    def close(self, *, namespace: str, queues: list[str]) -> None: ...
+
+    def describe_outage(self) -> str: ...
+
+
+def redis_binary() -> str:
+    for candidate in ("/usr/bin/redis-server", "/usr/local/bin/redis-server"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    from outbox.embedded import redis_server_binary
+
+    return redis_server_binary()
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisBroker:
+    """A durable redis-server of our own that a run can kill and restart on the same port."""
+
+    kind = "redis"
+
+    def __init__(self, *, data_dir: Path, port: int | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, *, timeout_s: float = 15.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.data_dir / "redis.log", "ab")  # noqa: SIM115 - handed to the child
+        self._proc = subprocess.Popen(
+            [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+             "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction",
+             "--save", "", "--daemonize", "no"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not _redis_ping(self.port):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                raise EmbeddedServerError(f"chaos redis-server did not start; see {self.data_dir / 'redis.log'}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown save; only the fsynced append-only file survives."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGKILL)
+            self._proc.wait(timeout=10)
+        self._proc = None
+
+    def outage_begin(self) -> None:
+        self.kill()
+
+    def outage_end(self) -> None:
+        self.start()
+        self.restarts += 1
+
+    def describe_outage(self) -> str:
+        return "own redis-server SIGKILLed and restarted on the same port (appendfsync always)"
+
+    def close(self, *, namespace: str, queues: list[str]) -> None:
+        self.kill()
+
+
+class TcpProxy:
+    """A loopback TCP forwarder that can be cut (connections reset, port closed) and restored."""
+
+    def __init__(self, *, target: tuple[str, int], port: int | None = None) -> None:
+        self.target = target
+        self.port = port or free_port()
+        self._listener: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        listener.settimeout(0.2)
+        self._listener = listener
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._accept_loop, name="chaos-proxy", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns.update((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                readable, _, _ = select.select([a, b], [], [], 0.2)
+                for src in readable:
+                    data = src.recv(65536)
+                    if not data:
+                        return
+                    (b if src is a else a).sendall(data)
+        except (OSError, ValueError):
+            return
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.close()
+            with self._lock:
+                self._conns.difference_update((a, b))
+
+    def cut(self) -> None:
+        """Refuse new connections and reset the live ones, like a broker that went away."""
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            conns = list(self._conns)
+            self._conns.clear()
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                s.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def restore(self) -> None:
+        self.start()
+
+
+class RabbitBroker:
+    """The shared RabbitMQ behind a cuttable proxy; the run's namespace keeps its queues apart."""
+
+    kind = "rabbitmq"
+
+    def __init__(self, *, upstream_url: str = SHARED_RABBITMQ_URL) -> None:
+        self.upstream_url = upstream_url
+        rest = upstream_url.split("@", 1)[-1]
+        hostport = rest.split("/", 1)[0]
+        self._hostport = hostport
+        host, _, port = hostport.partition(":")
+        self._host, self._port = host or "127.0.0.1", int(port or 5672)
+        self.proxy = TcpProxy(target=(self._host, self._port))
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return self.upstream_url.replace(self._hostport, f"127.0.0.1:{self.proxy.port}", 1)
+
+    def start(self) -> None:
+        self.proxy.start()
+
+    def outage_begin(self) -> None:
+        self.proxy.cut()
+
+    def outage_end(self) -> None:
+        self.proxy.restore()
+        self.restarts += 1
+
+    def describe_outage(self) -> str:
+        return "loopback TCP proxy to the shared RabbitMQ cut (connections reset, port closed) and restored"
+
+    def close(self, *, namespace: str, queues: list[str]) -> None:
+        """Delete this run's queues and exchanges on the real server, then stop the proxy."""
+        from kombu import Connection, Exchange, Queue
+
+        with contextlib.suppress(Exception), Connection(self.upstream_url, connect_timeout=5) as conn:
+            channel = conn.channel()
+            for q in queues:
+                with contextlib.suppress(Exception):
+                    Queue(q, channel=channel).delete()
+            for ex in (f"{namespace}.events", f"{namespace}.relay"):
+                with contextlib.suppress(Exception):
+                    Exchange(ex, channel=channel).delete()
+        self.proxy.cut()
+
+
+def make_broker(kind: str, *, data_dir: Path) -> RedisBroker | RabbitBroker:
+    if kind == "redis":
+        return RedisBroker(data_dir=data_dir)
+    if kind == "rabbitmq":
+        return RabbitBroker()
+    from outbox.errors import ConfigError
+
+    raise ConfigError(f"broker must be redis or rabbitmq, got {kind!r}")

@@ -1,0 +1,245 @@
+"""One chaos environment: a Postgres database of its own, a broker, a namespace, and the processes.
+
+Used by ``run_chaos`` and by every test in tests/chaos, so both provoke failures the same way:
+real ``outbox relay`` and ``celery worker`` subprocesses, configured only through ``OUTBOX_*``
+variables, killed with SIGKILL. Leaving the context kills every process it started (by its own id),
+drops the database and deletes the namespace's queues.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from celeryconfig import Settings
+from chaos.broker import RabbitBroker, RedisBroker, make_broker
+from chaos.processes import ManagedProcess, ProcessGroup, orders_argv, relay_argv, wait_until, worker_argv
+from orders.models import OutboxMessage
+from outbox import migrate
+from outbox.db import make_engine, make_session_factory
+from outbox.messages import Envelope, TaskMessage, celery_task_message, encode_json, task_id, task_name
+
+PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REPO = Path(__file__).resolve().parent.parent
+
+# Fast failure handling so a short run sees backoff, breaker and redelivery happen.
+CHAOS_ENV: dict[str, str] = {
+    "OUTBOX_RELAY_POLL_INTERVAL_S": "0.3",
+    "OUTBOX_RELAY_BATCH_SIZE": "20",
+    "OUTBOX_RELAY_MAX_ATTEMPTS": "3",
+    "OUTBOX_RELAY_BASE_DELAY_MS": "200",
+    "OUTBOX_RELAY_MAX_DELAY_MS": "2000",
+    "OUTBOX_RELAY_BREAKER_BASE_MS": "200",
+    "OUTBOX_RELAY_BREAKER_MAX_MS": "1000",
+    "OUTBOX_RELAY_PUBLISH_TIMEOUT_S": "3",
+    "OUTBOX_CONSUMER_MAX_DELIVERIES": "3",
+    "OUTBOX_CONSUMER_RETRY_BACKOFF_S": "1",
+    "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "2",
+    "OUTBOX_CHAOS_VISIBILITY_TIMEOUT_S": "6",
+}
+
+
+class ChaosEnvironment:
+    """See the module docstring. ``broker`` is ``"redis"`` (own server) or ``"rabbitmq"`` (shared)."""
+
+    def __init__(self, *, broker: str, workdir: Path, pg_admin_url: str = PG_ADMIN_URL,
+                 namespace: str | None = None, extra_env: Mapping[str, str] | None = None) -> None:
+        self.kind = broker
+        self.workdir = workdir
+        self.pg_admin_url = pg_admin_url
+        self.namespace = namespace or f"chaos{uuid.uuid4().hex[:10]}"
+        self.db_name = f"outbox_chaos_{uuid.uuid4().hex[:10]}"
+        self.database_url = pg_admin_url.rsplit("/", 1)[0] + f"/{self.db_name}"
+        self.broker: RedisBroker | RabbitBroker = make_broker(broker, data_dir=workdir / "redis")
+        self.processes = ProcessGroup()
+        self.extra_env = dict(extra_env or {})
+        self._engine: sa.Engine | None = None
+        self._sessions: sessionmaker[Session] | None = None
+        self._plans = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> ChaosEnvironment:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        admin = make_engine(self.pg_admin_url, isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as c:
+                c.exec_driver_sql(f'CREATE DATABASE "{self.db_name}"')
+        finally:
+            admin.dispose()
+        try:
+            migrate.upgrade(self.database_url)
+            self._engine = make_engine(self.database_url)
+            self._sessions = make_session_factory(self._engine)
+            self.broker.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.processes.kill_all()
+        queues = [self.settings.queue_name(c) for c in self.settings.consumers] + [f"{self.namespace}.relay"]
+        try:
+            self.broker.close(namespace=self.namespace, queues=queues)
+        finally:
+            if self._engine is not None:
+                self._engine.dispose()
+                self._engine = None
+            admin = make_engine(self.pg_admin_url, isolation_level="AUTOCOMMIT")
+            try:
+                with admin.connect() as c:
+                    c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)')
+            finally:
+                admin.dispose()
+
+    # -- configuration -----------------------------------------------------------------------------
+    @property
+    def env(self) -> dict[str, str]:
+        env = {
+            **CHAOS_ENV,
+            "OUTBOX_DATABASE_URL": self.database_url,
+            "OUTBOX_BROKER_URL": self.broker.url,
+            "OUTBOX_NAMESPACE": self.namespace,
+            "OUTBOX_HOME": str(self.workdir / "home"),
+            **self.extra_env,
+        }
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+        return env
+
+    @property
+    def settings(self) -> Settings:
+        return Settings.from_env({k: v for k, v in self.env.items() if k in _SETTINGS_KEYS})
+
+    @property
+    def consumers(self) -> tuple[str, ...]:
+        return self.settings.consumers
+
+    @property
+    def sessions(self) -> sessionmaker[Session]:
+        assert self._sessions is not None, "use the environment as a context manager"
+        return self._sessions
+
+    # -- processes ---------------------------------------------------------------------------------
+    def relay(self, name: str = "relay", *, args: Sequence[str] = ()) -> ManagedProcess:
+        return self.processes.add(ManagedProcess(name=name, argv=[*relay_argv(), *args], env=self.env,
+                                                 log_dir=self.workdir / "logs", cwd=REPO))
+
+    def worker(self, name: str = "worker", *, queues: Iterable[str] | None = None, pool: str = "solo",
+               concurrency: int = 1) -> ManagedProcess:
+        names = [self.settings.queue_name(c) for c in (queues or self.consumers)]
+        argv = worker_argv(queues=names, pool=pool, concurrency=concurrency, hostname=f"{name}-{self.namespace}")
+        return self.processes.add(ManagedProcess(name=name, argv=argv, env=self.env,
+                                                 log_dir=self.workdir / "logs", cwd=REPO))
+
+    def orders(self, plan: Sequence[Mapping[str, Any]], *, name: str = "orders",
+               interval_ms: int = 0) -> ManagedProcess:
+        self._plans += 1
+        path = self.workdir / f"plan-{self._plans}.json"
+        path.write_text(encode_json(list(plan)))
+        return self.processes.add(ManagedProcess(name=name, argv=orders_argv(plan=path, interval_ms=interval_ms),
+                                                 env=self.env, log_dir=self.workdir / "logs", cwd=REPO))
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name} (log {p.log_path}) ---\n{p.tail()}" for p in self.processes.members)
+
+    # -- the database ------------------------------------------------------------------------------
+    def scalar(self, stmt: Any) -> Any:
+        with self.sessions() as s:
+            return s.execute(stmt).scalar_one()
+
+    def count(self, model: Any, *where: Any) -> int:
+        return int(self.scalar(sa.select(sa.func.count()).select_from(model).where(*where)))
+
+    def pending(self) -> int:
+        return self.count(OutboxMessage, OutboxMessage.published_at_ms.is_(None),
+                          OutboxMessage.dead_lettered_at_ms.is_(None))
+
+    def wait(self, predicate: Callable[[], bool], *, timeout_s: float = 60.0, what: str = "condition") -> None:
+        """Poll ``predicate`` until true; on timeout raise with every process's log tail."""
+        if not wait_until(predicate, timeout_s=timeout_s, interval_s=0.2):
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{self.logs()}")
+
+    def repend(self, seqs: Sequence[int]) -> int:
+        """Mark published rows pending again: the relay publishes them a second time (duplicates)."""
+        with self.sessions() as s:
+            res = s.execute(sa.update(OutboxMessage).where(OutboxMessage.seq.in_(list(seqs)),
+                                                          OutboxMessage.published_at_ms.is_not(None))
+                            .values(published_at_ms=None, next_attempt_at_ms=0))
+            s.commit()
+            return int(getattr(res, "rowcount", 0) or 0)
+
+    # -- the broker --------------------------------------------------------------------------------
+    def publish(self, messages: Sequence[TaskMessage]) -> None:
+        """Put task messages straight on consumer queues (poison, duplicates), through the real publisher."""
+        from relay.kombu_publisher import KombuPublisher
+
+        with KombuPublisher(broker_url=self.broker.url, settings=self.settings) as publisher:
+            report = publisher.publish_batch(list(messages))
+        if report.rejected:
+            raise RuntimeError(f"broker rejected injected messages: {dict(report.rejected)}")
+
+    def queue_depths(self) -> dict[str, int]:
+        """Ready messages per consumer queue, as the broker reports them (a slow consumer's backlog)."""
+        from kombu import Connection, Queue
+
+        depths: dict[str, int] = {}
+        with Connection(self.broker.url, connect_timeout=5) as conn:
+            channel = conn.channel()
+            for c in self.consumers:
+                _, count, _ = Queue(self.settings.queue_name(c), channel=channel).queue_declare()
+                depths[c] = int(count)
+        return depths
+
+    def task_message(self, envelope: Envelope, consumer: str) -> TaskMessage:
+        return celery_task_message(envelope, consumer=consumer, routing_key=self.settings.queue_name(consumer))
+
+    def raw_task_message(self, *, consumer: str, body_arg: Any, message_id: uuid.UUID) -> TaskMessage:
+        """A task message whose argument is anything at all (a poison body), with a real task header."""
+        tid = task_id(message_id, consumer)
+        body = encode_json([[body_arg], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}])
+        headers: dict[str, Any] = {
+            "lang": "py", "task": task_name(consumer), "id": tid, "root_id": tid, "parent_id": None,
+            "group": None, "retries": 0, "eta": None, "expires": None, "timelimit": [None, None],
+            "argsrepr": "(poison)", "kwargsrepr": "{}", "origin": "chaos", "ignore_result": True,
+            "outbox_message_id": str(message_id), "outbox_type": "poison",
+        }
+        return TaskMessage(consumer=consumer, routing_key=self.settings.queue_name(consumer), body=body,
+                           headers=headers, properties={"correlation_id": tid, "message_id": str(message_id)})
+
+    def poison(self, *, consumer: str) -> tuple[str, str]:
+        """Inject one message this consumer can never process (its payload lacks every field).
+
+        Returns the (consumer, message_id) the dead-letter store must end up holding.
+        """
+        mid = uuid.uuid4()
+        body = {"message_id": str(mid), "type": "OrderPlaced", "payload": {"poison": True}, "headers": {},
+                "created_at_ms": 0}
+        self.publish([self.raw_task_message(consumer=consumer, body_arg=body, message_id=mid)])
+        return consumer, str(mid)
+
+    def duplicate(self, seq: int, *, copies: int = 2, consumers: Iterable[str] | None = None) -> int:
+        """Publish an already published row ``copies`` times more to each consumer, at once; returns
+        the number of extra deliveries injected."""
+        with self.sessions() as s:
+            row = s.get(OutboxMessage, seq)
+            assert row is not None, f"no outbox row {seq}"
+            envelope = Envelope(message_id=row.message_id, type=row.type, payload=row.payload,
+                                headers=dict(row.headers or {}), created_at_ms=row.created_at_ms)
+        names = list(consumers or self.consumers)
+        messages = [self.task_message(envelope, c) for c in names for _ in range(copies)]
+        self.publish(messages)
+        return len(messages)
+
+
+_SETTINGS_KEYS = {f"OUTBOX_{name.upper()}" for name in Settings.__dataclass_fields__}

@@ -1,0 +1,221 @@
+"""What must hold after any chaos run, however many processes died: read from the database alone.
+
+1. write side: every committed order has exactly one OrderPlaced outbox row and every row an order;
+   no planned-to-fail order left a row anywhere (order, outbox, inbox, effect);
+2. relay: nothing pending and nothing dead-lettered by the relay at quiescence;
+3. consumers: every committed order has exactly one inbox row and exactly one effect per consumer;
+4. dead letters are exactly the injected poison (by consumer and message id), nothing else;
+5. duplicates: the inbox absorbed at least the duplicates the run injected (counted, reported).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from consumers.models import ConsumerDeadLetter, InboxEntry, Invoice, SearchDocument, SentEmail, Shipment
+from orders.models import Order, OutboxMessage
+
+ORDER_PLACED = "OrderPlaced"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Violation:
+    invariant: str
+    detail: str
+
+
+@dataclass(kw_only=True)
+class Snapshot:
+    """The database's state, summarised; ``check`` turns it into violations."""
+
+    committed_orders: int = 0
+    pending: int = 0
+    relay_dead_letters: int = 0
+    inbox_rows: dict[str, int] = field(default_factory=dict)
+    effects: dict[str, int] = field(default_factory=dict)
+    dead_letters: int = 0
+    duplicates_absorbed: int = 0
+    oldest_pending_age_ms: int | None = None
+
+
+@dataclass(kw_only=True)
+class InvariantReport:
+    snapshot: Snapshot
+    violations: list[Violation] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def effect_counts_by_order(session: Session) -> dict[str, Counter[str]]:
+    """consumer -> order id -> number of effects, from each shipped consumer's own table.
+
+    ``consumers.effects.effect_counts`` gives totals; a chaos run needs them per order, because a
+    total can hide one order done twice and another never.
+    """
+    def grouped(column: Any) -> Counter[str]:
+        rows = session.execute(sa.select(column, sa.func.count()).group_by(column)).all()
+        return Counter({str(k): int(n) for k, n in rows})
+
+    by_message = order_message_ids(session)
+    emails: Counter[str] = Counter()
+    for key, n in session.execute(sa.select(SentEmail.idempotency_key, sa.func.count())
+                                  .group_by(SentEmail.idempotency_key)).all():
+        _, _, mid = str(key).partition(":")
+        try:
+            order = by_message.get(uuid.UUID(mid), f"?{key}")
+        except ValueError:
+            order = f"?{key}"
+        emails[order] += int(n)
+    return {
+        "shipping": grouped(Shipment.order_id),
+        "billing": grouped(Invoice.order_id),
+        "search": grouped(SearchDocument.order_id),
+        "email": emails,
+    }
+
+
+def email_provider_calls(session: Session) -> int:
+    from consumers.effects import email_provider_calls as calls
+
+    return int(calls(session))
+
+
+def duplicates_absorbed(session: Session) -> int:
+    from consumers.effects import duplicates_absorbed as absorbed
+
+    return int(sum(absorbed(session).values()))
+
+
+def order_message_ids(session: Session) -> dict[uuid.UUID, str]:
+    """OrderPlaced message id -> order id, from the outbox rows."""
+    rows = session.execute(sa.select(OutboxMessage.message_id, OutboxMessage.payload)
+                           .where(OutboxMessage.type == ORDER_PLACED)).all()
+    return {mid: str((payload or {}).get("order_id")) for mid, payload in rows}
+
+
+def quiescent(session: Session, *, consumers: Sequence[str], expected_dead_letters: int) -> bool:
+    """Nothing left to do: no pending row, every order seen by every consumer, all poison dead."""
+    pending = session.execute(sa.select(sa.func.count()).select_from(OutboxMessage).where(
+        OutboxMessage.published_at_ms.is_(None), OutboxMessage.dead_lettered_at_ms.is_(None))).scalar_one()
+    if pending:
+        return False
+    messages = session.execute(sa.select(sa.func.count()).select_from(OutboxMessage)).scalar_one()
+    inbox = session.execute(sa.select(sa.func.count()).select_from(InboxEntry).where(
+        InboxEntry.consumer.in_(list(consumers)))).scalar_one()
+    if inbox < messages * len(consumers):
+        return False
+    dead = session.execute(sa.select(sa.func.count()).select_from(ConsumerDeadLetter)).scalar_one()
+    return bool(dead >= expected_dead_letters)
+
+
+def snapshot(session: Session, *, consumers: Sequence[str], now_ms: int) -> Snapshot:
+    snap = Snapshot()
+    snap.committed_orders = session.execute(sa.select(sa.func.count()).select_from(Order)).scalar_one()
+    snap.pending = session.execute(sa.select(sa.func.count()).select_from(OutboxMessage).where(
+        OutboxMessage.published_at_ms.is_(None), OutboxMessage.dead_lettered_at_ms.is_(None))).scalar_one()
+    oldest = session.execute(sa.select(sa.func.min(OutboxMessage.created_at_ms)).where(
+        OutboxMessage.published_at_ms.is_(None), OutboxMessage.dead_lettered_at_ms.is_(None))).scalar_one()
+    snap.oldest_pending_age_ms = None if oldest is None else max(0, now_ms - int(oldest))
+    snap.relay_dead_letters = session.execute(sa.select(sa.func.count()).select_from(OutboxMessage).where(
+        OutboxMessage.dead_lettered_at_ms.is_not(None))).scalar_one()
+    for consumer, n in session.execute(sa.select(InboxEntry.consumer, sa.func.count())
+                                       .group_by(InboxEntry.consumer)).all():
+        snap.inbox_rows[consumer] = int(n)
+    counts = effect_counts_by_order(session)
+    snap.effects = {c: int(sum(counts.get(c, Counter()).values())) for c in consumers}
+    snap.dead_letters = session.execute(sa.select(sa.func.count()).select_from(ConsumerDeadLetter)).scalar_one()
+    snap.duplicates_absorbed = duplicates_absorbed(session)
+    return snap
+
+
+def _sample(items: Iterable[Any], n: int = 5) -> str:
+    items = sorted(map(str, items))
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def check(session: Session, *, consumers: Sequence[str], rolled_back: Iterable[str],
+          poison: Iterable[tuple[str, str]], min_duplicates: int = 0, now_ms: int = 0) -> InvariantReport:
+    """Every invariant of the module docstring; ``poison`` is the injected (consumer, message_id) set."""
+    snap = snapshot(session, consumers=consumers, now_ms=now_ms)
+    report = InvariantReport(snapshot=snap)
+    v = report.violations
+
+    orders = set(session.execute(sa.select(Order.id)).scalars())
+    by_message = order_message_ids(session)
+    rows_per_order = Counter(by_message.values())
+    no_row = orders - set(rows_per_order)
+    if no_row:
+        v.append(Violation(invariant="order has its outbox row",
+                           detail=f"{len(no_row)} committed order(s) without an OrderPlaced row: {_sample(no_row)}"))
+    many_rows = {o for o, n in rows_per_order.items() if n > 1}
+    if many_rows:
+        v.append(Violation(invariant="order has its outbox row",
+                           detail=f"{len(many_rows)} order(s) with several OrderPlaced rows: {_sample(many_rows)}"))
+    orphan_rows = set(rows_per_order) - orders
+    if orphan_rows:
+        v.append(Violation(invariant="no event without its order",
+                           detail=f"{len(orphan_rows)} OrderPlaced row(s) for no committed order: "
+                                  f"{_sample(orphan_rows)}"))
+    rolled = set(rolled_back)
+    leaked = rolled & (orders | set(rows_per_order))
+    if leaked:
+        v.append(Violation(invariant="rolled-back order leaves nothing",
+                           detail=f"{len(leaked)} rolled-back order(s) found in orders/outbox: {_sample(leaked)}"))
+
+    if snap.pending:
+        v.append(Violation(invariant="relay drained", detail=f"{snap.pending} outbox row(s) still pending"))
+    if snap.relay_dead_letters:
+        v.append(Violation(invariant="relay dead-letters nothing",
+                           detail=f"{snap.relay_dead_letters} outbox row(s) dead-lettered by the relay"))
+
+    inbox: dict[str, set[uuid.UUID]] = {c: set() for c in consumers}
+    for mid, consumer in session.execute(sa.select(InboxEntry.message_id, InboxEntry.consumer)).all():
+        inbox.setdefault(consumer, set()).add(mid)
+    counts = effect_counts_by_order(session)
+    for consumer in consumers:
+        missing = {by_message[m] for m in by_message if m not in inbox.get(consumer, set())}
+        if missing:
+            v.append(Violation(invariant=f"{consumer}: every order seen once",
+                               detail=f"{len(missing)} order(s) without an inbox row: {_sample(missing)}"))
+        per_order = counts.get(consumer, Counter())
+        wrong = {o: per_order.get(o, 0) for o in orders if per_order.get(o, 0) != 1}
+        if wrong:
+            detail = _sample(f"{o}={n}" for o, n in wrong.items())
+            v.append(Violation(invariant=f"{consumer}: exactly one effect per order",
+                               detail=f"{len(wrong)} order(s) with effects != 1: {detail}"))
+        ghosts = (set(per_order) - orders) | (rolled & set(per_order))
+        if ghosts:
+            v.append(Violation(invariant=f"{consumer}: no effect without a committed order",
+                               detail=f"effects for {len(ghosts)} unknown/rolled-back order(s): {_sample(ghosts)}"))
+
+    dead = Counter((c, m) for c, m in session.execute(
+        sa.select(ConsumerDeadLetter.consumer, ConsumerDeadLetter.message_id)).all())
+    expected = set(poison)
+    extra = {k for k in dead if k not in expected}
+    missing_dead = expected - set(dead)
+    twice = {k for k, n in dead.items() if n > 1}
+    if extra:
+        v.append(Violation(invariant="dead letters are exactly the poison",
+                           detail=f"{len(extra)} unexpected dead letter(s): {_sample(extra)}"))
+    if missing_dead:
+        v.append(Violation(invariant="dead letters are exactly the poison",
+                           detail=f"{len(missing_dead)} injected poison message(s) not dead-lettered: "
+                                  f"{_sample(missing_dead)}"))
+    if twice:
+        v.append(Violation(invariant="dead letters are exactly the poison",
+                           detail=f"{len(twice)} message(s) dead-lettered more than once: {_sample(twice)}"))
+    if snap.duplicates_absorbed < min_duplicates:
+        v.append(Violation(invariant="duplicates absorbed and counted",
+                           detail=f"injected at least {min_duplicates} duplicate deliveries, the inbox counted "
+                                  f"{snap.duplicates_absorbed}"))
+    return report

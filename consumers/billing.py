@@ -1,0 +1,18 @@
+"""Billing: one Invoice per OrderPlaced."""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from consumers.decorator import consumer
+from consumers.inbox import effect_now_ms
+from consumers.models import Invoice
+from consumers.payloads import order_placed
+from outbox.messages import Envelope
+
+
+@consumer(name="billing", event="OrderPlaced")
+def billing(session: Session, envelope: Envelope) -> None:
+    order = order_placed(envelope)
+    session.add(Invoice(order_id=order.order_id, amount_cents=order.total_cents, currency=order.currency,
+                        created_at_ms=effect_now_ms(session)))

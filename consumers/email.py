@@ -1,0 +1,48 @@
+"""E-mail: the order confirmation, an effect OUTSIDE the database.
+
+The provider call is the consumer's ``prepare`` step: it runs before the inbox transaction (no
+database lock held during a slow remote call) with an idempotency key from (message_id, consumer).
+If the process dies after the call and before the inbox commit, the redelivery calls again with the
+same key and the provider sends nothing new; the inbox row then records the message as handled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session
+
+from consumers.decorator import ConsumerSpec, consumer
+from consumers.email_provider import EmailProvider, FakeEmailProvider, idempotency_key
+from consumers.payloads import order_placed
+from outbox.messages import Envelope
+
+NAME = "email"
+
+ProviderFactory = Callable[[Session], EmailProvider]
+
+
+def fake_provider(session: Session) -> EmailProvider:
+    return FakeEmailProvider(session=session)
+
+
+def make_email_consumer(*, provider: ProviderFactory = fake_provider, name: str = NAME) -> ConsumerSpec:
+    """The e-mail consumer sending through ``provider`` (a real client in production)."""
+
+    def send_confirmation(session: Session, envelope: Envelope) -> None:
+        order = order_placed(envelope)
+        provider(session).send(
+            to=order.email,
+            subject=f"Order {order.order_id} confirmed",
+            body=f"Thank you for order {order.order_id}: {order.items} item(s), "
+                 f"{order.total_cents / 100:.2f} {order.currency}.",
+            idempotency_key=idempotency_key(envelope.message_id, name),
+        )
+
+    def record(session: Session, envelope: Envelope) -> None:
+        """Nothing more to write: the inbox row is the local record that the e-mail was handled."""
+
+    return consumer(name=name, event="OrderPlaced", prepare=send_confirmation)(record)
+
+
+email = make_email_consumer()

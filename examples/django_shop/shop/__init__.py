@@ -1,0 +1,1 @@
+"""The example shop app: orders placed with their OrderPlaced event, and a Django consumer."""

@@ -1,0 +1,11 @@
+"""POST /orders places an order and its OrderPlaced event; GET /orders/<id> reads it back."""
+
+from __future__ import annotations
+
+from django.urls import path
+from shop import views
+
+urlpatterns = [
+    path("orders", views.create_order, name="create-order"),
+    path("orders/<str:order_id>", views.get_order, name="get-order"),
+]

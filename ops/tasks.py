@@ -1,0 +1,62 @@
+"""Celery tasks of ``ops``: ``ops.tasks.prune`` for beat, and the worker's ``/metrics`` server.
+
+``register(app, settings)`` is called by ``outbox.celery_app.create_celery_app``; nothing here holds
+module-level Celery state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_ready
+
+from celeryconfig import Settings
+from ops import retention
+from ops.metrics import make_registry, start_worker_metrics_server
+from outbox.clock import SystemClock
+from outbox.db import make_engine, make_session_factory
+
+PRUNE_TASK = "ops.tasks.prune"
+DEFAULT_INBOX_RETENTION_MS = 7 * 24 * 3600 * 1000
+DEFAULT_PUBLISHED_RETENTION_MS = 24 * 3600 * 1000
+PRUNE_EVERY_S = 3600.0
+
+
+def beat_entry(settings: Settings) -> dict[str, Any]:
+    """The beat schedule entry for hourly retention on the relay queue."""
+    return {
+        "task": PRUNE_TASK,
+        "schedule": PRUNE_EVERY_S,
+        "options": {"queue": f"{settings.namespace}.relay", "expires": PRUNE_EVERY_S},
+    }
+
+
+def register(app: Celery, settings: Settings) -> None:
+    state: dict[str, Any] = {}
+
+    def sessions() -> Any:
+        if "sessions" not in state:
+            state["sessions"] = make_session_factory(make_engine(settings.effective_database_url))
+        return state["sessions"]
+
+    @app.task(name=PRUNE_TASK, ignore_result=True, acks_late=True, shared=False)  # type: ignore[untyped-decorator]
+    def prune(inbox_older_than_ms: int | None = None, published_older_than_ms: int | None = None,
+              batch: int = retention.DEFAULT_BATCH) -> dict[str, int | None]:
+        """Retention; the inbox default never goes below the broker redelivery window."""
+        inbox = inbox_older_than_ms if inbox_older_than_ms is not None else max(
+            DEFAULT_INBOX_RETENTION_MS, settings.broker_redelivery_window_ms)
+        published = published_older_than_ms if published_older_than_ms is not None \
+            else DEFAULT_PUBLISHED_RETENTION_MS
+        return retention.prune(sessions(), inbox_older_than_ms=inbox, published_older_than_ms=published,
+                               batch=batch, clock=SystemClock(),
+                               redelivery_window_ms=settings.broker_redelivery_window_ms).to_dict()
+
+    if settings.metrics_port > 0:
+        def _serve_metrics(sender: Any = None, **_kw: Any) -> None:
+            if getattr(sender, "app", app) is not app:
+                return
+            registry, _ = make_registry(session_factory=sessions(), with_counters=False)
+            state["metrics_server"] = start_worker_metrics_server(port=settings.metrics_port, registry=registry)
+
+        worker_ready.connect(_serve_metrics, weak=False)

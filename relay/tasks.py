@@ -1,0 +1,55 @@
+"""The beat-scheduled relay task ``relay.tasks.drain_outbox`` (schedule in celeryconfig).
+
+Registered by ``register(app, settings)`` (called by ``outbox.celery_app.create_celery_app``), with
+the engine, publisher and breaker cached in this closure, built lazily in the worker process that
+first runs the task (never in a module global, never before a prefork fork).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from celeryconfig import Settings
+from outbox.clock import SystemClock
+from outbox.crashpoints import CrashPoints
+from outbox.db import make_engine, make_session_factory
+from outbox.embedded import resolve_broker_url
+from relay.kombu_publisher import KombuPublisher
+from relay.loop import RelayLoop
+
+TASK_NAME = "relay.tasks.drain_outbox"
+
+
+def register(app: Any, settings: Settings) -> None:
+    """Define ``relay.tasks.drain_outbox`` on ``app``: drain the outbox with ``dispatch_batch``."""
+    lock = threading.Lock()
+    cache: dict[str, RelayLoop] = {}
+
+    def relay_loop() -> RelayLoop:
+        loop = cache.get("loop")
+        if loop is None:
+            engine = make_engine(settings.effective_database_url)
+            broker_url = app.conf.broker_url or resolve_broker_url(settings.broker_url, home=settings.home)
+            publisher = KombuPublisher(broker_url=broker_url, settings=settings)
+            loop = RelayLoop(settings=settings, session_factory=make_session_factory(engine), publisher=publisher,
+                             clock=SystemClock(), crash_points=CrashPoints(spec=settings.crash_points),
+                             listen=False, max_batches_per_drain=1_000)
+            cache["loop"] = loop
+        return loop
+
+    route = {TASK_NAME: {"queue": f"{settings.namespace}.relay"}}
+    existing = app.conf.task_routes
+    if existing is None:
+        app.conf.task_routes = route
+    elif isinstance(existing, dict):
+        app.conf.task_routes = {**existing, **route}
+    else:  # a sequence of routers: ours first
+        app.conf.task_routes = (route, *existing)
+
+    @app.task(name=TASK_NAME, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
+    def drain_outbox() -> dict[str, Any]:
+        """Publish every due outbox row now (one drain); the beat schedule calls it again."""
+        with lock:
+            return dataclasses.asdict(relay_loop().drain_once())

@@ -1,0 +1,138 @@
+"""Django on real Postgres, configured for tests/django only.
+
+Django is configured here (``settings.configure``), not through DJANGO_SETTINGS_MODULE, so the
+rest of the suite never sees it as a project. The settings are the example shop's own
+(examples/django_shop/shop_project/settings.py) pointed at a fresh database of this test session,
+created and migrated with the ONE set of Alembic migrations (``outbox.migrate.upgrade``); the
+models are unmanaged, so pytest-django's ``django_db_setup`` is replaced rather than letting Django
+create a test database from models. Tests use ``django_db(transaction=True)``: real commits, like
+production, and every table is truncated before each test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import migrate
+from outbox.db import make_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "django_shop"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+DB_NAME = f"outbox_django_{uuid.uuid4().hex[:10]}"
+DB_URL = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{DB_NAME}"
+
+
+def _import_example_settings() -> Any:
+    """Import the example's settings without leaking DJANGO_SETTINGS_MODULE or a current Celery app.
+
+    Importing ``shop_project`` creates its Celery app (the Django way, which sets
+    DJANGO_SETTINGS_MODULE); left in os.environ, every other Celery app in this process and every
+    worker subprocess would try to load the shop as a Django project.
+    """
+    from celery import _state as celery_state
+
+    if str(EXAMPLE) not in sys.path:
+        sys.path.insert(0, str(EXAMPLE))
+    saved_env = os.environ.get("DJANGO_SETTINGS_MODULE")
+    saved_app = celery_state.get_current_app()
+    try:
+        import shop_project.settings as example_settings
+    finally:
+        if saved_env is None:
+            os.environ.pop("DJANGO_SETTINGS_MODULE", None)
+        else:
+            os.environ["DJANGO_SETTINGS_MODULE"] = saved_env
+        celery_state._set_current_app(saved_app)
+    return example_settings
+
+
+def _configure_django() -> None:
+    import django
+    from django.conf import settings
+
+    from outbox_django import database_settings
+
+    if settings.configured:
+        raise RuntimeError("Django is already configured; tests/django configures it itself "
+                           "(unset DJANGO_SETTINGS_MODULE / --ds)")
+    example = _import_example_settings()
+    values = {name: getattr(example, name) for name in dir(example) if name.isupper()}
+    values.update(
+        DEBUG=False,
+        DATABASES={"default": database_settings(DB_URL)},
+        LOGGING_CONFIG=None,  # leave the rest of the suite's logging alone
+    )
+    settings.configure(**values)
+    django.setup()
+
+
+_configure_django()
+
+
+def _require_postgres() -> None:
+    try:
+        with socket.create_connection(("127.0.0.1", 5432), timeout=1.0):
+            return
+    except OSError as e:
+        reason = f"PostgreSQL is not reachable on 127.0.0.1:5432 ({e}); start it with ../shared/services-up.sh"
+        if IN_CI:
+            pytest.fail(f"CI=true and {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_blocker: Any) -> Iterator[None]:
+    """The session's database: created and migrated by Alembic (not by Django), dropped at the end."""
+    _require_postgres()
+    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.exec_driver_sql(f'CREATE DATABASE "{DB_NAME}"')
+    try:
+        migrate.upgrade(DB_URL)
+        yield
+    finally:
+        from django.db import connections
+
+        with django_db_blocker.unblock():
+            connections.close_all()
+        with admin.connect() as c:
+            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{DB_NAME}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def django_pg_url(django_db_setup: None) -> str:
+    """The URL of the database Django uses, for SQLAlchemy-side code (the relay) in the same tests."""
+    return DB_URL
+
+
+@pytest.fixture(scope="session")
+def sa_engine(django_pg_url: str) -> Iterator[sa.Engine]:
+    engine = make_engine(django_pg_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(autouse=True)
+def _empty_tables(request: pytest.FixtureRequest) -> None:
+    """Every table emptied before each database test (the schema stays)."""
+    if request.node.get_closest_marker("django_db") is None:
+        return
+    engine: sa.Engine = request.getfixturevalue("sa_engine")
+    with engine.begin() as c:
+        tables = c.exec_driver_sql(
+            "SELECT tablename FROM pg_tables WHERE schemaname='public' AND tablename <> 'alembic_version'"
+        ).scalars().all()
+        if tables:
+            c.exec_driver_sql("TRUNCATE " + ", ".join(f'"{t}"' for t in tables) + " RESTART IDENTITY CASCADE")

@@ -1,0 +1,206 @@
+"""Rule 6 on Django: effect + inbox row in one ``transaction.atomic()``; the same message twice,
+also in parallel from threads with their own connections, has one effect."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from django.db import connections, transaction
+from shop.models import Shipment
+
+from consumers.outcome import Outcome
+from outbox.errors import MalformedMessageError, ValidationError
+from outbox.messages import Envelope
+from outbox_django import idempotent_consumer
+from outbox_django.consumer import DUPLICATES, already_processed
+from outbox_django.models import ConsumerCounter, ConsumerDeadLetter, InboxEntry
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+CONSUMER = "fulfilment"
+
+
+def envelope(order_id: str = "o-1") -> dict[str, Any]:
+    return Envelope(message_id=uuid.uuid4(), type="OrderPlaced", payload={"order_id": order_id, "items": 2},
+                    headers={"correlation_id": "c"}, created_at_ms=1).to_dict()
+
+
+def ship(env: Envelope) -> None:
+    Shipment.objects.create(order_id=env.payload["order_id"], items=env.payload["items"], address_line="",
+                            created_at_ms=1)
+
+
+def run_in_threads(n: int, fn: Callable[[], Outcome]) -> list[Outcome]:
+    """Run ``fn`` in ``n`` threads released together; each thread has its own Django connection."""
+    barrier = threading.Barrier(n)
+    results: list[Any] = [None] * n
+
+    def work(i: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            results[i] = fn()
+        except BaseException as e:  # reported below, in the test's thread
+            results[i] = e
+        finally:
+            connections.close_all()  # this thread's connections only
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a delivery thread hung"
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise AssertionError(f"delivery threads failed: {errors!r}") from errors[0]
+    return results
+
+
+def test_same_message_twice_has_one_effect() -> None:
+    handle = idempotent_consumer(CONSUMER)(ship)
+    msg = envelope()
+    # When the same message is delivered twice
+    outcomes = [handle(msg), handle(json.dumps(msg))]
+    # Then it was processed once and the second delivery is a duplicate (counted)
+    assert outcomes == [Outcome.PROCESSED, Outcome.DUPLICATE]
+    assert Shipment.objects.count() == 1
+    assert InboxEntry.objects.filter(message_id=msg["message_id"], consumer=CONSUMER).count() == 1
+    assert already_processed(msg["message_id"], CONSUMER)
+    assert ConsumerCounter.objects.get(consumer=CONSUMER, name=DUPLICATES).value == 1
+
+
+def test_without_the_fast_path_the_inbox_key_still_guarantees_one_effect() -> None:
+    # Given a consumer that never asks "already seen?" (the primary key alone must hold)
+    calls: list[str] = []
+
+    def effect(env: Envelope) -> None:
+        calls.append(str(env.message_id))
+        ship(env)
+
+    handle = idempotent_consumer(CONSUMER, fast_path=False)(effect)
+    msg = envelope()
+    # When the message is delivered three times
+    outcomes = [handle(msg) for _ in range(3)]
+    # Then the unique violation on the inbox made the later two duplicates, rolled back, one effect
+    assert outcomes == [Outcome.PROCESSED, Outcome.DUPLICATE, Outcome.DUPLICATE]
+    assert Shipment.objects.count() == 1 and len(calls) == 1
+    assert ConsumerCounter.objects.get(consumer=CONSUMER, name=DUPLICATES).value == 2
+
+
+def test_each_consumer_has_its_own_inbox_key() -> None:
+    msg = envelope()
+    assert idempotent_consumer("a")(ship)(msg) is Outcome.PROCESSED
+    assert idempotent_consumer("b")(ship)(msg) is Outcome.PROCESSED
+    assert Shipment.objects.count() == 2
+
+
+def test_handler_failure_rolls_back_effect_and_inbox_row_then_redelivery_processes_once() -> None:
+    attempts: list[int] = []
+
+    def flaky(env: Envelope) -> None:
+        ship(env)  # the effect is written...
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise ConnectionError("downstream blip")  # ...and the delivery fails before its commit
+
+    handle = idempotent_consumer(CONSUMER)(flaky)
+    msg = envelope()
+    # When the first delivery fails after writing its effect
+    with pytest.raises(ConnectionError):
+        handle(msg)
+    # Then neither the effect nor the inbox row was committed
+    assert Shipment.objects.count() == 0 and InboxEntry.objects.count() == 0
+    # And the redelivery processes it, once
+    assert handle(msg) is Outcome.PROCESSED
+    assert handle(msg) is Outcome.DUPLICATE
+    assert Shipment.objects.count() == 1
+
+
+def test_inside_an_outer_atomic_block_it_commits_or_rolls_back_with_it() -> None:
+    handle = idempotent_consumer(CONSUMER)(ship)
+    msg = envelope()
+    # When the consumer runs inside a caller's atomic block that then fails
+    with pytest.raises(RuntimeError), transaction.atomic():
+        assert handle(msg) is Outcome.PROCESSED
+        raise RuntimeError("caller failed")
+    # Then the effect and the inbox row rolled back with it, and the message is processed later
+    assert Shipment.objects.count() == 0 and InboxEntry.objects.count() == 0
+    assert handle(msg) is Outcome.PROCESSED
+
+
+def lock_waiters(engine: sa.Engine) -> int:
+    with engine.connect() as c:
+        return int(c.execute(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )).scalar_one())
+
+
+def test_two_parallel_deliveries_one_processed_one_duplicate_one_effect(sa_engine: sa.Engine) -> None:
+    # Given a consumer without the fast path whose effect waits until the other delivery is
+    # blocked on the inbox key (so both really are inside their transactions at once)
+    calls: list[int] = []
+
+    def effect(env: Envelope) -> None:
+        calls.append(threading.get_ident())
+        deadline = time.monotonic() + 30
+        while lock_waiters(sa_engine) < 1:
+            assert time.monotonic() < deadline, "the second delivery never blocked on the inbox key"
+            time.sleep(0.01)
+        ship(env)
+
+    handle = idempotent_consumer(CONSUMER, fast_path=False)(effect)
+    msg = envelope()
+    # When two threads, each with its own connection, deliver the same message at the same time
+    outcomes = run_in_threads(2, lambda: handle(msg))
+    # Then one processed it, the other got the unique violation -> DUPLICATE, and there is one effect
+    assert sorted(o.value for o in outcomes) == ["duplicate", "processed"]
+    assert len(calls) == 1
+    assert Shipment.objects.count() == 1 and InboxEntry.objects.count() == 1
+
+
+def test_many_parallel_deliveries_have_one_effect() -> None:
+    handle = idempotent_consumer(CONSUMER)(ship)
+    msg = envelope()
+    outcomes = run_in_threads(8, lambda: handle(msg))
+    assert [o for o in outcomes if o is Outcome.PROCESSED] == [Outcome.PROCESSED]
+    assert all(o in (Outcome.PROCESSED, Outcome.DUPLICATE) for o in outcomes)
+    assert Shipment.objects.count() == 1
+    assert ConsumerCounter.objects.get(consumer=CONSUMER, name=DUPLICATES).value == 7
+
+
+@pytest.mark.parametrize("body", ["not json", {"type": "OrderPlaced", "payload": {}},
+                                  {"message_id": "nope", "type": "OrderPlaced", "payload": {}}])
+def test_malformed_message_raises_and_writes_nothing(body: Any) -> None:
+    handle = idempotent_consumer(CONSUMER)(ship)
+    with pytest.raises(MalformedMessageError):
+        handle(body)
+    assert InboxEntry.objects.count() == 0 and Shipment.objects.count() == 0
+
+
+def test_consumer_name_must_fit_the_inbox_column() -> None:
+    with pytest.raises(ValidationError):
+        idempotent_consumer("x" * 65)
+    with pytest.raises(ValidationError):
+        idempotent_consumer("")
+
+
+def test_shop_task_dead_letters_a_poison_message_and_keeps_its_body() -> None:
+    from shop.tasks import fulfilment
+
+    # Given an envelope whose payload the consumer cannot use
+    poison = {**envelope(), "payload": {"no": "order id"}}
+    # When the Celery task receives it
+    assert fulfilment.apply(args=[poison]).get() == "dead_lettered"
+    # Then nothing was processed and the raw message waits in the dead-letter store
+    assert InboxEntry.objects.count() == 0 and Shipment.objects.count() == 0
+    letter = ConsumerDeadLetter.objects.get()
+    assert letter.consumer == "fulfilment" and letter.message_id == poison["message_id"]
+    assert json.loads(letter.body) == poison and "order_id" in letter.last_error
+    assert letter.headers == {"correlation_id": "c"} and letter.replayed_at_ms is None

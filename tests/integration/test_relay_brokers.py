@@ -1,0 +1,126 @@
+"""dispatch_batch + KombuPublisher against the real Redis and RabbitMQ: Celery task messages in every
+consumer queue; on RabbitMQ confirms/tx per batch and mandatory publishing that reports unroutables."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kombu import Connection, Exchange, Queue
+from sqlalchemy.orm import Session, sessionmaker
+
+from celeryconfig import Settings
+from orders.models import OutboxMessage
+from outbox.clock import ManualClock
+from outbox.messages import Envelope, celery_task_message, task_id
+from relay.dispatch import dispatch_with_settings
+from relay.kombu_publisher import KombuPublisher
+
+
+def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
+    ids = {uuid.uuid4() for _ in range(n)}
+    with sessions() as s:
+        for mid in ids:
+            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={"order_id": str(mid)}, headers={},
+                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
+        s.commit()
+    return {str(i) for i in ids}
+
+
+def consume_all(url: str, queue_name: str) -> list[tuple[dict[str, object], dict[str, object], str]]:
+    out = []
+    with Connection(url) as conn:
+        queue = Queue(queue_name, no_declare=True)(conn.channel())
+        while (msg := queue.get(no_ack=False)) is not None:
+            out.append((dict(msg.headers), dict(msg.properties), msg.body.decode()
+                        if isinstance(msg.body, bytes) else msg.body))
+            msg.ack()
+    return out
+
+
+@pytest.fixture
+def cleanup(namespace: str) -> Iterator[list[tuple[str, Settings]]]:
+    todo: list[tuple[str, Settings]] = []
+    yield todo
+    for url, settings in todo:
+        with Connection(url) as conn:
+            ch = conn.channel()
+            for c in (*settings.consumers, "nobody"):
+                try:
+                    Queue(settings.queue_name(c), no_declare=True)(ch).delete()
+                except Exception:
+                    ch = conn.channel()
+            with contextlib.suppress(Exception):
+                Exchange(settings.exchange_name)(ch).delete()
+
+
+def check_celery_messages(url: str, settings: Settings, ids: set[str]) -> None:
+    for consumer in settings.consumers:
+        got = consume_all(url, settings.queue_name(consumer))
+        assert len(got) == len(ids), (consumer, got)
+        for headers, props, body in got:
+            mid = str(headers["outbox_message_id"])
+            assert headers["task"] == f"consumers.{consumer}"
+            assert headers["id"] == task_id(mid, consumer)
+            assert props.get("delivery_mode") == 2
+            args, kwargs, embed = json.loads(body)
+            assert kwargs == {} and set(embed) >= {"callbacks", "errbacks", "chain", "chord"}
+            envelope = Envelope.from_dict(args[0])
+            assert envelope.type == "OrderPlaced" and envelope.payload == {"order_id": mid}
+        assert {str(h["outbox_message_id"]) for h, _, _ in got} == ids
+
+
+@pytest.mark.redis
+def test_redis_every_consumer_queue_gets_a_celery_task_message(
+        redis_url: str, namespace: str, tmp_home: object, sqlite_sessions: sessionmaker[Session],
+        clock: ManualClock, cleanup: list[tuple[str, Settings]]) -> None:
+    settings = Settings(namespace=namespace, broker_url=redis_url)
+    cleanup.append((redis_url, settings))
+    ids = insert(sqlite_sessions, clock, 5)
+    with KombuPublisher(broker_url=redis_url, settings=settings) as pub, sqlite_sessions() as s:
+        result = dispatch_with_settings(s, pub, clock, settings)
+    assert (result.published, result.messages_sent) == (5, 20)
+    check_celery_messages(redis_url, settings, ids)
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.parametrize("mode", ["confirm", "tx", "none"])
+def test_rabbitmq_every_consumer_queue_gets_a_celery_task_message(
+        rabbitmq_url: str, namespace: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+        cleanup: list[tuple[str, Settings]], mode: str) -> None:
+    settings = Settings(namespace=namespace, broker_url=rabbitmq_url, relay_confirm_mode=mode,
+                        relay_batch_size=4)
+    cleanup.append((rabbitmq_url, settings))
+    ids = insert(sqlite_sessions, clock, 10)
+    with KombuPublisher(broker_url=rabbitmq_url, settings=settings) as pub:
+        total = 0
+        for _ in range(4):
+            with sqlite_sessions() as s:
+                total += dispatch_with_settings(s, pub, clock, settings).published
+        assert pub.connections_opened == 1
+    assert total == 10
+    check_celery_messages(rabbitmq_url, settings, ids)
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.parametrize("mode", ["confirm", "tx"])
+def test_rabbitmq_unroutable_message_is_reported_rejected_not_confirmed(
+        rabbitmq_url: str, namespace: str, cleanup: list[tuple[str, Settings]], mode: str) -> None:
+    # Given a batch with one message for a queue that does not exist between two good ones
+    settings = Settings(namespace=namespace, broker_url=rabbitmq_url, relay_confirm_mode=mode)
+    cleanup.append((rabbitmq_url, settings))
+    msgs = [celery_task_message(Envelope(message_id=uuid.uuid4(), type="OrderPlaced", payload={}),
+                                consumer=c, routing_key=settings.queue_name(c))
+            for c in ("shipping", "nobody", "billing")]
+    with KombuPublisher(broker_url=rabbitmq_url, settings=settings) as pub:
+        report = pub.publish_batch(msgs)
+        # And the channel stays usable for the next batch
+        again = pub.publish_batch(msgs[:1])
+    # Then the broker's return is reported against exactly that message
+    assert report.confirmed == (0, 2)
+    assert set(report.rejected) == {1} and "unroutable" in report.rejected[1]
+    assert again.confirmed == (0,)
+    assert len(consume_all(rabbitmq_url, settings.queue_name("shipping"))) == 2

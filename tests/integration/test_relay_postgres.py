@@ -1,0 +1,132 @@
+"""The relay on real Postgres: SKIP LOCKED claims with two relays at once, and the NOTIFY wake-up."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from celeryconfig import Settings
+from orders.models import OutboxMessage
+from outbox.clock import ManualClock, SystemClock
+from relay.dispatch import BatchResult, dispatch_with_settings
+from relay.loop import RelayLoop
+from relay.memory import InMemoryPublisher
+
+pytestmark = pytest.mark.postgres
+
+
+def insert(sessions: sessionmaker[Session], now_ms: int, n: int) -> set[str]:
+    ids = {uuid.uuid4() for _ in range(n)}
+    with sessions() as s:
+        for mid in ids:
+            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={}, headers={},
+                                created_at_ms=now_ms, next_attempt_at_ms=now_ms, attempts=0))
+        s.commit()
+    return {str(i) for i in ids}
+
+
+def pending(sessions: sessionmaker[Session]) -> int:
+    with sessions() as s:
+        return int(s.scalar(sa.select(sa.func.count()).where(OutboxMessage.published_at_ms.is_(None))) or 0)
+
+
+def wait_for(cond: Any, what: str, deadline_s: float = 60.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_two_relays_at_once_publish_every_row_once(pg_sessions: sessionmaker[Session], pg_url: str,
+                                                  tmp_path: Path, clock: ManualClock) -> None:
+    # Given 600 pending rows and two relays started together on the same database
+    ids = insert(pg_sessions, clock.now_ms(), 600)
+    settings = Settings(home=tmp_path, database_url=pg_url, namespace="two", relay_batch_size=25,
+                        routes={"OrderPlaced": ("shipping",)})
+    # A publisher that takes a moment per batch so the two relays really overlap
+    pub = InMemoryPublisher(before_publish=lambda msgs: time.sleep(0.005))
+    barrier = threading.Barrier(2)
+    results: dict[str, list[BatchResult]] = {"a": [], "b": []}
+    errors: list[BaseException] = []
+
+    def relay(name: str) -> None:
+        try:
+            barrier.wait()
+            while True:
+                with pg_sessions() as s:
+                    r = dispatch_with_settings(s, pub, clock, settings)
+                results[name].append(r)
+                if r.claimed == 0:
+                    return
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=relay, args=(n,)) for n in results]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    # Then every row was published, each exactly once (SKIP LOCKED: disjoint claims), and both worked
+    per_relay = {n: sum(r.published for r in rs) for n, rs in results.items()}
+    duplicates = pub.duplicates()
+    print(f"two relays: published per relay {per_relay}, duplicates {duplicates}")
+    assert set(pub.message_ids()) == ids and pending(pg_sessions) == 0
+    assert sum(per_relay.values()) == 600
+    assert duplicates == 0 and sum(r.already_published for rs in results.values() for r in rs) == 0
+    assert min(per_relay.values()) > 0
+
+
+def test_skip_locked_claim_is_held_until_the_mark_commits(pg_sessions: sessionmaker[Session], pg_url: str,
+                                                         tmp_path: Path, clock: ManualClock) -> None:
+    # Given a relay paused inside its publish (rows claimed, not yet marked)
+    insert(pg_sessions, clock.now_ms(), 3)
+    settings = Settings(home=tmp_path, database_url=pg_url, namespace="hold")
+    inside, release = threading.Event(), threading.Event()
+
+    def pause(msgs: object) -> None:
+        inside.set()
+        release.wait(30)
+
+    slow = InMemoryPublisher(before_publish=pause)
+    t = threading.Thread(target=lambda: dispatch_with_settings(pg_sessions(), slow, clock, settings))
+    t.start()
+    try:
+        assert inside.wait(30)
+        # When a second relay runs meanwhile, then it finds nothing to claim
+        with pg_sessions() as s:
+            assert dispatch_with_settings(s, InMemoryPublisher(), clock, settings).claimed == 0
+    finally:
+        release.set()
+        t.join(30)
+    assert pending(pg_sessions) == 0
+
+
+def test_notify_wakes_the_waiting_loop_before_the_poll_interval(pg_sessions: sessionmaker[Session], pg_url: str,
+                                                               tmp_path: Path) -> None:
+    # Given the standalone loop idle, polling only once an hour, LISTENing on outbox_pending
+    settings = Settings(home=tmp_path, database_url=pg_url, namespace="wake", relay_poll_interval_s=3600.0)
+    pub = InMemoryPublisher()
+    loop = RelayLoop(settings=settings, session_factory=pg_sessions, publisher=pub, clock=SystemClock())
+    thread = threading.Thread(target=loop.run, kwargs={"handle_signals": False})
+    thread.start()
+    try:
+        wait_for(lambda: loop.stats.listening and loop.stats.waits >= 1, "the loop to wait")
+        # When a row is inserted (the trigger NOTIFYs)
+        ids = insert(pg_sessions, SystemClock().now_ms(), 1)
+        # Then the loop publishes it, woken by the notification, not by the hour-long poll
+        wait_for(lambda: set(pub.message_ids()) == ids, "the row to be published")
+        assert loop.stats.notify_wakeups >= 1
+        assert loop.stats.poll_wakeups == 0 and loop.stats.kick_wakeups == 0
+    finally:
+        loop.stop()
+        thread.join(30)
+        loop.close()
+    assert not thread.is_alive()

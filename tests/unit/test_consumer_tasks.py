@@ -1,0 +1,244 @@
+"""The Celery side (rule 7) without a broker: tasks applied eagerly, retries included.
+
+Returning = ack, raising = retry with backoff, deliveries counted in the database, dead letter after
+``consumer_max_deliveries``; malformed input takes the same bounded road and never loops.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from sqlalchemy.orm import Session, sessionmaker
+
+from celeryconfig import Settings, celery_config
+from consumers import dead_letters
+from consumers.decorator import ConsumerRegistry, consumer, default_registry
+from consumers.effects import effect_counts
+from consumers.models import ConsumerDeadLetter, DeliveryAttempt, InboxEntry, Shipment
+from consumers.shipping import shipping
+from consumers.tasks import backoff_s, deliver, delivery_key, register
+from consumers.testing import order_placed_envelope
+from outbox.clock import ManualClock
+from outbox.db import make_session_factory
+from outbox.messages import Envelope, task_id, task_name
+
+
+def make_app(settings: Settings, clock: ManualClock, registry: ConsumerRegistry | None = None) -> Celery:
+    app = Celery("test-consumers", set_as_current=False)
+    app.conf.update(celery_config(settings, "memory://"))
+    register(app, settings, registry=registry, clock=clock)
+    return app
+
+
+def apply(app: Celery, name: str, body: Any) -> Any:
+    mid = body.get("message_id") if isinstance(body, dict) else None
+    tid = task_id(mid, name) if mid else str(uuid.uuid4())
+    return app.tasks[task_name(name)].apply(args=[body], task_id=tid).get(disable_sync_subtasks=False)
+
+
+def rows(sessions: sessionmaker[Session], model: type) -> list[Any]:
+    with sessions() as s:
+        return list(s.execute(sa.select(model)).scalars().all())
+
+
+def test_register_defines_one_task_per_configured_consumer(settings: Settings, clock: ManualClock) -> None:
+    app = make_app(settings.replace(routes={"OrderPlaced": ("shipping", "billing", "nobody")}), clock)
+    names = sorted(n for n in app.tasks if n.startswith("consumers."))
+    assert names == ["consumers.billing", "consumers.shipping"]  # no handler for "nobody": no task
+    task = app.tasks["consumers.shipping"]
+    assert task.acks_late and task.reject_on_worker_lost and task.ignore_result
+    route = app.amqp.router.route({}, "consumers.shipping")
+    assert route["queue"].name == f"{settings.namespace}.shipping"
+
+
+def test_good_message_processed_and_acked(settings: Settings, clock: ManualClock,
+                                          sqlite_sessions: sessionmaker[Session]) -> None:
+    app = make_app(settings, clock)
+    body = order_placed_envelope("o-1").to_dict()
+    assert [apply(app, n, body) for n in ("shipping", "billing", "search", "email")] == ["processed"] * 4
+    assert apply(app, "shipping", body) == "duplicate"
+    with sqlite_sessions() as s:
+        assert effect_counts(s) == {"shipping": 1, "billing": 1, "search": 1, "email": 1}
+    assert rows(sqlite_sessions, DeliveryAttempt) == []  # the count is dropped once handled
+
+
+def test_poison_not_json_dead_lettered_after_three_deliveries_good_one_flows(
+        settings: Settings, clock: ManualClock, sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given a message whose payload is "not json", and a good one behind it
+    app = make_app(settings.replace(consumer_max_deliveries=3), clock)
+    poison = {"message_id": str(uuid.uuid4()), "type": "OrderPlaced", "payload": "not json", "headers": {}}
+    good = order_placed_envelope("o-2").to_dict()
+    # When the poison is delivered: it is retried, then dead-lettered and acked
+    assert apply(app, "shipping", poison) == "dead_lettered"
+    # Then it is in the dead-letter store with delivery count 3, raw body kept
+    [dl] = rows(sqlite_sessions, ConsumerDeadLetter)
+    assert (dl.consumer, dl.message_id, dl.delivery_count) == ("shipping", poison["message_id"], 3)
+    assert "MalformedMessageError: payload is not JSON" in dl.last_error
+    assert json.loads(dl.body) == poison
+    assert dl.first_failed_at_ms <= dl.last_failed_at_ms
+    # And the good message behind it is processed
+    assert apply(app, "shipping", good) == "processed"
+    assert [s.order_id for s in rows(sqlite_sessions, Shipment)] == ["o-2"]
+    # And a redelivery of the dead-lettered poison (crash before its ack) adds no second dead letter
+    assert apply(app, "shipping", poison) == "dead_lettered"
+    assert len(rows(sqlite_sessions, ConsumerDeadLetter)) == 1
+
+
+def test_transient_failure_redelivered_once_then_processed_once(settings: Settings, clock: ManualClock,
+                                                                sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given a shipping consumer whose downstream fails once
+    calls: list[str] = []
+
+    @consumer(name="shipping", event="OrderPlaced")
+    def flaky(session: Session, env: Envelope) -> None:
+        calls.append(str(env.message_id))
+        if len(calls) == 1:
+            raise ConnectionError("carrier API timed out")
+        shipping(session, env)
+
+    app = make_app(settings, clock, ConsumerRegistry(specs=[flaky]))
+    body = order_placed_envelope("o-1").to_dict()
+    # When delivered, Then it is redelivered once and processed once
+    assert apply(app, "shipping", body) == "processed"
+    assert len(calls) == 2
+    assert len(rows(sqlite_sessions, Shipment)) == 1
+    assert len(rows(sqlite_sessions, InboxEntry)) == 1
+    assert rows(sqlite_sessions, ConsumerDeadLetter) == []
+    assert rows(sqlite_sessions, DeliveryAttempt) == []
+
+
+BAD_BODIES = {
+    "payload not json": ({"message_id": str(uuid.uuid4()), "type": "OrderPlaced", "payload": "not json"},
+                         "payload is not JSON"),
+    "missing fields": ({"message_id": str(uuid.uuid4()), "type": "OrderPlaced"}, "missing field(s): payload"),
+    "missing payload field": ({"message_id": str(uuid.uuid4()), "type": "OrderPlaced", "payload": {"x": 1}},
+                              "missing required field"),
+    "unknown event type": ({"message_id": str(uuid.uuid4()), "type": "OrderShipped", "payload": {}},
+                           "does not handle event type 'OrderShipped'"),
+    "not an object": ("{{{ definitely not json", "envelope is not JSON"),
+    "no message id": ({"type": "OrderPlaced", "payload": {}}, "missing field(s): message_id"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BODIES))
+def test_malformed_input_never_loops(case: str, settings: Settings, clock: ManualClock,
+                                     sqlite_sessions: sessionmaker[Session]) -> None:
+    body, error = BAD_BODIES[case]
+    app = make_app(settings, clock)
+    assert apply(app, "billing", body) == "dead_lettered"
+    [dl] = rows(sqlite_sessions, ConsumerDeadLetter)
+    assert dl.delivery_count == settings.consumer_max_deliveries
+    assert error in dl.last_error
+    assert dl.body == (body if isinstance(body, str) else json.dumps(body, separators=(",", ":"), sort_keys=True))
+    assert rows(sqlite_sessions, InboxEntry) == []
+
+
+def test_message_over_the_size_limit_is_dead_lettered(settings: Settings, clock: ManualClock,
+                                                      sqlite_sessions: sessionmaker[Session]) -> None:
+    app = make_app(settings.replace(max_message_bytes=2_000), clock)
+    body = order_placed_envelope("o-1", note="x" * 5_000).to_dict()
+    assert apply(app, "shipping", body) == "dead_lettered"
+    [dl] = rows(sqlite_sessions, ConsumerDeadLetter)
+    assert "MessageTooLargeError" in dl.last_error and "over the limit of 2000 bytes" in dl.last_error
+    assert "x" * 5_000 in dl.body  # nothing lost
+    assert rows(sqlite_sessions, Shipment) == []
+
+
+def test_deliveries_lost_with_a_killed_worker_count_too(settings: Settings, clock: ManualClock,
+                                                        sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given a message whose three deliveries each died with the worker (counted at their start only)
+    env = order_placed_envelope("o-1")
+    spec = default_registry()["shipping"]
+    for _ in range(3):
+        with sqlite_sessions() as s:
+            from consumers import attempts
+
+            attempts.begin(s, key=env.message_id, consumer="shipping", now_ms=clock.now_ms())
+    # When the broker delivers it a fourth time
+    result = deliver(sqlite_sessions, spec, env.to_dict(), request_id=None, settings=settings, clock=clock)
+    # Then it is dead-lettered (not processed), delivery count 3, saying the worker was lost
+    assert result.outcome.value == "dead_lettered"
+    [dl] = rows(sqlite_sessions, ConsumerDeadLetter)
+    assert dl.delivery_count == 3 and "worker was lost" in dl.last_error
+    assert rows(sqlite_sessions, Shipment) == []
+
+
+def test_database_down_is_retried_and_not_counted(settings: Settings, clock: ManualClock, tmp_path: Any) -> None:
+    # Given a database that cannot be opened (its path is a directory)
+    (tmp_path / "db-is-a-dir").mkdir()
+    broken = make_session_factory(sa.create_engine(f"sqlite:///{tmp_path / 'db-is-a-dir'}"))
+    result = deliver(broken, default_registry()["shipping"], order_placed_envelope().to_dict(), request_id=None,
+                     settings=settings, clock=clock)
+    # Then the delivery asks for a retry, charged to nobody
+    assert result.outcome.value == "retry" and result.deliveries == 0 and result.retry_in_s is not None
+
+
+def test_fast_path_disabled_tasks_still_idempotent(settings: Settings, clock: ManualClock,
+                                                   sqlite_sessions: sessionmaker[Session]) -> None:
+    app = make_app(settings, clock, default_registry().with_options(fast_path=False))
+    body = order_placed_envelope("o-1").to_dict()
+    assert [apply(app, "shipping", body) for _ in range(3)] == ["processed", "duplicate", "duplicate"]
+    assert len(rows(sqlite_sessions, Shipment)) == 1
+
+
+def test_retry_backoff_and_delivery_key() -> None:
+    assert [backoff_s(n, base_s=1, max_s=5) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 5.0]
+    mid = uuid.uuid4()
+    assert delivery_key({"message_id": str(mid)}, "x", "") == mid
+    tid = str(uuid.uuid4())
+    assert delivery_key({"message_id": "nope"}, tid, "") == uuid.UUID(tid)
+    assert delivery_key("raw", None, "raw") == delivery_key("raw", None, "raw")
+
+
+def test_replayed_dead_letter_processed_through_the_inbox(settings: Settings, clock: ManualClock,
+                                                          sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given a message dead-lettered while its consumer was broken
+    broken = {"on": True}
+
+    @consumer(name="shipping", event="OrderPlaced")
+    def sometimes(session: Session, env: Envelope) -> None:
+        if broken["on"]:
+            raise RuntimeError("carrier down")
+        shipping(session, env)
+
+    app = make_app(settings, clock, ConsumerRegistry(specs=[sometimes]))
+    body = order_placed_envelope("o-1").to_dict()
+    assert apply(app, "shipping", body) == "dead_lettered"
+    [dl] = rows(sqlite_sessions, ConsumerDeadLetter)
+    # When the consumer is fixed and a person replays it (twice, by mistake)
+    broken["on"] = False
+    outcomes: list[Any] = []
+    with sqlite_sessions() as s:
+        for _ in range(2):
+            dead_letters.replay(s, dl.id, send=lambda c, e: outcomes.append(apply(app, c, e)), clock=clock,
+                                known_consumers=settings.consumers)
+    # Then it is processed once; the second replay is a duplicate the inbox absorbed
+    assert outcomes == ["processed", "duplicate"]
+    assert len(rows(sqlite_sessions, Shipment)) == 1
+    [after] = rows(sqlite_sessions, ConsumerDeadLetter)
+    assert after.replayed_at_ms == clock.now_ms()
+
+
+def test_processed_then_lost_worker_repeatedly_is_still_a_duplicate(settings: Settings, clock: ManualClock,
+                                                                    sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given a message processed, whose worker then died before the ack (and before clearing its count)
+    env = order_placed_envelope("o-1")
+    spec = default_registry()["shipping"]
+    with sqlite_sessions() as s:
+        assert spec.handle(s, env, clock=clock).value == "processed"
+        from consumers import attempts
+
+        for _ in range(3):
+            attempts.begin(s, key=env.message_id, consumer="shipping", now_ms=clock.now_ms())
+    # When it is redelivered past the delivery limit
+    result = deliver(sqlite_sessions, spec, env.to_dict(), request_id=None, settings=settings, clock=clock)
+    # Then it is a duplicate, not a dead letter
+    assert result.outcome.value == "duplicate"
+    assert rows(sqlite_sessions, ConsumerDeadLetter) == []
+    assert rows(sqlite_sessions, DeliveryAttempt) == []
+    assert len(rows(sqlite_sessions, Shipment)) == 1

@@ -1,0 +1,146 @@
+"""The admin page: no token configured = no page; no credentials = 401 and nothing changes; CSRF on POSTs."""
+
+from __future__ import annotations
+
+import base64
+import re
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from flask.testing import FlaskClient
+from ops_seed import T0, consumer_dead_letter, envelope, outbox_row
+from sqlalchemy.orm import Session, sessionmaker
+
+from celeryconfig import Settings
+from consumers.models import ConsumerDeadLetter
+from ops.admin import CSRF_COOKIE, EXT
+from orders.models import OutboxMessage
+from orders.web import create_app
+from outbox.clock import ManualClock
+
+TOKEN = "s3cret-token"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def sent() -> list[tuple[str, dict[str, Any]]]:
+    return []
+
+
+@pytest.fixture
+def client(settings: Settings, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+           sent: list[tuple[str, dict[str, Any]]]) -> FlaskClient:
+    app = create_app(settings=settings.replace(admin_token=TOKEN), session_factory=sqlite_sessions, clock=clock)
+    app.extensions[EXT]["send"] = lambda consumer, env: sent.append((consumer, env))
+    return app.test_client()
+
+
+def state(sessions: sessionmaker[Session]) -> tuple[Any, ...]:
+    with sessions() as s:
+        return (s.execute(sa.select(OutboxMessage.seq, OutboxMessage.dead_lettered_at_ms, OutboxMessage.attempts)
+                          .order_by(OutboxMessage.seq)).all(),
+                s.execute(sa.select(ConsumerDeadLetter.id, ConsumerDeadLetter.replayed_at_ms)
+                          .order_by(ConsumerDeadLetter.id)).all())
+
+
+def csrf_of(client: FlaskClient, html: str) -> str:
+    m = re.search(r'name="csrf_token" value="([^"]+)"', html)
+    assert m, html
+    cookie = client.get_cookie(CSRF_COOKIE, path="/admin/")
+    assert cookie is not None and cookie.value == m.group(1)
+    return m.group(1)
+
+
+def test_no_token_configured_means_no_page(settings: Settings, sqlite_sessions: sessionmaker[Session],
+                                           clock: ManualClock) -> None:
+    client = create_app(settings=settings.replace(admin_token=""), session_factory=sqlite_sessions,
+                        clock=clock).test_client()
+    assert client.get("/admin/dead-letters/").status_code == 404
+    assert client.get("/admin/dead-letters/", headers={"Authorization": "Bearer "}).status_code == 404
+    assert client.post("/admin/dead-letters/outbox:1/replay").status_code == 404
+
+
+@pytest.mark.parametrize("headers", [
+    {}, {"Authorization": "Bearer wrong"},
+    {"Authorization": "Basic " + base64.b64encode(b"admin:wrong").decode()},
+    {"Authorization": "Basic " + base64.b64encode(TOKEN.encode() + b":").decode()},  # token as user, not password
+])
+def test_unauthenticated_gets_401_and_changes_nothing(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
+                                                      headers: dict[str, str],
+                                                      sent: list[tuple[str, dict[str, Any]]]) -> None:
+    # Given a dead letter of each kind
+    with sqlite_sessions() as s:
+        row = outbox_row(s, dead_lettered_at_ms=T0, attempts=10)
+        cid = consumer_dead_letter(s)
+    before = state(sqlite_sessions)
+    # When someone without the token lists, replays and purges
+    r = client.get("/admin/dead-letters/", headers=headers)
+    assert r.status_code == 401 and "Basic" in r.headers["WWW-Authenticate"]
+    for path in (f"outbox:{row.seq}/replay", f"consumer:{cid}/replay", f"outbox:{row.seq}/purge"):
+        assert client.post(f"/admin/dead-letters/{path}", headers=headers,
+                           data={"csrf_token": "x"}).status_code == 401
+    assert client.get(f"/admin/dead-letters/outbox:{row.seq}", headers=headers).status_code == 401
+    # Then nothing was replayed, sent or purged
+    assert state(sqlite_sessions) == before and sent == []
+
+
+def test_list_show_replay_with_bearer(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
+                                      clock: ManualClock, sent: list[tuple[str, dict[str, Any]]]) -> None:
+    env = envelope("o-77")
+    with sqlite_sessions() as s:
+        row = outbox_row(s, dead_lettered_at_ms=T0, attempts=10, last_error="<script>alert(1)</script>")
+        cid = consumer_dead_letter(s, consumer="email", env=env, error="smtp 554")
+    clock.set(T0 + 90_000)
+    page = client.get("/admin/dead-letters/", headers=BEARER)
+    html = page.get_data(as_text=True)
+    assert page.status_code == 200 and "2 dead letter(s)" in html
+    assert f"outbox:{row.seq}" in html and f"consumer:{cid}" in html and "1m 30s" in html
+    assert "<script>alert(1)</script>" not in html and "&lt;script&gt;" in html  # escaped
+    detail = client.get(f"/admin/dead-letters/consumer:{cid}", headers=BEARER).get_data(as_text=True)
+    assert "o-77" in detail and "smtp 554" in detail
+    token = csrf_of(client, html)
+    r = client.post(f"/admin/dead-letters/consumer:{cid}/replay", headers=BEARER, data={"csrf_token": token})
+    assert r.status_code == 303
+    assert sent == [("email", env)]
+    after = client.get(r.headers["Location"], headers=BEARER).get_data(as_text=True)
+    assert "1 dead letter(s)" in after and f"consumer:{cid}: re-sent" in after
+    r = client.post(f"/admin/dead-letters/outbox:{row.seq}/replay", headers=BEARER, data={"csrf_token": token})
+    assert r.status_code == 303
+    assert state(sqlite_sessions)[0] == [(row.seq, None, 0)]
+
+
+def test_basic_auth_works_and_post_without_csrf_is_refused(client: FlaskClient,
+                                                           sqlite_sessions: sessionmaker[Session]) -> None:
+    basic = {"Authorization": "Basic " + base64.b64encode(f"ops:{TOKEN}".encode()).decode()}
+    with sqlite_sessions() as s:
+        row = outbox_row(s, dead_lettered_at_ms=T0, attempts=10)
+    html = client.get("/admin/dead-letters/", headers=basic).get_data(as_text=True)
+    token = csrf_of(client, html)
+    before = state(sqlite_sessions)
+    url = f"/admin/dead-letters/outbox:{row.seq}/purge"
+    # no field; wrong field; right field from another origin
+    assert client.post(url, headers=basic).status_code == 403
+    assert client.post(url, headers=basic, data={"csrf_token": "forged"}).status_code == 403
+    assert client.post(url, headers={**basic, "Origin": "https://evil.example"},
+                       data={"csrf_token": token}).status_code == 403
+    assert state(sqlite_sessions) == before
+    # a field without the cookie (a cross-site form cannot send the SameSite=Strict cookie)
+    client.delete_cookie(CSRF_COOKIE, path="/admin/")
+    assert client.post(url, headers=basic, data={"csrf_token": token}).status_code == 403
+    assert state(sqlite_sessions) == before
+    html = client.get("/admin/dead-letters/", headers=basic).get_data(as_text=True)
+    r = client.post(url, headers={**basic, "Origin": "http://localhost"}, data={"csrf_token": csrf_of(client, html)})
+    assert r.status_code == 303
+    assert state(sqlite_sessions)[0] == []
+
+
+def test_bad_ids(client: FlaskClient, sqlite_sessions: sessionmaker[Session]) -> None:
+    assert client.get("/admin/dead-letters/outbox:999", headers=BEARER).status_code == 404
+    assert client.get("/admin/dead-letters/nonsense", headers=BEARER).status_code == 400
+    html = client.get("/admin/dead-letters/", headers=BEARER).get_data(as_text=True)
+    token = client.get_cookie(CSRF_COOKIE, path="/admin/")
+    assert token is not None and "0 dead letter(s)" in html
+    r = client.post("/admin/dead-letters/outbox:999/replay", headers=BEARER, data={"csrf_token": token.value})
+    assert r.status_code == 303 and "error=" in r.headers["Location"]
+    assert "no such dead letter" in client.get(r.headers["Location"], headers=BEARER).get_data(as_text=True)

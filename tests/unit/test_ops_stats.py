@@ -1,0 +1,140 @@
+"""``ops.stats`` and the Prometheus collector: the figures after a scripted scenario, exactly."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from ops_seed import T0, consumer_dead_letter, counter, inbox_rows, outbox_row
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.orm import Session, sessionmaker
+
+from celeryconfig import Settings
+from ops import stats as ops_stats
+from ops.metrics import OutboxCollector, make_registry, render
+from orders.web import create_app
+from outbox.clock import ManualClock
+
+
+def scenario(s: Session) -> None:
+    outbox_row(s, created_at_ms=T0)  # oldest pending: 60 s old at T0 + 60 s
+    outbox_row(s, created_at_ms=T0 + 30_000, attempts=2, last_error="nacked")  # retrying
+    outbox_row(s, created_at_ms=T0, published_at_ms=T0 + 1)
+    outbox_row(s, created_at_ms=T0, published_at_ms=T0 + 2)
+    outbox_row(s, created_at_ms=T0, published_at_ms=T0 + 3)
+    outbox_row(s, created_at_ms=T0, dead_lettered_at_ms=T0 + 20_000, attempts=10, last_error="too large")
+    consumer_dead_letter(s, consumer="billing", failed_at_ms=T0 + 10_000)
+    consumer_dead_letter(s, consumer="billing", failed_at_ms=T0 + 40_000)
+    consumer_dead_letter(s, consumer="email", failed_at_ms=T0 + 50_000)
+    inbox_rows(s, consumer="shipping", processed_at_ms=T0, n=3)
+    inbox_rows(s, consumer="billing", processed_at_ms=T0, n=2)
+    counter(s, consumer="shipping", name="duplicates", value=4)
+    counter(s, consumer="billing", name="duplicates", value=1)
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+EXPECTED: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {
+    ("outbox_stats_up", ()): 1,
+    ("outbox_pending_messages", ()): 2,
+    ("outbox_due_messages", ()): 2,
+    ("outbox_retrying_messages", ()): 1,
+    ("outbox_oldest_pending_age_seconds", ()): 60.0,
+    ("outbox_published_retained_messages", ()): 3,
+    ("outbox_dead_letters", (("consumer", ""), ("source", "outbox"))): 1,
+    ("outbox_dead_letters", (("consumer", "billing"), ("source", "consumer"))): 2,
+    ("outbox_dead_letters", (("consumer", "email"), ("source", "consumer"))): 1,
+    ("outbox_dead_letter_oldest_age_seconds", (("consumer", ""), ("source", "outbox"))): 40.0,
+    ("outbox_dead_letter_oldest_age_seconds", (("consumer", "billing"), ("source", "consumer"))): 50.0,
+    ("outbox_dead_letter_oldest_age_seconds", (("consumer", "email"), ("source", "consumer"))): 10.0,
+    ("outbox_inbox_entries", (("consumer", "billing"),)): 2,
+    ("outbox_inbox_entries", (("consumer", "shipping"),)): 3,
+    ("outbox_duplicates_absorbed_total", (("consumer", "billing"),)): 1,
+    ("outbox_duplicates_absorbed_total", (("consumer", "shipping"),)): 4,
+}
+
+
+def test_stats_after_a_scripted_scenario(sqlite_session: Session, clock: ManualClock) -> None:
+    scenario(sqlite_session)
+    clock.set(T0 + 60_000)
+    st = ops_stats.collect(sqlite_session, clock=clock).to_dict()
+    assert st["outbox"] == {"pending": 2, "due": 2, "retrying": 1, "oldest_pending_age_ms": 60_000,
+                            "published_retained": 3}
+    assert st["dead_letters"]["total"] == 4 and st["dead_letters"]["oldest_age_ms"] == 50_000
+    assert st["dead_letters"]["groups"] == [
+        {"source": "outbox", "consumer": None, "count": 1, "oldest_age_ms": 40_000},
+        {"source": "consumer", "consumer": "billing", "count": 2, "oldest_age_ms": 50_000},
+        {"source": "consumer", "consumer": "email", "count": 1, "oldest_age_ms": 10_000},
+    ]
+    assert st["inbox"] == {"total": 5, "per_consumer": {"billing": 2, "shipping": 3}}
+    assert st["duplicates_absorbed"] == {"total": 5, "per_consumer": {"billing": 1, "shipping": 4}}
+    json.dumps(st)  # machine output must be plain JSON
+
+
+def test_empty_database(sqlite_session: Session, clock: ManualClock) -> None:
+    st = ops_stats.collect(sqlite_session, clock=clock)
+    assert (st.pending, st.oldest_pending_age_ms, st.dead_letter_total, st.oldest_dead_letter_age_ms) == \
+        (0, None, 0, None)
+
+
+def test_metrics_endpoint_on_the_flask_app(settings: Settings, sqlite_sessions: sessionmaker[Session],
+                                           clock: ManualClock) -> None:
+    # Given the scenario, one minute later
+    with sqlite_sessions() as s:
+        scenario(s)
+    clock.set(T0 + 60_000)
+    client = create_app(settings=settings, session_factory=sqlite_sessions, clock=clock).test_client()
+    # When Prometheus scrapes /metrics
+    r = client.get("/metrics")
+    # Then every gauge has the scenario's value
+    assert r.status_code == 200 and r.content_type.startswith("text/plain")
+    got = samples(r.get_data(as_text=True))
+    for key, value in EXPECTED.items():
+        assert got.get(key) == value, key
+    # And the ages follow the clock at scrape time
+    clock.advance(60_000)
+    got2 = samples(client.get("/metrics").get_data(as_text=True))
+    assert got2[("outbox_oldest_pending_age_seconds", ())] == 120.0
+
+
+def test_a_broken_database_reports_up_zero(clock: ManualClock, tmp_path: Any) -> None:
+    from outbox.db import make_engine, make_session_factory
+
+    sessions = make_session_factory(make_engine(f"sqlite:///{tmp_path / 'empty.db'}"))  # no tables
+    registry, _ = make_registry(session_factory=sessions, clock=clock)
+    got = samples(render(registry).decode())
+    assert got[("outbox_stats_up", ())] == 0
+    assert ("outbox_pending_messages", ()) not in got
+
+
+def test_registering_the_collector_does_not_touch_the_database(clock: ManualClock) -> None:
+    class Exploding:
+        def __call__(self) -> Any:
+            raise AssertionError("describe() must not open a session")
+
+    collector = OutboxCollector(session_factory=Exploding(), clock=clock)  # type: ignore[arg-type]
+    names = {m.name for m in collector.describe()}
+    assert {"outbox_pending_messages", "outbox_oldest_pending_age_seconds", "outbox_dead_letters"} <= names
+
+
+@pytest.mark.parametrize("attr, metric, labels", [
+    ("published", "outbox_relay_published_total", ()),
+    ("publish_failures", "outbox_relay_publish_failures_total", (("kind", "rejected"),)),
+    ("processed", "outbox_consumer_processed_total", (("consumer", "billing"),)),
+    ("duplicates", "outbox_consumer_duplicates_total", (("consumer", "billing"),)),
+    ("dead_lettered", "outbox_dead_lettered_total", (("consumer", "billing"), ("source", "consumer"))),
+])
+def test_in_process_counters(sqlite_sessions: sessionmaker[Session], clock: ManualClock, attr: str, metric: str,
+                             labels: tuple[tuple[str, str], ...]) -> None:
+    registry, counters = make_registry(session_factory=sqlite_sessions, clock=clock)
+    assert counters is not None
+    c = getattr(counters, attr)
+    (c.labels(**dict(labels)) if labels else c).inc(3)
+    assert samples(render(registry).decode())[(metric, labels)] == 3

@@ -1,0 +1,93 @@
+"""KombuPublisher, the beat task and ``outbox relay --once`` against kombu's in-process memory transport."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+from celery import Celery
+from click.testing import CliRunner
+from kombu import Connection
+from sqlalchemy.orm import Session, sessionmaker
+
+from celeryconfig import Settings, celery_config
+from orders.models import OutboxMessage
+from outbox.clock import ManualClock
+from outbox.messages import Envelope, celery_task_message
+from relay.dispatch import dispatch_with_settings
+from relay.kombu_publisher import KombuPublisher
+from relay.tasks import TASK_NAME, register
+
+
+def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
+    ids = {uuid.uuid4() for _ in range(n)}
+    with sessions() as s:
+        for mid in ids:
+            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={"id": str(mid)}, headers={},
+                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
+        s.commit()
+    return {str(i) for i in ids}
+
+
+def drain_queue(url: str, name: str) -> list[tuple[dict[str, object], list[object], int | None]]:
+    out = []
+    with Connection(url) as conn:
+        queue = conn.SimpleQueue(name)
+        while queue.qsize():
+            msg = queue.get(timeout=1)
+            out.append((dict(msg.headers), json.loads(msg.body), msg.properties.get("delivery_mode")))
+            msg.ack()
+        queue.close()
+    return out
+
+
+def test_dispatch_through_kombu_lands_in_every_consumer_queue(settings: Settings,
+                                                              sqlite_sessions: sessionmaker[Session],
+                                                              clock: ManualClock) -> None:
+    ids = insert(sqlite_sessions, clock, 3)
+    with KombuPublisher(broker_url="memory://", settings=settings) as pub, sqlite_sessions() as s:
+        result = dispatch_with_settings(s, pub, clock, settings)
+    assert result.published == 3
+    for consumer in settings.consumers:
+        got = drain_queue("memory://", settings.queue_name(consumer))
+        assert {h["outbox_message_id"] for h, _, _ in got} == ids
+        assert {h["task"] for h, _, _ in got} == {f"consumers.{consumer}"}
+        assert all(body[0][0]["message_id"] == h["outbox_message_id"] for h, body, _ in got)  # type: ignore[index]
+        assert {mode for _, _, mode in got} == {2}  # persistent
+
+
+def test_publisher_keeps_one_connection_across_batches(settings: Settings) -> None:
+    env = Envelope(message_id=uuid.uuid4(), type="OrderPlaced", payload={})
+    msg = celery_task_message(env, consumer="shipping", routing_key=settings.queue_name("shipping"))
+    with KombuPublisher(broker_url="memory://", settings=settings) as pub:
+        for _ in range(3):
+            assert pub.publish_batch([msg]).confirmed == (0,)
+        assert pub.connections_opened == 1
+    assert len(drain_queue("memory://", settings.queue_name("shipping"))) == 3
+
+
+def test_beat_task_drains_the_outbox(settings: Settings, sqlite_sessions: sessionmaker[Session],
+                                     clock: ManualClock) -> None:
+    ids = insert(sqlite_sessions, clock, 4)
+    app = Celery("t", set_as_current=False)
+    app.conf.update(celery_config(settings, "memory://"))
+    register(app, settings)
+    task = app.tasks[TASK_NAME]
+    assert app.amqp.router.route({}, TASK_NAME)["queue"].name == f"{settings.namespace}.relay"
+    summary = task.apply().get()
+    assert summary["published"] == 4
+    assert {h["outbox_message_id"] for h, _, _ in drain_queue("memory://", settings.queue_name("billing"))} == ids
+
+
+def test_cli_relay_once_drains_and_exits(settings: Settings, sqlite_url: str, tmp_home: Path,
+                                         sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+    from outbox.cli import cli
+
+    ids = insert(sqlite_sessions, clock, 2)
+    env = {"OUTBOX_DATABASE_URL": sqlite_url, "OUTBOX_BROKER_URL": "memory://",
+           "OUTBOX_NAMESPACE": settings.namespace, "OUTBOX_HOME": str(tmp_home)}
+    result = CliRunner().invoke(cli, ["relay", "--once", "--batch-size", "1"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "published 2" in result.output
+    assert {h["outbox_message_id"] for h, _, _ in drain_queue("memory://", settings.queue_name("search"))} == ids

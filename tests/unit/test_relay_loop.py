@@ -1,0 +1,124 @@
+"""The standalone loop on SQLite: drains until empty, survives errors, stops on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from celeryconfig import Settings
+from orders.models import OutboxMessage
+from outbox.clock import ManualClock
+from relay.loop import RelayLoop
+from relay.memory import InMemoryPublisher
+
+
+def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
+    ids = {uuid.uuid4() for _ in range(n)}
+    with sessions() as s:
+        for mid in ids:
+            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={}, headers={},
+                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
+        s.commit()
+    return {str(i) for i in ids}
+
+
+def pending(sessions: sessionmaker[Session]) -> int:
+    with sessions() as s:
+        return int(s.scalar(sa.select(sa.func.count()).where(OutboxMessage.published_at_ms.is_(None))) or 0)
+
+
+def wait_for(cond: Any, what: str, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def make_settings(tmp_path: Path, sqlite_url: str) -> Settings:
+    return Settings(home=tmp_path, database_url=sqlite_url, namespace="tl", relay_batch_size=10,
+                    relay_poll_interval_s=0.05)
+
+
+def test_drain_once_publishes_batch_after_batch_until_empty(tmp_path: Path, sqlite_url: str,
+                                                           sqlite_sessions: sessionmaker[Session],
+                                                           clock: ManualClock) -> None:
+    ids = insert(sqlite_sessions, clock, 25)
+    pub = InMemoryPublisher()
+    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), session_factory=sqlite_sessions,
+                     publisher=pub, clock=clock)
+    result = loop.drain_once()
+    assert (result.batches, result.published) == (4, 25)  # 10 + 10 + 5 + the empty one that proves it
+    assert set(pub.message_ids()) == ids and pending(sqlite_sessions) == 0
+    loop.close()
+
+
+def test_drain_once_stops_at_the_first_broker_outage(tmp_path: Path, sqlite_url: str,
+                                                     sqlite_sessions: sessionmaker[Session],
+                                                     clock: ManualClock) -> None:
+    insert(sqlite_sessions, clock, 25)
+    pub = InMemoryPublisher()
+    pub.fail_unavailable(5)
+    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), session_factory=sqlite_sessions,
+                     publisher=pub, clock=clock)
+    result = loop.drain_once()
+    assert result.broker_unavailable and result.batches == 1 and pub.calls == 1
+    assert loop.breaker.wait_ms(clock.now_ms()) > 0
+    loop.close()
+
+
+def test_run_logs_errors_and_keeps_going(tmp_path: Path, sqlite_url: str,
+                                         sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+    # Given a database that fails the first two times the relay opens a session
+    ids = insert(sqlite_sessions, clock, 5)
+    failures = [RuntimeError("database blip"), RuntimeError("database blip")]
+
+    def flaky() -> Session:
+        if failures:
+            raise failures.pop()
+        return sqlite_sessions()
+
+    flaky.kw = sqlite_sessions.kw  # type: ignore[attr-defined]
+    pub = InMemoryPublisher()
+    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), session_factory=flaky,  # type: ignore[arg-type]
+                     publisher=pub, clock=clock)
+    thread = threading.Thread(target=loop.run, kwargs={"handle_signals": False})
+    thread.start()
+    try:
+        # Then the loop survives the errors and publishes once the database is back
+        wait_for(lambda: pending(sqlite_sessions) == 0, "the backlog to drain")
+    finally:
+        loop.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert loop.stats.errors == 2
+    assert set(pub.message_ids()) == ids
+    loop.close()
+
+
+def test_sigterm_stops_the_loop_cleanly(tmp_path: Path, sqlite_url: str,
+                                        sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+    insert(sqlite_sessions, clock, 3)
+    pub = InMemoryPublisher()
+    settings = make_settings(tmp_path, sqlite_url).replace(relay_poll_interval_s=3600.0)
+    loop = RelayLoop(settings=settings, session_factory=sqlite_sessions, publisher=pub, clock=clock)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def terminate() -> None:
+        wait_for(lambda: loop.stats.drains >= 1, "the first drain")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    loop.run()  # returns only because SIGTERM woke the hour-long wait
+    killer.join(10)
+    assert loop.stopping and pending(sqlite_sessions) == 0
+    assert signal.getsignal(signal.SIGTERM) == before
+    loop.close()

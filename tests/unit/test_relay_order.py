@@ -1,0 +1,122 @@
+"""DESIGN rule 2: publish FIRST, mark AFTER. A crash in between costs a duplicate, never a loss.
+
+The wrong order (mark first) is assembled here from the relay's own steps, run through the same
+crash, and shown to LOSE the message: the order of the two steps is what the guarantee rests on.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from orders.models import OutboxMessage
+from outbox.clock import Clock, ManualClock
+from relay.dispatch import build_messages, claim_due, dispatch_batch, mark_batch
+from relay.memory import InMemoryPublisher, PublisherCrashed
+from relay.publisher import Publisher
+
+ROUTES = {"OrderPlaced": ("shipping", "billing", "search")}
+OPTS: dict[str, Any] = {"batch_size": 10, "max_attempts": 3, "base_delay_ms": 1_000, "max_delay_ms": 60_000,
+                        "routes": ROUTES, "max_message_bytes": 10_000, "namespace": "t"}
+
+
+class Died(BaseException):
+    """The relay process died at a crash point."""
+
+
+class DieAt:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def reached(self, name: str) -> None:
+        if name == self.name:
+            raise Died(name)
+
+
+def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
+    ids = {uuid.uuid4() for _ in range(n)}
+    with sessions() as s:
+        for mid in ids:
+            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={}, headers={},
+                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
+        s.commit()
+    return {str(i) for i in ids}
+
+
+def dispatch_batch_mark_first(session: Session, publisher: Publisher, clock: Clock, *,
+                              die_between: bool = False) -> None:
+    """The WRONG relay: marks rows published, commits, then publishes (at-most-once)."""
+    now = clock.now_ms()
+    rows = claim_due(session, now, OPTS["batch_size"])
+    built = build_messages(rows, routes=ROUTES, namespace="t", max_message_bytes=10_000)
+    mark_batch(session, now, published=rows, failed={}, max_attempts=3, base_delay_ms=1_000, max_delay_ms=60_000)
+    session.commit()
+    if die_between:
+        raise Died("between mark and publish")
+    publisher.publish_batch(built.messages)
+
+
+def publish_first(session: Session, publisher: Publisher, clock: Clock, *, die_between: bool = False) -> None:
+    dispatch_batch(session, publisher, clock, **OPTS,
+                   crash_points=DieAt("after_publish_before_mark") if die_between else None)
+
+
+def crash_once_then_restart(relay: Callable[..., None], sessions: sessionmaker[Session], clock: ManualClock,
+                            pub: InMemoryPublisher) -> None:
+    # When the relay dies between its two steps ...
+    with sessions() as s, pytest.raises(Died):
+        relay(s, pub, clock, die_between=True)
+    # ... and a fresh relay process runs until there is nothing left
+    for _ in range(5):
+        with sessions() as s:
+            relay(s, pub, clock)
+
+
+def test_publish_first_crash_between_publish_and_mark_duplicates_never_loses(
+        sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+    # Given 4 pending rows
+    ids = insert(sqlite_sessions, clock, 4)
+    pub = InMemoryPublisher()
+    crash_once_then_restart(publish_first, sqlite_sessions, clock, pub)
+    # Then every message reached every consumer; the crashed batch went out twice
+    assert set(pub.message_ids()) == ids
+    assert all(n in (1, 2) for n in pub.deliveries().values())
+    assert pub.duplicates() == 4 * len(ROUTES["OrderPlaced"])
+    with sqlite_sessions() as s:
+        assert s.scalar(sa.select(sa.func.count()).where(OutboxMessage.published_at_ms.is_(None))) == 0
+
+
+def test_mark_first_under_the_same_crash_loses_the_messages(sqlite_sessions: sessionmaker[Session],
+                                                           clock: ManualClock) -> None:
+    # Given the same 4 rows and the same crash, but the steps swapped
+    ids = insert(sqlite_sessions, clock, 4)
+    pub = InMemoryPublisher()
+    crash_once_then_restart(dispatch_batch_mark_first, sqlite_sessions, clock, pub)
+    # Then the rows say "published" but the broker never got them: lost, and nothing will retry
+    with sqlite_sessions() as s:
+        assert s.scalar(sa.select(sa.func.count()).where(OutboxMessage.published_at_ms.is_(None))) == 0
+    assert set(pub.message_ids()) != ids
+    assert set(pub.message_ids()) == set()
+
+
+def test_publisher_dying_after_the_broker_got_the_batch_is_republished_on_restart(
+        sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+    # Given a publisher that hands the batch to the broker and then the process dies
+    ids = insert(sqlite_sessions, clock, 3)
+    pub = InMemoryPublisher()
+    pub.crash_after_delivery()
+    with sqlite_sessions() as s, pytest.raises(PublisherCrashed):
+        dispatch_batch(s, pub, clock, **OPTS)
+    # Then nothing was marked
+    with sqlite_sessions() as s:
+        assert s.scalar(sa.select(sa.func.count()).where(OutboxMessage.published_at_ms.is_(None))) == 3
+    # When the relay restarts, then it publishes again: only duplicates, no loss
+    with sqlite_sessions() as s:
+        assert dispatch_batch(s, pub, clock, **OPTS).published == 3
+    assert set(pub.message_ids()) == ids
+    assert set(pub.deliveries().values()) == {2}
