@@ -68,7 +68,7 @@ class Settings:
     broker_redelivery_window_ms: int = 24 * 3600 * 1000
     worker_concurrency: int = 2
 
-    metrics_port: int = 9808
+    metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
     admin_token: str = ""
     crash_points: str = ""  # comma separated names armed for chaos tests
 

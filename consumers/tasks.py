@@ -26,6 +26,7 @@ from consumers.decorator import ConsumerRegistry, ConsumerSpec, default_registry
 from consumers.inbox import DUPLICATES, CrashSite, already_seen, increment_counter
 from consumers.models import DeliveryAttempt
 from consumers.outcome import Outcome
+from outbox import events
 from outbox.clock import Clock, SystemClock
 from outbox.crashpoints import CrashPoints
 from outbox.db import make_engine, make_session_factory
@@ -41,6 +42,20 @@ class Delivery:
     deliveries: int
     error: str | None = None
     retry_in_s: float | None = None
+
+
+def _announce(app: Any, consumer: str, body: Any, result: Delivery) -> None:
+    """Custom Celery events for the two outcomes an operator watches in Flower (best effort)."""
+    if result.outcome not in (Outcome.DUPLICATE, Outcome.DEAD_LETTERED):
+        return
+    raw = body.get("message_id") if isinstance(body, Mapping) else None
+    message_id = str(raw) if raw is not None else ""
+    event_type = body.get("type") if isinstance(body, Mapping) else None
+    if result.outcome is Outcome.DUPLICATE:
+        events.duplicate_absorbed(app, consumer=consumer, message_id=message_id, event_type=event_type)
+    else:
+        events.dead_lettered(app, source="consumer", consumer=consumer, message_id=message_id,
+                             error=result.error or "", event_type=event_type, attempts=result.deliveries)
 
 
 class SessionSource:
@@ -241,6 +256,7 @@ def _define(app: Any, settings: Settings, spec: ConsumerSpec, *, sessions: Sessi
         if result.retry_in_s is not None:
             raise self.retry(countdown=result.retry_in_s, max_retries=None,
                              exc=_RedeliveryError(result.error or "failed"))
+        _announce(app, spec.name, body, result)
         return result.outcome.value
 
 

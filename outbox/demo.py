@@ -56,7 +56,7 @@ class DemoResult:
 
 def read_counts(sessions: sessionmaker[Session]) -> DemoCounts:
     with sessions() as s:
-        def n(stmt: sa.Select[tuple[int]]) -> int:
+        def n(stmt: sa.Select[int]) -> int:
             return int(s.scalar(stmt) or 0)
 
         return DemoCounts(

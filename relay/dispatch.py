@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -79,6 +79,7 @@ class BatchResult:
     duplicates_risked: int = 0  # rows the broker may already hold that stay pending (sent again)
     already_published: int = 0  # rows another relay marked first: a double publish happened
     error: str | None = None
+    dead_lettered_rows: list[tuple[str, str]] = field(default_factory=list)  # (message_id, why)
 
     @property
     def drained(self) -> bool:
@@ -236,6 +237,8 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, batc
             max_attempts=max_attempts, base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms)
         with wrap_driver_errors("committing the relay batch"):
             session.commit()
+        result.dead_lettered_rows = [(str(r.message_id), why) for r, why in dead_now.values()] + [
+            (str(r.message_id), why) for r, why in rejected_rows.values() if r.attempts + 1 >= max_attempts]
         result.published = marked
         result.already_published = len(published) - marked
         if result.already_published:

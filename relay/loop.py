@@ -16,7 +16,7 @@ import os
 import select
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -27,6 +27,7 @@ from outbox.clock import Clock, SystemClock
 from relay.breaker import CircuitBreaker
 from relay.dispatch import BatchResult, CrashPointsLike, breaker_from_settings, dispatch_with_settings
 from relay.publisher import Publisher
+from relay.single_flight import single_flight, sqlite_lock_path
 
 log = logging.getLogger("relay.loop")
 
@@ -45,9 +46,11 @@ class DrainResult:
     already_published: int = 0
     broker_unavailable: bool = False
     error: str | None = None
+    dead_lettered_rows: list[tuple[str, str]] = field(default_factory=list)
 
     def add(self, r: BatchResult) -> None:
         self.batches += 1
+        self.dead_lettered_rows.extend(r.dead_lettered_rows)
         self.claimed += r.claimed
         self.published += r.published
         self.failed += r.failed
@@ -70,6 +73,7 @@ class LoopStats:
     poll_wakeups: int = 0
     kick_wakeups: int = 0
     broker_unavailable: int = 0
+    skipped_busy: int = 0  # SQLite: another drain held the single-flight lock
     listening: bool = False
 
 
@@ -116,6 +120,7 @@ class RelayLoop:
         self.breaker = breaker or breaker_from_settings(settings)
         self.crash_points = crash_points
         self.batch_size = batch_size or settings.relay_batch_size
+        self._lock_path = sqlite_lock_path(settings.effective_database_url)
         self.poll_interval_s = poll_interval_s or settings.relay_poll_interval_s
         self.listen = listen
         self.max_batches_per_drain = max_batches_per_drain
@@ -145,14 +150,18 @@ class RelayLoop:
     def drain_once(self) -> DrainResult:
         """Publish due rows batch after batch until none is left or the broker is unreachable."""
         total = DrainResult()
-        for _ in range(self.max_batches_per_drain):
-            with self.session_factory() as session:
-                result = dispatch_with_settings(session, self.publisher, self.clock, self.settings,
-                                                breaker=self.breaker, crash_points=self.crash_points,
-                                                batch_size=self.batch_size)
-            total.add(result)
-            if result.broker_unavailable or result.claimed == 0 or self.stopping:
-                break
+        with single_flight(self._lock_path) as mine:
+            if not mine:
+                self.stats.skipped_busy += 1
+                return total
+            for _ in range(self.max_batches_per_drain):
+                with self.session_factory() as session:
+                    result = dispatch_with_settings(session, self.publisher, self.clock, self.settings,
+                                                    breaker=self.breaker, crash_points=self.crash_points,
+                                                    batch_size=self.batch_size)
+                total.add(result)
+                if result.broker_unavailable or result.claimed == 0 or self.stopping:
+                    break
         self.stats.drains += 1
         self.stats.published += total.published
         if total.broker_unavailable:

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from celeryconfig import Settings
+from outbox import events
 from outbox.clock import SystemClock
 from outbox.crashpoints import CrashPoints
 from outbox.db import make_engine, make_session_factory
@@ -52,4 +53,7 @@ def register(app: Any, settings: Settings) -> None:
     def drain_outbox() -> dict[str, Any]:
         """Publish every due outbox row now (one drain); the beat schedule calls it again."""
         with lock:
-            return dataclasses.asdict(relay_loop().drain_once())
+            result = relay_loop().drain_once()
+        for message_id, why in result.dead_lettered_rows:  # visible in Flower; best effort
+            events.dead_lettered(app, source="outbox", message_id=message_id, error=why)
+        return dataclasses.asdict(result)

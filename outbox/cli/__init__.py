@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-
+from outbox.cli.chaos import chaos
 from outbox.cli.common import settings_group
 from outbox.cli.db import db
 from outbox.cli.demo import demo
@@ -18,6 +18,7 @@ def cli() -> None:
     """Transactional outbox, inbox and idempotent consumers on Celery."""
 
 
+cli.add_command(chaos)
 cli.add_command(db)
 cli.add_command(demo)
 cli.add_command(embedded_redis)

@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 
 from celeryconfig import Settings, celery_config
-from ops import events
+from outbox import events
 
 pytestmark = [pytest.mark.redis]
 

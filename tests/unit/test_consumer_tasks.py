@@ -242,3 +242,28 @@ def test_processed_then_lost_worker_repeatedly_is_still_a_duplicate(settings: Se
     assert rows(sqlite_sessions, ConsumerDeadLetter) == []
     assert rows(sqlite_sessions, DeliveryAttempt) == []
     assert len(rows(sqlite_sessions, Shipment)) == 1
+
+
+def test_duplicates_and_dead_letters_are_announced_as_celery_events(settings: Settings, clock: ManualClock,
+                                                                     sqlite_sessions: sessionmaker[Session],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a consumer app whose Celery event dispatcher is recorded (Flower reads these events)
+    sent: list[tuple[str, dict[str, Any]]] = []
+    from outbox import events
+
+    def record(app: Any, type: str, **fields: Any) -> bool:
+        sent.append((type, fields))
+        return True
+
+    monkeypatch.setattr(events, "send_event", record)
+    app = make_app(settings.replace(consumer_max_deliveries=1), clock)
+    body = order_placed_envelope("o-ev").to_dict()
+    # When a message is processed, then delivered again, and a poison message fails its only delivery
+    apply(app, "shipping", body)
+    apply(app, "shipping", body)
+    poison = {**body, "message_id": str(uuid.uuid4()), "payload": "not json"}
+    apply(app, "shipping", poison)
+    # Then exactly one duplicate-absorbed and one dead-lettered event were sent, with their message ids
+    assert [t for t, _ in sent] == [events.DUPLICATE_ABSORBED, events.DEAD_LETTERED]
+    assert sent[0][1]["message_id"] == body["message_id"] and sent[0][1]["consumer"] == "shipping"
+    assert sent[1][1]["message_id"] == poison["message_id"] and "not JSON" in sent[1][1]["error"]

@@ -123,6 +123,7 @@ def test_unknown_type_is_dead_lettered_at_once_and_does_not_block_rows_behind(
     # Then the bad row is dead-lettered with a clear reason and the good one is published
     assert (result.dead_lettered, result.published) == (1, 1)
     bad, ok = rows(sqlite_sessions)
+    assert result.dead_lettered_rows == [(str(bad.message_id), bad.last_error)]
     assert bad.dead_lettered_at_ms == clock.now_ms() and bad.published_at_ms is None
     assert bad.last_error is not None and "no route for event type 'OrderTeleported'" in bad.last_error
     assert ok.published_at_ms is not None and pub.message_ids()[0] == str(good[0])

@@ -100,9 +100,10 @@ def test_message_the_broker_keeps_rejecting_is_dead_lettered_after_max_attempts(
     pub.reject(mid, times=100, error="returned: NO_ROUTE")
     delays = []
     # When the relay runs whenever the row is due
+    results = []
     for _ in range(3):
         before = clock.now_ms()
-        run(sqlite_sessions, pub, clock)
+        results.append(run(sqlite_sessions, pub, clock))
         row = only_row(sqlite_sessions)
         delays.append(row.next_attempt_at_ms - before)
         clock.set(row.next_attempt_at_ms)
@@ -111,6 +112,8 @@ def test_message_the_broker_keeps_rejecting_is_dead_lettered_after_max_attempts(
     assert row.attempts == 3 and row.dead_lettered_at_ms is not None and row.published_at_ms is None
     assert row.last_error == "shipping: returned: NO_ROUTE"
     assert delays[:2] == [1_000, 2_000]
+    # And only the last pass reports it dead-lettered (what the relay task announces to Flower)
+    assert [r.dead_lettered_rows for r in results] == [[], [], [(str(mid), "shipping: returned: NO_ROUTE")]]
     # And a recovered broker never receives it
     pub.recover()
     clock.advance(10**9)
