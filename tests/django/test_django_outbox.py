@@ -19,8 +19,8 @@ from django.db.models.signals import post_save
 from django.http import HttpRequest, JsonResponse
 from django.test import Client
 from django.urls import include, path
-from shop import services
 from shop.models import Order, OrderLine, Shipment
+from shop.services import place_order
 
 import outbox_django
 from orders import outbox as sa_outbox
@@ -47,7 +47,7 @@ class PaymentDeclined(Exception):
 def place_then_fail(request: HttpRequest) -> JsonResponse:
     """A view that places an order (order, lines, outbox row) and then fails in the same transaction."""
     with transaction.atomic():
-        services.place_order(parse_order(json.loads(request.body)))
+        place_order(parse_order(json.loads(request.body)))
         raise PaymentDeclined("card declined after the order was written")
 
 

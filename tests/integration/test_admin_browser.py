@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import IN_CI
-from ops_seed import T0, consumer_dead_letter, envelope, outbox_row
+from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 from sqlalchemy.orm import Session, sessionmaker
 from werkzeug.serving import make_server
 

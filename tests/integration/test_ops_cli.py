@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
-from ops_seed import consumer_dead_letter, envelope, inbox_rows, outbox_row
+from tests.ops_seed import consumer_dead_letter, envelope, inbox_rows, outbox_row
 from sqlalchemy.orm import Session, sessionmaker
 
 from consumers.models import ConsumerDeadLetter, InboxEntry

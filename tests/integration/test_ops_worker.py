@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 from kombu import Connection, Exchange, Queue
-from ops_seed import consumer_dead_letter, envelope, outbox_row
+from tests.ops_seed import consumer_dead_letter, envelope, outbox_row
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from ops_seed import T0, consumer_dead_letter, envelope, outbox_row
+from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 from sqlalchemy.orm import Session, sessionmaker
 
 from consumers.models import ConsumerDeadLetter

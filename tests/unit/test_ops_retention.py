@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from ops_seed import T0, inbox_rows, outbox_row
+from tests.ops_seed import T0, inbox_rows, outbox_row
 from sqlalchemy.orm import Session, sessionmaker
 
 from consumers.models import InboxEntry

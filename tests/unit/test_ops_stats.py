@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from ops_seed import T0, consumer_dead_letter, counter, inbox_rows, outbox_row
+from tests.ops_seed import T0, consumer_dead_letter, counter, inbox_rows, outbox_row
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 

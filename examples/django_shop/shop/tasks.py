@@ -40,7 +40,8 @@ def create_shipment(envelope: Envelope) -> None:
     )
 
 
-@app.task(name=task_name(FULFILMENT), bind=True, acks_late=True, max_retries=MAX_RETRIES)  # type: ignore[untyped-decorator]
+# shared=False: only this project's app gets the task (not every Celery app in the process).
+@app.task(name=task_name(FULFILMENT), bind=True, acks_late=True, max_retries=MAX_RETRIES, shared=False)  # type: ignore[untyped-decorator]
 def fulfilment(self: Any, envelope: Any) -> str:
     """Returning acks; raising (via ``retry``) redelivers; poison and the last failure are dead-lettered."""
     try:
