@@ -135,8 +135,8 @@ class ChaosEnvironment:
         return self.processes.add(ManagedProcess(name=name, argv=[*relay_argv(), *args], env=self.env,
                                                  log_dir=self.workdir / "logs", cwd=REPO))
 
-    def worker(self, name: str = "worker", *, queues: Iterable[str] | None = None, pool: str = "solo",
-               concurrency: int = 1) -> ManagedProcess:
+    def worker(self, name: str = "worker", *, queues: Iterable[str] | None = None, pool: str = "threads",
+               concurrency: int = 2) -> ManagedProcess:
         names = [self.settings.queue_name(c) for c in (queues or self.consumers)]
         argv = worker_argv(queues=names, pool=pool, concurrency=concurrency, hostname=f"{name}-{self.namespace}")
         return self.processes.add(ManagedProcess(name=name, argv=argv, env=self.env,

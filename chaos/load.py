@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,12 @@ def order_body(order_id: str, *, index: int) -> dict[str, Any]:
         "currency": "EUR",
         "lines": [{"sku": f"sku-{index % 5}", "quantity": 1 + index % 3, "unit_price_cents": 100 + index}],
     }
+
+
+def make_plan(n: int, *, prefix: str = "o", rollback: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+    """``n`` planned orders with unique ids; indexes in ``rollback`` are to fail inside their transaction."""
+    tag = uuid.uuid4().hex[:6]
+    return [{"order_id": f"{prefix}-{tag}-{i}", "rollback": i in rollback} for i in range(n)]
 
 
 def _fail_after_flush(session: Session, _ctx: Any) -> None:

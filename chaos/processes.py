@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,10 +111,8 @@ class ManagedProcess:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
 
     def restart(self, *, crash_points: str = "") -> None:
@@ -165,11 +163,11 @@ class ProcessGroup:
             p.stop(timeout_s=timeout_s)
 
 
-def wait_until(predicate: object, *, timeout_s: float, interval_s: float = 0.2, what: str = "condition") -> bool:
+def wait_until(predicate: Callable[[], bool], *, timeout_s: float, interval_s: float = 0.2) -> bool:
     """Poll ``predicate()`` until true or the deadline passes; returns whether it became true."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return True
         if time.monotonic() > deadline:
             return False

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from chaos.environment import ChaosEnvironment
-
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -55,6 +53,7 @@ def chaos_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChaosE
     yield from _env(str(request.param), tmp_path)
 
 
-def plan(n: int, *, prefix: str = "o", rollback: frozenset[int] = frozenset()) -> list[dict[str, object]]:
-    tag = uuid.uuid4().hex[:6]
-    return [{"order_id": f"{prefix}-{tag}-{i}", "rollback": i in rollback} for i in range(n)]
+@pytest.fixture
+def require() -> Callable[[str, str, int], None]:
+    """``require(name, host, port)``: skip locally / fail under CI when a service is down."""
+    return require_service

@@ -16,8 +16,8 @@ import sqlalchemy as sa
 
 from chaos import invariants
 from chaos.environment import ChaosEnvironment
+from chaos.load import make_plan as plan
 from chaos.processes import ManagedProcess
-from conftest import plan  # type: ignore[import-not-found]
 from consumers.models import ConsumerDeadLetter, InboxEntry, Shipment
 from orders.models import Order, OutboxMessage
 
@@ -164,8 +164,10 @@ def test_broker_down_backlog_drains_nothing_dead_lettered(chaos_env: ChaosEnviro
     with env.sessions() as s:
         dead = s.execute(sa.select(sa.func.count()).select_from(OutboxMessage)
                          .where(OutboxMessage.dead_lettered_at_ms.is_not(None))).scalar_one()
+        charged = s.execute(sa.select(sa.func.max(OutboxMessage.attempts))).scalar_one()
     assert env.pending() == 8
     assert dead == 0
+    assert charged == 0  # an unreachable broker is nobody's message's fault (the breaker backs off)
     # Then: the broker returns and the backlog drains by itself; nothing dead-lettered
     env.broker.outage_end()
     report = settle(env)
@@ -180,7 +182,7 @@ def test_worker_killed_before_commit_redelivered_processed_once(broker: str, req
     env.relay().start()
     env.wait(lambda: env.pending() == 0, what="orders published")
     # Given: a worker that dies in its 2nd delivery, after the effect was flushed, before COMMIT
-    worker = env.worker()
+    worker = env.worker(concurrency=1)  # one delivery at a time: the kill hits exactly one
     worker.start(crash_points="consumer_before_commit@2")
     died_by_sigkill(worker, env)
     # Then: the killed delivery left no effect and no inbox row
@@ -197,7 +199,7 @@ def test_worker_killed_after_commit_before_ack_duplicate_absorbed(redis_chaos: C
     env.relay().start()
     env.wait(lambda: env.pending() == 0, what="orders published")
     # Given: a worker that commits its first effect and dies before acking the message
-    worker = env.worker()
+    worker = env.worker(concurrency=1)  # one delivery at a time: the kill hits exactly one
     worker.start(crash_points="consumer_after_commit_before_ack")
     died_by_sigkill(worker, env)
     assert env.count(InboxEntry) == 1
