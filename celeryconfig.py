@@ -66,6 +66,10 @@ class Settings:
     consumer_retry_backoff_max_s: int = 60
     consumer_park_timeout_ms: int = 600_000
     broker_redelivery_window_ms: int = 24 * 3600 * 1000
+    # Redis only: a message a worker took and never acked (worker killed whole) is redelivered after
+    # this long. It must exceed the longest retry countdown (Redis holds ETA retries unacked too),
+    # else a waiting retry is delivered twice (absorbed by the inbox, but wasted work).
+    broker_visibility_timeout_s: int = 300
     worker_concurrency: int = 2
 
     metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
@@ -94,6 +98,18 @@ class Settings:
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
+    def to_env(self) -> dict[str, str]:
+        """The ``OUTBOX_*`` variables that make a child process build these same settings."""
+        env: dict[str, str] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "routes":
+                value = ";".join(f"{t}={','.join(c)}" for t, c in value.items())
+            elif isinstance(value, Path):
+                value = value.resolve()
+            env[f"OUTBOX_{f.name.upper()}"] = str(value)
+        return env
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Build settings from ``OUTBOX_<FIELD>`` variables; a malformed value raises ``ConfigError``."""
@@ -113,7 +129,7 @@ class Settings:
         positive = (
             "relay_batch_size", "relay_max_attempts", "relay_base_delay_ms", "relay_max_delay_ms",
             "relay_breaker_base_ms", "relay_breaker_max_ms", "max_message_bytes",
-            "consumer_max_deliveries", "worker_concurrency",
+            "consumer_max_deliveries", "worker_concurrency", "broker_visibility_timeout_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -126,6 +142,12 @@ class Settings:
             )
         if not self.namespace or any(c in self.namespace for c in " /#*"):
             raise ConfigError(f"OUTBOX_NAMESPACE {self.namespace!r} must be non-empty, without ' /#*'")
+        if self.consumer_retry_backoff_max_s >= self.broker_visibility_timeout_s:
+            raise ConfigError(
+                f"OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S ({self.consumer_retry_backoff_max_s}) must be below "
+                f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({self.broker_visibility_timeout_s}): on Redis a retry "
+                "waiting longer than the visibility timeout is delivered twice"
+            )
         url = self.effective_database_url
         if not (url.startswith("sqlite") or url.startswith("postgresql")):
             raise ConfigError(f"OUTBOX_DATABASE_URL must be sqlite:// or postgresql://, got {url!r}")
@@ -157,6 +179,21 @@ def broker_is_rabbitmq(url: str) -> bool:
     return url.startswith(("amqp://", "pyamqp://", "amqps://"))
 
 
+def redis_transport_options(settings: Settings) -> dict[str, Any]:
+    """Redelivery of unacked messages on Redis, sized from one setting.
+
+    kombu restores a dead worker's unacked messages after ``visibility_timeout``, under a mutex kept
+    in Redis; a worker SIGKILLed while holding it blocks every restore until the mutex expires (300 s
+    by default), so the mutex expiry follows the timeout instead of staying fixed.
+    """
+    vt = settings.broker_visibility_timeout_s
+    return {
+        "visibility_timeout": vt,
+        "unacked_restore_interval": max(1, min(60, vt // 3)),
+        "unacked_mutex_expire": max(5, min(300, vt * 2)),
+    }
+
+
 def celery_config(settings: Settings, broker_url: str) -> dict[str, Any]:
     """The Celery configuration for these settings. ``broker_url`` is already resolved (no 'embedded')."""
     from kombu import Exchange, Queue
@@ -181,6 +218,11 @@ def celery_config(settings: Settings, broker_url: str) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
+        # After a reconnect Celery lowers the prefetch count and raises it back as in-flight tasks
+        # ack; acks of tasks delivered on the dead connection fail, and a worker was seen stuck,
+        # consuming nothing, after a RabbitMQ outage (chaos run; celery/celery#9512). Prefetch is 1
+        # per process here, so there is nothing to protect by reducing it.
+        "worker_enable_prefetch_count_reduction": False,
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "task_queues": [*queues, relay_queue],
@@ -188,9 +230,9 @@ def celery_config(settings: Settings, broker_url: str) -> dict[str, Any]:
         "task_default_exchange": relay_queue.exchange.name,
         "task_default_routing_key": relay_queue.routing_key,
         "task_create_missing_queues": False,
-        "broker_transport_options": {"visibility_timeout": 3600, "confirm_publish": True}
+        "broker_transport_options": {"confirm_publish": True}
         if broker_is_rabbitmq(broker_url)
-        else {"visibility_timeout": 3600},
+        else redis_transport_options(settings),
         "beat_schedule": {
             "drain-outbox": {
                 "task": "relay.tasks.drain_outbox",

@@ -42,7 +42,7 @@ CHAOS_ENV: dict[str, str] = {
     "OUTBOX_CONSUMER_MAX_DELIVERIES": "3",
     "OUTBOX_CONSUMER_RETRY_BACKOFF_S": "1",
     "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "2",
-    "OUTBOX_CHAOS_VISIBILITY_TIMEOUT_S": "3",
+    "OUTBOX_BROKER_VISIBILITY_TIMEOUT_S": "3",  # see celeryconfig.redis_transport_options
 }
 
 

@@ -134,7 +134,7 @@ def relay_argv() -> list[str]:
 
 
 def worker_argv(*, queues: Sequence[str], pool: str = "solo", concurrency: int = 1,
-                app: str = "chaos.celery_app", hostname: str = "chaos") -> list[str]:
+                app: str = "outbox.celery_app", hostname: str = "chaos") -> list[str]:
     return [str(BIN / "celery"), "-A", app, "worker", "-Q", ",".join(queues), "-P", pool,
             "-c", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"{hostname}@%h", "--loglevel", "INFO"]

@@ -21,19 +21,8 @@ from celeryconfig import Settings
 def settings_env(settings: Settings, *, broker_url: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment that makes a child build the same ``Settings`` (broker already resolved)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update({
-        "OUTBOX_HOME": str(settings.home.resolve()),
-        "OUTBOX_DATABASE_URL": settings.effective_database_url,
-        "OUTBOX_BROKER_URL": broker_url,
-        "OUTBOX_NAMESPACE": settings.namespace,
-        "OUTBOX_RELAY_BATCH_SIZE": str(settings.relay_batch_size),
-        "OUTBOX_RELAY_POLL_INTERVAL_S": str(settings.relay_poll_interval_s),
-        "OUTBOX_RELAY_MAX_ATTEMPTS": str(settings.relay_max_attempts),
-        "OUTBOX_CONSUMER_MAX_DELIVERIES": str(settings.consumer_max_deliveries),
-        "OUTBOX_CONSUMER_RETRY_BACKOFF_S": str(settings.consumer_retry_backoff_s),
-        "OUTBOX_ROUTES": ";".join(f"{t}={','.join(c)}" for t, c in settings.routes.items()),
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(settings.replace(database_url=settings.effective_database_url, broker_url=broker_url).to_env())
+    env["PYTHONUNBUFFERED"] = "1"
     if extra:
         env.update(extra)
     return env

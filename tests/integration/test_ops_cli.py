@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
-from tests.ops_seed import consumer_dead_letter, envelope, inbox_rows, outbox_row
 from sqlalchemy.orm import Session, sessionmaker
 
 from consumers.models import ConsumerDeadLetter, InboxEntry
@@ -20,6 +19,7 @@ from orders.models import OutboxMessage
 from outbox.cli import cli
 from outbox.clock import SystemClock
 from outbox.db import make_engine, make_session_factory
+from tests.ops_seed import consumer_dead_letter, envelope, inbox_rows, outbox_row
 
 DAY = 86_400_000
 

@@ -12,7 +12,6 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 from kombu import Connection, Exchange, Queue
-from tests.ops_seed import consumer_dead_letter, envelope, outbox_row
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -24,6 +23,7 @@ from orders.models import OutboxMessage
 from outbox.cli import cli
 from outbox.embedded import free_port
 from outbox.processes import Child, settings_env, wait_until, worker
+from tests.ops_seed import consumer_dead_letter, envelope, outbox_row
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
 

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from flask.testing import FlaskClient
-from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 from sqlalchemy.orm import Session, sessionmaker
 
 from celeryconfig import Settings
@@ -18,6 +17,7 @@ from ops.admin import CSRF_COOKIE, EXT
 from orders.models import OutboxMessage
 from orders.web import create_app
 from outbox.clock import ManualClock
+from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 
 TOKEN = "s3cret-token"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}

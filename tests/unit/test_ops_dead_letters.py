@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 from sqlalchemy.orm import Session, sessionmaker
 
 from consumers.models import ConsumerDeadLetter
@@ -14,6 +13,7 @@ from ops import dead_letters as dl
 from orders.models import OutboxMessage
 from outbox.clock import ManualClock
 from outbox.errors import NotFoundError, ValidationError
+from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 
 CONSUMERS = ("shipping", "billing", "search", "email")
 

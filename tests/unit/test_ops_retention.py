@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.ops_seed import T0, inbox_rows, outbox_row
 from sqlalchemy.orm import Session, sessionmaker
 
 from consumers.models import InboxEntry
@@ -15,6 +14,7 @@ from ops import retention
 from orders.models import OutboxMessage
 from outbox.clock import ManualClock
 from outbox.errors import ValidationError
+from tests.ops_seed import T0, inbox_rows, outbox_row
 
 DAY = 86_400_000
 WINDOW = DAY

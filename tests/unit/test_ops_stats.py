@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 import pytest
-from tests.ops_seed import T0, consumer_dead_letter, counter, inbox_rows, outbox_row
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -15,6 +14,7 @@ from ops import stats as ops_stats
 from ops.metrics import OutboxCollector, make_registry, render
 from orders.web import create_app
 from outbox.clock import ManualClock
+from tests.ops_seed import T0, consumer_dead_letter, counter, inbox_rows, outbox_row
 
 
 def scenario(s: Session) -> None:

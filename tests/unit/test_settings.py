@@ -49,3 +49,23 @@ def test_celery_speaks_json_only() -> None:
     assert conf["accept_content"] == ["json"]
     assert conf["task_serializer"] == conf["result_serializer"] == conf["event_serializer"] == "json"
     assert conf["task_acks_late"] is True and conf["worker_prefetch_multiplier"] == 1
+
+
+def test_redis_redelivery_follows_the_visibility_timeout() -> None:
+    conf = celery_config(Settings(broker_visibility_timeout_s=30), "redis://127.0.0.1:6379/0")
+    opts = conf["broker_transport_options"]
+    assert opts["visibility_timeout"] == 30
+    # a worker killed while holding kombu's restore mutex must not block restores for 5 minutes
+    assert opts["unacked_mutex_expire"] == 60 and opts["unacked_restore_interval"] == 10
+
+
+def test_retry_backoff_must_stay_below_the_visibility_timeout() -> None:
+    with pytest.raises(ConfigError, match="must be below OUTBOX_BROKER_VISIBILITY_TIMEOUT_S"):
+        Settings.from_env({"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S": "60", "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "60"})
+
+
+def test_to_env_round_trips_every_field() -> None:
+    s = Settings(home=Path("/tmp/h"), database_url="sqlite:////tmp/x.db", broker_url="redis://h:1/0",
+                 routes={"A": ("x", "y"), "B": ("z",)}, relay_batch_size=7, relay_poll_interval_s=0.25,
+                 admin_token="t", crash_points="after_mark@2")
+    assert Settings.from_env(s.to_env()) == s
