@@ -18,10 +18,15 @@ from consumers.sql import upsert
 from outbox.db import wrap_driver_errors
 
 
-def begin(session: Session, *, key: uuid.UUID, consumer: str, now_ms: int) -> DeliveryAttempt:
-    """Count this delivery (commits) and return the row; ``deliveries`` includes this one."""
+def begin(session: Session, *, key: uuid.UUID, consumer: str, now_ms: int, uncounted: int = 0) -> DeliveryAttempt:
+    """Count this delivery (commits) and return the row; ``deliveries`` includes this one.
+
+    ``uncounted``: earlier deliveries known to have happened without a row (a first delivery takes
+    the fast path and is only counted when it fails; if its worker died instead, the broker's
+    redelivered flag says so and it is counted here).
+    """
     stmt = upsert(session, DeliveryAttempt, {
-        "message_id": key, "consumer": consumer, "deliveries": 1, "first_failed_at_ms": now_ms,
+        "message_id": key, "consumer": consumer, "deliveries": 1 + uncounted, "first_failed_at_ms": now_ms,
         "last_failed_at_ms": now_ms, "last_error": "",
     }, keys=("message_id", "consumer"), update={"deliveries": DeliveryAttempt.deliveries + 1})
     with wrap_driver_errors(f"counting a delivery for {consumer}"):

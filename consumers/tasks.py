@@ -126,19 +126,29 @@ def _parse(spec: ConsumerSpec, body: Any, raw: str, max_bytes: int) -> Envelope:
 
 
 def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, request_id: str | None,
-            settings: Settings, clock: Clock, crash_points: CrashSite | None = None) -> Delivery:
-    """Handle one delivery of ``body`` for ``spec``: count it, run the inbox, decide retry/dead letter."""
+            settings: Settings, clock: Clock, crash_points: CrashSite | None = None,
+            first_delivery: bool = False, redelivered: bool = False) -> Delivery:
+    """Handle one delivery of ``body`` for ``spec``: count it, run the inbox, decide retry/dead letter.
+
+    ``first_delivery`` (no retry so far, no broker redelivery) takes the fast path: nothing is
+    counted up front and the happy path costs the effect's one commit; the delivery is counted if it
+    fails, and if its worker dies instead the redelivery arrives ``redelivered`` and is counted for
+    both. Any other delivery is counted at its start, which bounds a message that kills its worker.
+    """
+    if first_delivery and not redelivered:
+        fast = _first_delivery(sessions, spec, body, request_id=request_id, settings=settings, clock=clock,
+                               crash_points=crash_points)
+        if fast is not None:
+            return fast
     raw = raw_text(body)
     key = delivery_key(body, request_id, raw)
     name, limit = spec.name, settings.consumer_max_deliveries
     retry_base, retry_max = settings.consumer_retry_backoff_s, settings.consumer_retry_backoff_max_s
-    btype = body.get("type") if isinstance(body, Mapping) and isinstance(body.get("type"), str) else None
-    bheaders: Mapping[str, Any] = {}
-    if isinstance(body, Mapping) and isinstance(body.get("headers"), Mapping):
-        bheaders = body["headers"]
+    btype, bheaders = _body_meta(body)
     with sessions() as session:
         try:
-            row = attempts.begin(session, key=key, consumer=name, now_ms=clock.now_ms())
+            row = attempts.begin(session, key=key, consumer=name, now_ms=clock.now_ms(),
+                                 uncounted=1 if redelivered else 0)
         except DatabaseError as e:
             # The database is down: nobody's fault but the system's; redeliver, do not count.
             return Delivery(outcome=Outcome.RETRY, deliveries=0, error=str(e),
@@ -162,6 +172,49 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, r
         except DatabaseError:
             session.rollback()  # bookkeeping only; the effect is committed and the message must be acked
         return Delivery(outcome=outcome, deliveries=n)
+
+
+def _body_meta(body: Any) -> tuple[str | None, Mapping[str, Any]]:
+    """The type and headers of a body, as far as it has them (kept with a dead letter)."""
+    if not isinstance(body, Mapping):
+        return None, {}
+    btype = body.get("type") if isinstance(body.get("type"), str) else None
+    headers = body["headers"] if isinstance(body.get("headers"), Mapping) else {}
+    return btype, headers
+
+
+def _first_delivery(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, request_id: str | None,
+                    settings: Settings, clock: Clock, crash_points: CrashSite | None) -> Delivery | None:
+    """A first delivery: parse and handle with no bookkeeping up front; a failure is counted (as
+    delivery 1) and decided like any other. ``None``: the count could not be read, take the slow path."""
+    raw = raw_text(body)
+    with sessions() as session:
+        try:
+            envelope = _parse(spec, body, raw, settings.max_message_bytes)
+            outcome = spec.handle(session, envelope, clock=clock, crash_points=crash_points)
+        except Exception as e:
+            session.rollback()
+            error = f"{e.__class__.__name__}: {e}"
+            try:
+                row = attempts.begin(session, key=delivery_key(body, request_id, raw), consumer=spec.name,
+                                     now_ms=clock.now_ms())
+            except DatabaseError:
+                return None
+            btype, bheaders = _body_meta(body)
+            if row.deliveries > settings.consumer_max_deliveries:  # a dead-lettered copy came back
+                return _worker_lost(session, row, spec=spec, raw=raw, type_=btype, headers=bheaders, clock=clock,
+                                    limit=settings.consumer_max_deliveries)
+            return _failed(session, row, spec=spec, raw=raw, type_=btype, headers=bheaders, error=error, clock=clock,
+                           limit=settings.consumer_max_deliveries,
+                           retry_in_s=backoff_s(row.deliveries, base_s=settings.consumer_retry_backoff_s,
+                                                max_s=settings.consumer_retry_backoff_max_s))
+        if spec.ordering:
+            try:
+                ordering.expire_parked(session, consumer=spec.name, now_ms=clock.now_ms(),
+                                       timeout_ms=settings.consumer_park_timeout_ms)
+            except DatabaseError:
+                session.rollback()  # bookkeeping only; the effect is committed
+    return Delivery(outcome=outcome, deliveries=1)
 
 
 def _failed(session: Session, row: DeliveryAttempt, *, spec: ConsumerSpec, raw: str, type_: str | None,
@@ -247,8 +300,10 @@ def _define(app: Any, settings: Settings, spec: ConsumerSpec, *, sessions: Sessi
     )
     def run(self: Any, body: Any) -> str:
         try:
+            info = self.request.delivery_info or {}
             result = deliver(sessions(), spec, body, request_id=self.request.id, settings=settings, clock=clock,
-                             crash_points=crash_points)
+                             crash_points=crash_points, first_delivery=not self.request.retries,
+                             redelivered=bool(info.get("redelivered")))
         except Exception as e:  # never let a failure escape: acks_late would ack (and drop) the message
             result = Delivery(outcome=Outcome.RETRY, deliveries=0, error=f"{e.__class__.__name__}: {e}",
                               retry_in_s=backoff_s(1, base_s=settings.consumer_retry_backoff_s,

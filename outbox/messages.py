@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,32 +113,42 @@ class TaskMessage:
 def celery_task_message(envelope: Envelope, *, consumer: str, routing_key: str,
                         max_bytes: int | None = None) -> TaskMessage:
     """Build the task message for ``consumer``; raises Serialization/MessageTooLarge errors."""
-    tid = task_id(envelope.message_id, consumer)
-    body = encode_json([[envelope.to_dict()], {}, {"callbacks": None, "errbacks": None,
-                                                    "chain": None, "chord": None}])
+    return celery_task_messages(envelope, targets=[(consumer, routing_key)], max_bytes=max_bytes)[0]
+
+
+_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+
+
+def celery_task_messages(envelope: Envelope, *, targets: Sequence[tuple[str, str]],
+                         max_bytes: int | None = None) -> list[TaskMessage]:
+    """One task message per ``(consumer, routing_key)``. The body does not depend on the consumer,
+    so it is encoded once per event (the relay's hottest loop), only the headers differ."""
+    body = encode_json([[envelope.to_dict()], {}, _EMBED])
     if max_bytes is not None:
         check_size(body, limit=max_bytes)
-    headers: dict[str, Any] = {
-        "lang": "py",
-        "task": task_name(consumer),
-        "id": tid,
-        "root_id": tid,
-        "parent_id": None,
-        "group": None,
-        "retries": 0,
-        "eta": None,
-        "expires": None,
-        "timelimit": [None, None],
-        "argsrepr": f"({envelope.type} {envelope.message_id})",
-        "kwargsrepr": "{}",
-        "origin": "outbox-relay",
-        "ignore_result": True,
-        "outbox_message_id": str(envelope.message_id),
-        "outbox_type": envelope.type,
-    }
-    properties = {
-        "correlation_id": tid,
-        "message_id": str(envelope.message_id),
-    }
-    return TaskMessage(consumer=consumer, routing_key=routing_key, body=body, headers=headers,
-                       properties=properties)
+    message_id = str(envelope.message_id)
+    argsrepr = f"({envelope.type} {message_id})"
+    out = []
+    for consumer, routing_key in targets:
+        tid = task_id(envelope.message_id, consumer)
+        headers: dict[str, Any] = {
+            "lang": "py",
+            "task": task_name(consumer),
+            "id": tid,
+            "root_id": tid,
+            "parent_id": None,
+            "group": None,
+            "retries": 0,
+            "eta": None,
+            "expires": None,
+            "timelimit": [None, None],
+            "argsrepr": argsrepr,
+            "kwargsrepr": "{}",
+            "origin": "outbox-relay",
+            "ignore_result": True,
+            "outbox_message_id": message_id,
+            "outbox_type": envelope.type,
+        }
+        out.append(TaskMessage(consumer=consumer, routing_key=routing_key, body=body, headers=headers,
+                               properties={"correlation_id": tid, "message_id": message_id}))
+    return out

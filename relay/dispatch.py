@@ -28,7 +28,7 @@ from orders.models import OutboxMessage
 from outbox.clock import Clock
 from outbox.db import is_postgres, wrap_driver_errors
 from outbox.errors import BrokerUnavailableError, MessageTooLargeError, SerializationError
-from outbox.messages import Envelope, TaskMessage, celery_task_message
+from outbox.messages import Envelope, TaskMessage, celery_task_messages
 from relay.breaker import CircuitBreaker
 from relay.publisher import Publisher
 from relay.queries import due_pending
@@ -118,8 +118,8 @@ def build_messages(rows: Sequence[ClaimedRow], *, routes: Mapping[str, Sequence[
         envelope = Envelope(message_id=row.message_id, type=row.type, payload=row.payload,
                             headers=row.headers, created_at_ms=row.created_at_ms)
         try:
-            built = [celery_task_message(envelope, consumer=c, routing_key=f"{namespace}.{c}",
-                                         max_bytes=max_message_bytes) for c in consumers]
+            built = celery_task_messages(envelope, targets=[(c, f"{namespace}.{c}") for c in consumers],
+                                         max_bytes=max_message_bytes)
         except (SerializationError, MessageTooLargeError) as e:
             unpublishable[i] = f"unpublishable: {e}"
             continue

@@ -267,3 +267,50 @@ def test_duplicates_and_dead_letters_are_announced_as_celery_events(settings: Se
     assert [t for t, _ in sent] == [events.DUPLICATE_ABSORBED, events.DEAD_LETTERED]
     assert sent[0][1]["message_id"] == body["message_id"] and sent[0][1]["consumer"] == "shipping"
     assert sent[1][1]["message_id"] == poison["message_id"] and "not JSON" in sent[1][1]["error"]
+
+
+def test_first_delivery_costs_no_bookkeeping(settings: Settings, clock: ManualClock,
+                                             sqlite_sessions: sessionmaker[Session], sqlite_engine: sa.Engine) -> None:
+    # Given a fresh message (no retry, no broker redelivery)
+    statements: list[str] = []
+    sa.event.listen(sqlite_engine, "before_cursor_execute",
+                    lambda _c, _cur, stmt, *_a: statements.append(stmt.split()[0] + " " + stmt))
+    env = order_placed_envelope("o-fast")
+    # When it is delivered and succeeds
+    result = deliver(sqlite_sessions, default_registry()["shipping"], env.to_dict(), request_id=None,
+                     settings=settings, clock=clock, first_delivery=True)
+    # Then it is processed and the delivery counter table was never touched (one commit: the effect's)
+    assert result.outcome.value == "processed"
+    assert not [s for s in statements if "consumer_attempts" in s]
+    assert len(rows(sqlite_sessions, Shipment)) == 1
+
+
+def test_a_redelivered_first_delivery_counts_the_lost_one_too(settings: Settings, clock: ManualClock,
+                                                               sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given a message whose first delivery died with its worker before anything was counted
+    @consumer(name="shipping", event="OrderPlaced")
+    def failing(session: Session, env: Envelope) -> None:
+        raise RuntimeError("carrier down")
+
+    env = order_placed_envelope("o-lost")
+    # When the broker redelivers it (redelivered flag) and it fails again
+    result = deliver(sqlite_sessions, failing, env.to_dict(), request_id=None, settings=settings, clock=clock,
+                     first_delivery=True, redelivered=True)
+    # Then both deliveries are counted, so a worker-killing message is still bounded by max deliveries
+    assert result.outcome.value == "retry" and result.deliveries == 2
+    [row] = rows(sqlite_sessions, DeliveryAttempt)
+    assert row.deliveries == 2 and "carrier down" in row.last_error
+
+
+def test_a_failing_first_delivery_is_counted_once_and_not_run_twice(settings: Settings, clock: ManualClock,
+                                                                     sqlite_sessions: sessionmaker[Session]) -> None:
+    calls: list[str] = []
+
+    @consumer(name="shipping", event="OrderPlaced")
+    def failing(session: Session, env: Envelope) -> None:
+        calls.append(env.payload["order_id"])
+        raise RuntimeError("carrier down")
+
+    result = deliver(sqlite_sessions, failing, order_placed_envelope("o-f").to_dict(), request_id=None,
+                     settings=settings, clock=clock, first_delivery=True)
+    assert result.outcome.value == "retry" and result.deliveries == 1 and calls == ["o-f"]
