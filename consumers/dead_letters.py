@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from consumers.models import ConsumerDeadLetter, DeliveryAttempt
+from outbox import counters
 from outbox.clock import Clock
 from outbox.db import wrap_driver_errors
 from outbox.errors import BrokerUnavailableError, NotFoundError, PublishError, ValidationError
@@ -37,6 +38,7 @@ def record(session: Session, *, consumer: str, message_id: str, type: str | None
     )
     session.add(row)
     session.flush()
+    counters.stage_increment(session, consumer, counters.DEAD_LETTERED)
     return row
 
 

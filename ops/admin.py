@@ -246,8 +246,7 @@ def make_blueprint() -> Blueprint:
 def init_app(app: Flask, *, send: dl.Sender | None = None) -> None:
     """Mount the admin page and ``/metrics`` on an app made by ``orders.web.create_app``."""
     ext = app.extensions["outbox"]
-    registry, _ = ops_metrics.make_registry(session_factory=ext["session_factory"], clock=ext["clock"],
-                                                   with_counters=False)
+    registry = ops_metrics.make_registry(session_factory=ext["session_factory"], clock=ext["clock"])
     app.extensions[EXT] = {"send": send, "registry": registry}
     app.register_blueprint(make_blueprint())
 

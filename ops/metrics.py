@@ -1,11 +1,11 @@
 """Prometheus metrics.
 
-Two kinds, on purpose:
-- ``OutboxCollector`` reads ``ops.stats`` from the database at scrape time. These figures are the same
-  from every process (web app, relay, prefork worker children) and survive restarts, so alerts use them.
-- ``OutboxCounters`` are ordinary in-process counters the relay and consumers may increment as things
-  happen. Under a prefork worker each child has its own, so scrape them from ``-P solo|threads``
-  processes (or run prometheus-client in multiprocess mode); the DB-derived families need no such care.
+Everything is read from the database at scrape time (``OutboxCollector``), gauges and counters alike:
+the same figures from every process (web app, relay, prefork worker children, which in-process
+counters could not sum without prometheus-client's multiprocess mode) and they survive restarts.
+The counters are kept by the work they count, in its own transaction (``outbox.counters``): the
+relay's mark, a consumer's dead letter, a retention batch; "processed" is derived (inbox rows plus
+pruned inbox rows) so the consumer's hot path writes nothing extra.
 
 Endpoints: ``GET /metrics`` on the Flask app (``ops.admin.init_app``), and ``start_worker_metrics_server``
 which a Celery ``worker_ready`` signal calls in the worker's main process on ``settings.metrics_port``.
@@ -17,12 +17,13 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
 
 from ops import stats as ops_stats
+from outbox import counters
 from outbox.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,15 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
                                    labels=["consumer"]),
         "dups": CounterMetricFamily("outbox_duplicates_absorbed", "Duplicate deliveries the inbox absorbed",
                                     labels=["consumer"]),
-        "counters": CounterMetricFamily("outbox_consumer_counter", "Every consumer counter kept in the database",
-                                        labels=["consumer", "name"]),
+        "published_total": CounterMetricFamily("outbox_relay_published", "Outbox rows the relay published"),
+        "failures_total": CounterMetricFamily("outbox_relay_publish_failures",
+                                              "Failed publish attempts: a message the broker rejected (charged to "
+                                              "the row) or a batch the broker was unreachable for", labels=["kind"]),
+        "processed_total": CounterMetricFamily("outbox_consumer_processed",
+                                               "Deliveries processed (effect committed): inbox rows + pruned ones",
+                                               labels=["consumer"]),
+        "dead_total": CounterMetricFamily("outbox_dead_lettered", "Messages dead-lettered",
+                                          labels=["source", "consumer"]),
     }
 
 
@@ -89,34 +97,25 @@ class OutboxCollector(Collector):
             fam["inbox"].add_metric([consumer], n)
         for consumer, n in st.duplicates_absorbed.items():
             fam["dups"].add_metric([consumer], n)
-        for consumer, values in st.counters.items():
-            for name, value in values.items():
-                fam["counters"].add_metric([consumer, name], value)
+        relay = st.counters.get(counters.RELAY, {})
+        fam["published_total"].add_metric([], relay.get(counters.PUBLISHED, 0))
+        fam["failures_total"].add_metric(["rejected"], relay.get(counters.PUBLISH_FAILURES, 0))
+        fam["failures_total"].add_metric(["broker_unavailable"], relay.get(counters.BROKER_UNAVAILABLE, 0))
+        fam["dead_total"].add_metric(["outbox", ""], relay.get(counters.DEAD_LETTERED, 0))
+        consumers = (set(st.inbox) | set(st.counters)) - {counters.RELAY}
+        for consumer in sorted(consumers):
+            kept = st.counters.get(consumer, {})
+            processed = st.inbox.get(consumer, 0) + kept.get(counters.INBOX_PRUNED, 0)
+            fam["processed_total"].add_metric([consumer], processed)
+            fam["dead_total"].add_metric(["consumer", consumer], kept.get(counters.DEAD_LETTERED, 0))
         yield from fam.values()
 
 
-class OutboxCounters:
-    """In-process event counters for the relay and consumers to increment (see the module docstring)."""
-
-    def __init__(self, *, registry: CollectorRegistry) -> None:
-        self.published = Counter("outbox_relay_published", "Messages the relay published", registry=registry)
-        self.publish_failures = Counter("outbox_relay_publish_failures", "Failed publish attempts",
-                                        labelnames=["kind"], registry=registry)
-        self.processed = Counter("outbox_consumer_processed", "Deliveries processed (effect committed)",
-                                 labelnames=["consumer"], registry=registry)
-        self.duplicates = Counter("outbox_consumer_duplicates", "Duplicate deliveries absorbed",
-                                  labelnames=["consumer"], registry=registry)
-        self.dead_lettered = Counter("outbox_dead_lettered", "Messages dead-lettered",
-                                     labelnames=["source", "consumer"], registry=registry)
-
-
-def make_registry(*, session_factory: sessionmaker[Session], clock: Clock | None = None,
-                  with_counters: bool = True) -> tuple[CollectorRegistry, OutboxCounters | None]:
-    """A fresh registry (never the global default) holding the DB collector and, optionally, counters."""
+def make_registry(*, session_factory: sessionmaker[Session], clock: Clock | None = None) -> CollectorRegistry:
+    """A fresh registry (never the global default) holding the DB collector."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(OutboxCollector(session_factory=session_factory, clock=clock))
-    counters = OutboxCounters(registry=registry) if with_counters else None
-    return registry, counters
+    return registry
 
 
 def render(registry: CollectorRegistry) -> bytes:

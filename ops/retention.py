@@ -9,6 +9,7 @@ still redeliver its message would let a duplicate through as a second effect.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from consumers.models import InboxEntry
 from orders.models import OutboxMessage
+from outbox import counters
 from outbox.clock import Clock
 from outbox.db import is_postgres, wrap_driver_errors
 from outbox.errors import ValidationError
@@ -53,7 +55,7 @@ def check_inbox_retention(inbox_older_than_ms: int, redelivery_window_ms: int) -
         )
 
 
-def _inbox_batch(session: Session, cutoff_ms: int, batch: int) -> sa.Delete:
+def _inbox_batch(session: Session, cutoff_ms: int, batch: int) -> sa.Executable:
     keys = (
         sa.select(InboxEntry.message_id, InboxEntry.consumer)
         .where(InboxEntry.processed_at_ms < cutoff_ms)
@@ -62,12 +64,14 @@ def _inbox_batch(session: Session, cutoff_ms: int, batch: int) -> sa.Delete:
     )
     if is_postgres(session):
         keys = keys.with_for_update(skip_locked=True)
+    # RETURNING the consumer lets the same transaction add to its ``inbox_pruned`` counter, so
+    # "processed" (inbox rows + pruned rows) stays a monotonic counter for Prometheus.
     return sa.delete(InboxEntry).where(
         sa.tuple_(InboxEntry.message_id, InboxEntry.consumer).in_(keys)
-    ).execution_options(synchronize_session=False)
+    ).returning(InboxEntry.consumer).execution_options(synchronize_session=False)
 
 
-def _outbox_batch(session: Session, cutoff_ms: int, batch: int) -> sa.Delete:
+def _outbox_batch(session: Session, cutoff_ms: int, batch: int) -> sa.Executable:
     # Matches the partial index ix_outbox_published; pending and dead-lettered rows are never touched.
     seqs = (
         sa.select(OutboxMessage.seq)
@@ -81,15 +85,22 @@ def _outbox_batch(session: Session, cutoff_ms: int, batch: int) -> sa.Delete:
         synchronize_session=False)
 
 
-def _drain(session_factory: sessionmaker[Session], build: Callable[[Session, int, int], sa.Delete],
-           cutoff_ms: int, batch: int, what: str) -> tuple[int, int]:
+def _drain(session_factory: sessionmaker[Session], build: Callable[[Session, int, int], sa.Executable],
+           cutoff_ms: int, batch: int, what: str, count_pruned: bool = False) -> tuple[int, int]:
     """Run batches until one comes back short; each batch commits on its own."""
     deleted = batches = 0
     while True:
         with session_factory() as session, wrap_driver_errors(f"pruning {what}"):
-            res = session.execute(build(session, cutoff_ms, batch))
+            stmt = build(session, cutoff_ms, batch)
+            res = session.execute(stmt)
+            if count_pruned:
+                per_consumer = Counter(res.scalars().all())
+                for consumer, pruned in per_consumer.items():
+                    counters.stage_increment(session, consumer, counters.INBOX_PRUNED, pruned)
+                n = sum(per_consumer.values())
+            else:
+                n = int(getattr(res, "rowcount", 0))
             session.commit()
-        n = int(getattr(res, "rowcount", 0))
         deleted += n
         batches += 1
         if n < batch:
@@ -116,7 +127,7 @@ def prune(session_factory: sessionmaker[Session], *, inbox_older_than_ms: int | 
     inbox_cutoff = outbox_cutoff = None
     if inbox_older_than_ms is not None:
         inbox_cutoff = now - inbox_older_than_ms
-        inbox = _drain(session_factory, _inbox_batch, inbox_cutoff, batch, "inbox")
+        inbox = _drain(session_factory, _inbox_batch, inbox_cutoff, batch, "inbox", count_pruned=True)
     if published_older_than_ms is not None:
         outbox_cutoff = now - published_older_than_ms
         outbox = _drain(session_factory, _outbox_batch, outbox_cutoff, batch, "published outbox rows")

@@ -56,7 +56,7 @@ def register(app: Celery, settings: Settings) -> None:
         def _serve_metrics(sender: Any = None, **_kw: Any) -> None:
             if getattr(sender, "app", app) is not app:
                 return
-            registry, _ = make_registry(session_factory=sessions(), with_counters=False)
+            registry = make_registry(session_factory=sessions())
             state["metrics_server"] = start_worker_metrics_server(port=settings.metrics_port, registry=registry)
 
         worker_ready.connect(_serve_metrics, weak=False)

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from celeryconfig import Settings
 from orders.models import OutboxMessage
+from outbox import counters
 from outbox.clock import Clock
 from outbox.db import is_postgres, wrap_driver_errors
 from outbox.errors import BrokerUnavailableError, MessageTooLargeError, SerializationError
@@ -219,6 +220,7 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, batc
                 if breaker is not None:
                     breaker.record_failure(clock.now_ms(), str(e))
                 log.warning("broker unavailable, %s row(s) left pending: %s", result.duplicates_risked, e)
+                _count_outage(session)
                 return result
             for index, error in report.rejected.items():
                 owner = built.owners[index]
@@ -235,6 +237,10 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, batc
         marked, result.failed, result.dead_lettered = mark_batch(
             session, done, published=published, failed=rejected_rows, dead_now=dead_now,
             max_attempts=max_attempts, base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms)
+        with wrap_driver_errors("counting the relay batch"):
+            counters.stage_increment(session, counters.RELAY, counters.PUBLISHED, marked)
+            counters.stage_increment(session, counters.RELAY, counters.PUBLISH_FAILURES, len(rejected_rows))
+            counters.stage_increment(session, counters.RELAY, counters.DEAD_LETTERED, result.dead_lettered)
         with wrap_driver_errors("committing the relay batch"):
             session.commit()
         result.dead_lettered_rows = [(str(r.message_id), why) for r, why in dead_now.values()] + [
@@ -252,6 +258,16 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, batc
         except Exception:  # the connection may be gone; the original error matters more
             log.debug("rollback after a failed batch failed", exc_info=True)
         raise
+
+
+def _count_outage(session: Session) -> None:
+    """One failed publish attempt of the relay as a whole (observability only, never raises)."""
+    try:
+        counters.stage_increment(session, counters.RELAY, counters.BROKER_UNAVAILABLE)
+        session.commit()
+    except Exception:
+        session.rollback()
+        log.debug("could not count a broker outage", exc_info=True)
 
 
 def dispatch_with_settings(session: Session, publisher: Publisher, clock: Clock, settings: Settings, *,

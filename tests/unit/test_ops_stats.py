@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -108,7 +107,7 @@ def test_a_broken_database_reports_up_zero(clock: ManualClock, tmp_path: Any) ->
     from outbox.db import make_engine, make_session_factory
 
     sessions = make_session_factory(make_engine(f"sqlite:///{tmp_path / 'empty.db'}"))  # no tables
-    registry, _ = make_registry(session_factory=sessions, clock=clock)
+    registry = make_registry(session_factory=sessions, clock=clock)
     got = samples(render(registry).decode())
     assert got[("outbox_stats_up", ())] == 0
     assert ("outbox_pending_messages", ()) not in got
@@ -122,19 +121,3 @@ def test_registering_the_collector_does_not_touch_the_database(clock: ManualCloc
     collector = OutboxCollector(session_factory=Exploding(), clock=clock)  # type: ignore[arg-type]
     names = {m.name for m in collector.describe()}
     assert {"outbox_pending_messages", "outbox_oldest_pending_age_seconds", "outbox_dead_letters"} <= names
-
-
-@pytest.mark.parametrize("attr, metric, labels", [
-    ("published", "outbox_relay_published_total", ()),
-    ("publish_failures", "outbox_relay_publish_failures_total", (("kind", "rejected"),)),
-    ("processed", "outbox_consumer_processed_total", (("consumer", "billing"),)),
-    ("duplicates", "outbox_consumer_duplicates_total", (("consumer", "billing"),)),
-    ("dead_lettered", "outbox_dead_lettered_total", (("consumer", "billing"), ("source", "consumer"))),
-])
-def test_in_process_counters(sqlite_sessions: sessionmaker[Session], clock: ManualClock, attr: str, metric: str,
-                             labels: tuple[tuple[str, str], ...]) -> None:
-    registry, counters = make_registry(session_factory=sqlite_sessions, clock=clock)
-    assert counters is not None
-    c = getattr(counters, attr)
-    (c.labels(**dict(labels)) if labels else c).inc(3)
-    assert samples(render(registry).decode())[(metric, labels)] == 3

@@ -1,0 +1,29 @@
+"""Monotonic counters kept in the database (table ``consumer_counters``), for metrics and stats.
+
+A counter is staged in the transaction that does the counted work (the relay's mark, a consumer's
+dead letter, a retention batch), so it is exact across processes and restarts; Prometheus reads them
+at scrape time (``ops.metrics``). Hot paths stay free of them: a consumer's processed count is
+derived (inbox rows + pruned inbox rows), not incremented per message.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from consumers.models import ConsumerCounter
+from consumers.sql import upsert
+
+RELAY = "_relay"  # the scope of the relay's counters (a consumer name never starts with "_")
+PUBLISHED = "published"
+PUBLISH_FAILURES = "publish_failures"
+BROKER_UNAVAILABLE = "broker_unavailable"
+DEAD_LETTERED = "dead_lettered"
+INBOX_PRUNED = "inbox_pruned"
+
+
+def stage_increment(session: Session, scope: str, name: str, by: int = 1) -> None:
+    """``counter(scope, name) += by`` inside the caller's transaction (the caller commits)."""
+    if by <= 0:
+        return
+    session.execute(upsert(session, ConsumerCounter, {"consumer": scope, "name": name, "value": by},
+                           keys=("consumer", "name"), update={"value": ConsumerCounter.value + by}))
