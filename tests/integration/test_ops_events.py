@@ -24,40 +24,40 @@ def test_unknown_event_type_is_refused(settings: Settings) -> None:
 
 @pytest.mark.parametrize("etype", events.EVENT_TYPES)
 def test_events_reach_a_receiver(settings: Settings, redis_url: str, etype: str) -> None:
+    # A Redis database of its own: the shared one carries other tests' worker events.
+    url = redis_url.rsplit("/", 1)[0] + "/13"
     app = Celery("t", set_as_current=False)
-    app.conf.update(celery_config(settings, redis_url))
+    app.conf.update(celery_config(settings, url))
     marker = uuid.uuid4().hex
     got: list[dict[str, Any]] = []
-    stop = threading.Event()
+    receivers: list[Any] = []
+    arrived = threading.Event()
 
     def on_event(event: dict[str, Any]) -> None:
         if event.get("message_id") == marker:
             got.append(event)
-            stop.set()
+            arrived.set()
+            receivers[0].should_stop = True
 
     def listen() -> None:
         with app.connection_for_read() as conn:
             recv = app.events.Receiver(conn, handlers={etype: on_event})
-            while not stop.is_set():
-                try:
-                    recv.capture(limit=1, timeout=0.5, wakeup=False)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    continue
+            receivers.append(recv)
+            recv.capture(limit=None, timeout=None, wakeup=False)  # one subscription, until should_stop
 
     t = threading.Thread(target=listen, daemon=True)
     t.start()
     deadline = time.monotonic() + 30
     # Redis fans events out with PUB/SUB: resend until the receiver is subscribed (a wait, not a timing check)
-    while not stop.is_set() and time.monotonic() < deadline:
+    while not arrived.is_set() and time.monotonic() < deadline:
         if etype == events.DEAD_LETTERED:
             assert events.dead_lettered(app, source="consumer", consumer="billing", message_id=marker,
                                         error="x" * 900, event_type="OrderPlaced", attempts=3)
         else:
             assert events.duplicate_absorbed(app, consumer="billing", message_id=marker, event_type="OrderPlaced")
-        stop.wait(0.3)
-    stop.set()
+        arrived.wait(0.3)
+    if receivers:
+        receivers[0].should_stop = True
     t.join(timeout=10)
     assert got, "no event arrived"
     e = got[0]
