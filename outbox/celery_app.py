@@ -18,30 +18,15 @@ def create_celery_app(settings: Settings | None = None, *, broker_url: str | Non
     app = Celery("outbox", set_as_current=False)
     app.conf.update(celery_config(settings, url))
     app.conf["outbox_settings"] = settings
-    for register in _registrars():
-        register(app, settings)
+    # Imported here, not at module top: relay/consumers/ops import this package's modules.
+    from consumers.tasks import register as register_consumers
+    from ops.tasks import register as register_ops
+    from relay.tasks import register as register_relay
+
+    register_relay(app, settings)  # relay.tasks.drain_outbox (beat)
+    register_consumers(app, settings)  # consumers.<name>, one queue each
+    register_ops(app, settings)  # ops.tasks.prune (beat) and the worker's /metrics
     return app
-
-
-def _registrars() -> list:  # type: ignore[type-arg]
-    """Task registration functions of the packages that exist so far."""
-    found = []
-    try:
-        from relay.tasks import register as register_relay
-
-        found.append(register_relay)
-    except ImportError:
-        pass
-    try:
-        from consumers.tasks import register as register_consumers
-
-        found.append(register_consumers)
-    except ImportError:
-        pass
-    from ops.tasks import register as register_ops  # ops.tasks.prune (beat) and the worker's /metrics
-
-    found.append(register_ops)
-    return found
 
 
 app = create_celery_app()

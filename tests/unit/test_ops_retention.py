@@ -136,9 +136,10 @@ def test_the_celery_app_registers_prune_and_beat_schedules_it(settings: Any,
     monkeypatch.setenv("OUTBOX_HOME", str(settings.home))
     monkeypatch.setenv("OUTBOX_METRICS_PORT", "0")
     from celeryconfig import celery_config
-    from ops.tasks import register
-    from outbox.celery_app import _registrars
+    from ops.tasks import PRUNE_TASK
+    from outbox.celery_app import create_celery_app
 
-    assert register in _registrars()
+    app = create_celery_app(settings, broker_url="memory://")
+    assert {PRUNE_TASK, "relay.tasks.drain_outbox", "consumers.shipping"} <= set(app.tasks)
     entry = celery_config(settings, "memory://")["beat_schedule"]["prune-retention"]
     assert entry["task"] == "ops.tasks.prune" and entry["options"]["queue"] == f"{settings.namespace}.relay"
