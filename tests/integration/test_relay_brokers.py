@@ -13,22 +13,15 @@ from kombu import Connection, Exchange, Queue
 from sqlalchemy.orm import Session, sessionmaker
 
 from celeryconfig import Settings
-from orders.models import OutboxMessage
 from outbox.clock import ManualClock
 from outbox.messages import Envelope, celery_task_message, task_id
 from relay.dispatch import dispatch_with_settings
 from relay.kombu_publisher import KombuPublisher
+from tests.outbox_rows import insert_pending
 
 
 def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
-    ids = {uuid.uuid4() for _ in range(n)}
-    with sessions() as s:
-        for mid in ids:
-            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={"order_id": str(mid)}, headers={},
-                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
-        s.commit()
-    return {str(i) for i in ids}
-
+    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, payload=lambda i, mid: {"order_id": str(mid)})}
 
 def consume_all(url: str, queue_name: str) -> list[tuple[dict[str, object], dict[str, object], str]]:
     out = []

@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from outbox.clock import ManualClock
 from outbox.embedded import free_port
 from relay.dispatch import breaker_from_settings, dispatch_with_settings
 from relay.kombu_publisher import KombuPublisher
+from tests.outbox_rows import insert_pending
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -83,14 +83,7 @@ def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
 
 
 def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
-    ids = {uuid.uuid4() for _ in range(n)}
-    with sessions() as s:
-        for mid in ids:
-            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={}, headers={},
-                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
-        s.commit()
-    return {str(i) for i in ids}
-
+    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, payload=lambda i, mid: {})}
 
 def test_redis_stopped_and_restarted_during_a_run_loses_and_dead_letters_nothing(
         own_redis: OwnRedis, sqlite_sessions: sessionmaker[Session], clock: ManualClock,

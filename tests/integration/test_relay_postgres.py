@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +17,13 @@ from outbox.clock import ManualClock, SystemClock
 from relay.dispatch import BatchResult, dispatch_with_settings
 from relay.loop import RelayLoop
 from relay.memory import InMemoryPublisher
+from tests.outbox_rows import insert_pending
 
 pytestmark = pytest.mark.postgres
 
 
 def insert(sessions: sessionmaker[Session], now_ms: int, n: int) -> set[str]:
-    ids = {uuid.uuid4() for _ in range(n)}
-    with sessions() as s:
-        for mid in ids:
-            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={}, headers={},
-                                created_at_ms=now_ms, next_attempt_at_ms=now_ms, attempts=0))
-        s.commit()
-    return {str(i) for i in ids}
-
+    return {str(i) for i in insert_pending(sessions, now_ms, n, payload=lambda i, mid: {})}
 
 def pending(sessions: sessionmaker[Session]) -> int:
     with sessions() as s:

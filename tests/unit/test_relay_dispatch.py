@@ -14,6 +14,7 @@ from orders.models import OutboxMessage
 from outbox.clock import ManualClock
 from relay.dispatch import BatchResult, dispatch_batch
 from relay.memory import InMemoryPublisher
+from tests.outbox_rows import insert_pending
 
 ROUTES = {"OrderPlaced": ("shipping", "billing", "search", "email")}
 NS = "tns"
@@ -21,17 +22,11 @@ NS = "tns"
 
 def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int = 1, *, type_: str = "OrderPlaced",
            payload: Any = None) -> list[uuid.UUID]:
-    ids = []
-    with sessions() as s:
-        for i in range(n):
-            mid = uuid.uuid4()
-            s.add(OutboxMessage(message_id=mid, type=type_, payload={"order_id": f"o-{i}"} if payload is None
-                                else payload, headers={"correlation_id": str(mid)},
-                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
-            ids.append(mid)
-        s.commit()
-    return ids
+    def body(i: int, mid: uuid.UUID) -> Any:
+        return {"order_id": f"o-{i}"} if payload is None else payload
 
+    return insert_pending(sessions, clock.now_ms(), n, type_=type_, payload=body,
+                          headers=lambda mid: {"correlation_id": str(mid)})
 
 def rows(sessions: sessionmaker[Session]) -> list[OutboxMessage]:
     with sessions() as s:

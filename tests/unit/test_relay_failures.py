@@ -14,19 +14,13 @@ from outbox.clock import ManualClock
 from relay.breaker import BreakerState, CircuitBreaker
 from relay.dispatch import BatchResult, backoff_ms, dispatch_batch
 from relay.memory import InMemoryPublisher
+from tests.outbox_rows import insert_pending
 
 ROUTES = {"OrderPlaced": ("shipping", "billing")}
 
 
 def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int = 1) -> list[uuid.UUID]:
-    ids = [uuid.uuid4() for _ in range(n)]
-    with sessions() as s:
-        for mid in ids:
-            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={"n": 1}, headers={},
-                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
-        s.commit()
-    return ids
-
+    return insert_pending(sessions, clock.now_ms(), n, payload=lambda i, mid: {"n": 1})
 
 def only_row(sessions: sessionmaker[Session]) -> OutboxMessage:
     with sessions() as s:

@@ -12,23 +12,16 @@ from kombu import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
 from celeryconfig import Settings, celery_config
-from orders.models import OutboxMessage
 from outbox.clock import ManualClock
 from outbox.messages import Envelope, celery_task_message
 from relay.dispatch import dispatch_with_settings
 from relay.kombu_publisher import KombuPublisher
 from relay.tasks import TASK_NAME, register
+from tests.outbox_rows import insert_pending
 
 
 def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
-    ids = {uuid.uuid4() for _ in range(n)}
-    with sessions() as s:
-        for mid in ids:
-            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={"id": str(mid)}, headers={},
-                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
-        s.commit()
-    return {str(i) for i in ids}
-
+    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, payload=lambda i, mid: {"id": str(mid)})}
 
 def drain_queue(url: str, name: str) -> list[tuple[dict[str, object], list[object], int | None]]:
     out = []

@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,11 @@ from orders.models import OutboxMessage
 from outbox.clock import ManualClock
 from relay.loop import RelayLoop
 from relay.memory import InMemoryPublisher
+from tests.outbox_rows import insert_pending
 
 
 def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
-    ids = {uuid.uuid4() for _ in range(n)}
-    with sessions() as s:
-        for mid in ids:
-            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={}, headers={},
-                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
-        s.commit()
-    return {str(i) for i in ids}
-
+    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, payload=lambda i, mid: {})}
 
 def pending(sessions: sessionmaker[Session]) -> int:
     with sessions() as s:

@@ -6,7 +6,6 @@ crash, and shown to LOSE the message: the order of the two steps is what the gua
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ from outbox.clock import Clock, ManualClock
 from relay.dispatch import build_messages, claim_due, dispatch_batch, mark_batch
 from relay.memory import InMemoryPublisher, PublisherCrashed
 from relay.publisher import Publisher
+from tests.outbox_rows import insert_pending
 
 ROUTES = {"OrderPlaced": ("shipping", "billing", "search")}
 OPTS: dict[str, Any] = {"batch_size": 10, "max_attempts": 3, "base_delay_ms": 1_000, "max_delay_ms": 60_000,
@@ -39,14 +39,7 @@ class DieAt:
 
 
 def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
-    ids = {uuid.uuid4() for _ in range(n)}
-    with sessions() as s:
-        for mid in ids:
-            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={}, headers={},
-                                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
-        s.commit()
-    return {str(i) for i in ids}
-
+    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, payload=lambda i, mid: {})}
 
 def dispatch_batch_mark_first(session: Session, publisher: Publisher, clock: Clock, *,
                               die_between: bool = False) -> None:
