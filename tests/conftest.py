@@ -7,7 +7,6 @@ Postgres tests get a fresh database per test session (several sessions can run a
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,23 +19,11 @@ from celeryconfig import Settings
 from outbox import migrate
 from outbox.clock import ManualClock
 from outbox.db import make_engine, make_session_factory
+from tests.services import require_service
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 RABBITMQ_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
-
-
-def require_service(name: str, host: str, port: int) -> None:
-    """Skip (locally) or fail (CI=true) when a service does not accept connections."""
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return
-    except OSError as e:
-        reason = f"{name} is not reachable on {host}:{port} ({e}); start it with ../shared/services-up.sh"
-        if IN_CI:
-            pytest.fail(f"CI=true and {reason}", pytrace=False)
-        pytest.skip(reason)
 
 
 @pytest.fixture

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from chaos.environment import ChaosEnvironment
-
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def require_service(name: str, host: str, port: int) -> None:
-    """Skip (locally) or fail (CI=true) when a service does not accept connections."""
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return
-    except OSError as e:
-        reason = f"{name} is not reachable on {host}:{port} ({e})"
-        if IN_CI:
-            pytest.fail(f"CI=true and {reason}", pytrace=False)
-        pytest.skip(reason)
+from tests.services import require_service
 
 
 def _env(kind: str, tmp_path: Path) -> Iterator[ChaosEnvironment]:

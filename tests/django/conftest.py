@@ -12,7 +12,6 @@ production, and every table is truncated before each test.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import uuid
 from collections.abc import Iterator
@@ -24,10 +23,10 @@ import sqlalchemy as sa
 
 from outbox import migrate
 from outbox.db import make_engine
+from tests.services import require_service
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "django_shop"
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 DB_NAME = f"outbox_django_{uuid.uuid4().hex[:10]}"
 DB_URL = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{DB_NAME}"
@@ -80,21 +79,10 @@ def _configure_django() -> None:
 _configure_django()
 
 
-def _require_postgres() -> None:
-    try:
-        with socket.create_connection(("127.0.0.1", 5432), timeout=1.0):
-            return
-    except OSError as e:
-        reason = f"PostgreSQL is not reachable on 127.0.0.1:5432 ({e}); start it with ../shared/services-up.sh"
-        if IN_CI:
-            pytest.fail(f"CI=true and {reason}", pytrace=False)
-        pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_blocker: Any) -> Iterator[None]:
     """The session's database: created and migrated by Alembic (not by Django), dropped at the end."""
-    _require_postgres()
+    require_service("PostgreSQL", "127.0.0.1", 5432)
     admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.exec_driver_sql(f'CREATE DATABASE "{DB_NAME}"')

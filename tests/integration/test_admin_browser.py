@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import IN_CI
 from sqlalchemy.orm import Session, sessionmaker
 from werkzeug.serving import make_server
 
@@ -27,6 +26,7 @@ from orders.models import OutboxMessage
 from orders.web import create_app
 from outbox.clock import SystemClock
 from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
+from tests.services import IN_CI
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
