@@ -60,6 +60,10 @@ class Settings:
     relay_publish_timeout_s: float = 10.0
     relay_confirm_mode: str = "confirm"  # confirm | tx | none (RabbitMQ durability per batch)
     max_message_bytes: int = 256 * 1024
+    # Reconciler: a published event some consumer has not recorded this long after is sent again
+    # (relay/reconcile.py); it must exceed the Redis visibility timeout, which redelivers first.
+    relay_reconcile_after_ms: int = 600_000
+    relay_reconcile_interval_s: float = 60.0
 
     consumer_max_deliveries: int = 3
     consumer_retry_backoff_s: int = 1
@@ -128,7 +132,8 @@ class Settings:
     def validate(self) -> None:
         positive = (
             "relay_batch_size", "relay_max_attempts", "relay_base_delay_ms", "relay_max_delay_ms",
-            "relay_breaker_base_ms", "relay_breaker_max_ms", "max_message_bytes",
+            "relay_breaker_base_ms", "relay_breaker_max_ms", "max_message_bytes", "relay_reconcile_after_ms",
+            "relay_reconcile_interval_s",
             "consumer_max_deliveries", "worker_concurrency", "broker_visibility_timeout_s",
         )
         for name in positive:
@@ -147,6 +152,12 @@ class Settings:
                 f"OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S ({self.consumer_retry_backoff_max_s}) must be below "
                 f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({self.broker_visibility_timeout_s}): on Redis a retry "
                 "waiting longer than the visibility timeout is delivered twice"
+            )
+        if self.relay_reconcile_after_ms <= self.broker_visibility_timeout_s * 1000:
+            raise ConfigError(
+                f"OUTBOX_RELAY_RECONCILE_AFTER_MS ({self.relay_reconcile_after_ms}) must exceed "
+                f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({self.broker_visibility_timeout_s} s): the broker's own "
+                "redelivery comes first, the reconciler only catches what is really lost"
             )
         url = self.effective_database_url
         if not (url.startswith("sqlite") or url.startswith("postgresql")):
@@ -238,6 +249,10 @@ def celery_config(settings: Settings, broker_url: str) -> dict[str, Any]:
                 "task": "relay.tasks.drain_outbox",
                 "schedule": settings.relay_poll_interval_s,
                 "options": {"queue": relay_queue.name, "expires": max(settings.relay_poll_interval_s, 1.0)},
+            },
+            "reconcile-outbox": {  # relay/reconcile.py: re-send what a consumer never recorded
+                "task": "relay.tasks.reconcile", "schedule": settings.relay_reconcile_interval_s,
+                "options": {"queue": relay_queue.name, "expires": settings.relay_reconcile_interval_s},
             },
             "prune-retention": {  # ops.tasks: hourly, inbox kept >= broker_redelivery_window_ms
                 "task": "ops.tasks.prune", "schedule": 3600.0,

@@ -19,8 +19,10 @@ from outbox.db import make_engine, make_session_factory
 from outbox.embedded import resolve_broker_url
 from relay.kombu_publisher import KombuPublisher
 from relay.loop import RelayLoop
+from relay.reconcile import reconcile
 
 TASK_NAME = "relay.tasks.drain_outbox"
+RECONCILE_TASK = "relay.tasks.reconcile"
 
 
 def register(app: Any, settings: Settings) -> None:
@@ -40,7 +42,7 @@ def register(app: Any, settings: Settings) -> None:
             cache["loop"] = loop
         return loop
 
-    route = {TASK_NAME: {"queue": f"{settings.namespace}.relay"}}
+    route = {name: {"queue": f"{settings.namespace}.relay"} for name in (TASK_NAME, RECONCILE_TASK)}
     existing = app.conf.task_routes
     if existing is None:
         app.conf.task_routes = route
@@ -56,4 +58,14 @@ def register(app: Any, settings: Settings) -> None:
             result = relay_loop().drain_once()
         for message_id, why in result.dead_lettered_rows:  # visible in Flower; best effort
             events.dead_lettered(app, source="outbox", message_id=message_id, error=why)
+        return dataclasses.asdict(result)
+
+    @app.task(name=RECONCILE_TASK, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
+    def reconcile_outbox() -> dict[str, Any]:
+        """Re-publish, per consumer, published events that consumer never recorded (relay/reconcile.py)."""
+        loop = relay_loop()
+        with lock, loop.session_factory() as session:
+            result = reconcile(session, loop.publisher, loop.clock, routes=settings.routes,
+                               namespace=settings.namespace, max_message_bytes=settings.max_message_bytes,
+                               older_than_ms=settings.relay_reconcile_after_ms)
         return dataclasses.asdict(result)

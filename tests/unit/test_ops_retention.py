@@ -140,6 +140,7 @@ def test_the_celery_app_registers_prune_and_beat_schedules_it(settings: Any,
     from outbox.celery_app import create_celery_app
 
     app = create_celery_app(settings, broker_url="memory://")
-    assert {PRUNE_TASK, "relay.tasks.drain_outbox", "consumers.shipping"} <= set(app.tasks)
+    assert {PRUNE_TASK, "relay.tasks.drain_outbox", "relay.tasks.reconcile", "consumers.shipping"} <= set(app.tasks)
+    assert app.conf.beat_schedule["reconcile-outbox"]["task"] == "relay.tasks.reconcile"
     entry = celery_config(settings, "memory://")["beat_schedule"]["prune-retention"]
     assert entry["task"] == "ops.tasks.prune" and entry["options"]["queue"] == f"{settings.namespace}.relay"
