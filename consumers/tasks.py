@@ -135,43 +135,58 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, r
     fails, and if its worker dies instead the redelivery arrives ``redelivered`` and is counted for
     both. Any other delivery is counted at its start, which bounds a message that kills its worker.
     """
-    if first_delivery and not redelivered:
-        fast = _first_delivery(sessions, spec, body, request_id=request_id, settings=settings, clock=clock,
-                               crash_points=crash_points)
-        if fast is not None:
-            return fast
     raw = raw_text(body)
     key = delivery_key(body, request_id, raw)
     name, limit = spec.name, settings.consumer_max_deliveries
     retry_base, retry_max = settings.consumer_retry_backoff_s, settings.consumer_retry_backoff_max_s
     btype, bheaders = _body_meta(body)
     with sessions() as session:
-        try:
-            row = attempts.begin(session, key=key, consumer=name, now_ms=clock.now_ms(),
-                                 uncounted=1 if redelivered else 0)
-        except DatabaseError as e:
-            # The database is down: nobody's fault but the system's; redeliver, do not count.
-            return Delivery(outcome=Outcome.RETRY, deliveries=0, error=str(e),
-                            retry_in_s=backoff_s(1, base_s=retry_base, max_s=retry_max))
-        n = row.deliveries
-        if n > limit:
-            return _worker_lost(session, row, spec=spec, raw=raw, type_=btype, headers=bheaders, clock=clock,
-                                limit=limit)
+
+        def count() -> DeliveryAttempt | Delivery:
+            try:
+                return attempts.begin(session, key=key, consumer=name, now_ms=clock.now_ms(),
+                                      uncounted=1 if redelivered else 0)
+            except DatabaseError as e:
+                # The database is down: nobody's fault but the system's; redeliver, do not count.
+                return Delivery(outcome=Outcome.RETRY, deliveries=0, error=str(e),
+                                retry_in_s=backoff_s(1, base_s=retry_base, max_s=retry_max))
+
+        row: DeliveryAttempt | None = None
+        if redelivered or not first_delivery:
+            counted = count()
+            if isinstance(counted, Delivery):
+                return counted
+            row = counted
+            if row.deliveries > limit:
+                return _worker_lost(session, row, spec=spec, raw=raw, type_=btype, headers=bheaders, clock=clock,
+                                    limit=limit)
         try:
             envelope = _parse(spec, body, raw, settings.max_message_bytes)
             outcome = spec.handle(session, envelope, clock=clock, crash_points=crash_points)
         except Exception as e:
+            session.rollback()
             error = f"{e.__class__.__name__}: {e}"
+            if row is None:  # a first delivery is counted only now that it failed
+                counted = count()
+                if isinstance(counted, Delivery):
+                    return counted
+                row = counted
+                if row.deliveries > limit:  # a dead-lettered copy came back
+                    return _worker_lost(session, row, spec=spec, raw=raw, type_=btype, headers=bheaders,
+                                        clock=clock, limit=limit)
             return _failed(session, row, spec=spec, raw=raw, type_=btype, headers=bheaders, error=error,
-                           clock=clock, limit=limit, retry_in_s=backoff_s(n, base_s=retry_base, max_s=retry_max))
+                           clock=clock, limit=limit,
+                           retry_in_s=backoff_s(row.deliveries, base_s=retry_base, max_s=retry_max))
+        deliveries = row.deliveries if row is not None else 1
         try:
-            attempts.forget(session, key=key, consumer=name)
+            if row is not None:
+                attempts.forget(session, key=key, consumer=name)
             if spec.ordering:
                 ordering.expire_parked(session, consumer=name, now_ms=clock.now_ms(),
                                        timeout_ms=settings.consumer_park_timeout_ms)
         except DatabaseError:
             session.rollback()  # bookkeeping only; the effect is committed and the message must be acked
-        return Delivery(outcome=outcome, deliveries=n)
+        return Delivery(outcome=outcome, deliveries=deliveries)
 
 
 def _body_meta(body: Any) -> tuple[str | None, Mapping[str, Any]]:
@@ -181,40 +196,6 @@ def _body_meta(body: Any) -> tuple[str | None, Mapping[str, Any]]:
     btype = body.get("type") if isinstance(body.get("type"), str) else None
     headers = body["headers"] if isinstance(body.get("headers"), Mapping) else {}
     return btype, headers
-
-
-def _first_delivery(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, request_id: str | None,
-                    settings: Settings, clock: Clock, crash_points: CrashSite | None) -> Delivery | None:
-    """A first delivery: parse and handle with no bookkeeping up front; a failure is counted (as
-    delivery 1) and decided like any other. ``None``: the count could not be read, take the slow path."""
-    raw = raw_text(body)
-    with sessions() as session:
-        try:
-            envelope = _parse(spec, body, raw, settings.max_message_bytes)
-            outcome = spec.handle(session, envelope, clock=clock, crash_points=crash_points)
-        except Exception as e:
-            session.rollback()
-            error = f"{e.__class__.__name__}: {e}"
-            try:
-                row = attempts.begin(session, key=delivery_key(body, request_id, raw), consumer=spec.name,
-                                     now_ms=clock.now_ms())
-            except DatabaseError:
-                return None
-            btype, bheaders = _body_meta(body)
-            if row.deliveries > settings.consumer_max_deliveries:  # a dead-lettered copy came back
-                return _worker_lost(session, row, spec=spec, raw=raw, type_=btype, headers=bheaders, clock=clock,
-                                    limit=settings.consumer_max_deliveries)
-            return _failed(session, row, spec=spec, raw=raw, type_=btype, headers=bheaders, error=error, clock=clock,
-                           limit=settings.consumer_max_deliveries,
-                           retry_in_s=backoff_s(row.deliveries, base_s=settings.consumer_retry_backoff_s,
-                                                max_s=settings.consumer_retry_backoff_max_s))
-        if spec.ordering:
-            try:
-                ordering.expire_parked(session, consumer=spec.name, now_ms=clock.now_ms(),
-                                       timeout_ms=settings.consumer_park_timeout_ms)
-            except DatabaseError:
-                session.rollback()  # bookkeeping only; the effect is committed
-    return Delivery(outcome=outcome, deliveries=1)
 
 
 def _failed(session: Session, row: DeliveryAttempt, *, spec: ConsumerSpec, raw: str, type_: str | None,
