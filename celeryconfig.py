@@ -190,6 +190,17 @@ def broker_is_rabbitmq(url: str) -> bool:
     return url.startswith(("amqp://", "pyamqp://", "amqps://"))
 
 
+def add_task_routes(app: Any, routes: Mapping[str, Mapping[str, str]]) -> None:
+    """Route these tasks to their queues (``send_task``, retries), keeping routes others set."""
+    existing = app.conf.task_routes
+    if not existing:
+        app.conf.task_routes = dict(routes)
+    elif isinstance(existing, Mapping):
+        app.conf.task_routes = {**existing, **routes}
+    else:  # a sequence of routers: ours first
+        app.conf.task_routes = (dict(routes), *tuple(existing))
+
+
 def redis_transport_options(settings: Settings) -> dict[str, Any]:
     """Redelivery of unacked messages on Redis, sized from one setting.
 

@@ -20,11 +20,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celeryconfig import Settings
 from chaos.broker import RabbitBroker, RedisBroker, make_broker
-from chaos.processes import ManagedProcess, ProcessGroup, orders_argv, relay_argv, wait_until, worker_argv
+from chaos.processes import ManagedProcess, ProcessGroup, orders_argv, relay_argv, worker_argv
 from orders.models import OutboxMessage
 from outbox import migrate
 from outbox.db import make_engine, make_session_factory
 from outbox.messages import Envelope, TaskMessage, celery_task_message, encode_json, task_id, task_name
+from outbox.processes import wait_until
 
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REPO = Path(__file__).resolve().parent.parent

@@ -13,8 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,14 +160,3 @@ class ProcessGroup:
     def stop_all(self, *, timeout_s: float = 20.0) -> None:
         for p in self.members:
             p.stop(timeout_s=timeout_s)
-
-
-def wait_until(predicate: Callable[[], bool], *, timeout_s: float, interval_s: float = 0.2) -> bool:
-    """Poll ``predicate()`` until true or the deadline passes; returns whether it became true."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval_s)

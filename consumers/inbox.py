@@ -26,9 +26,10 @@ import sqlalchemy as sa
 from sqlalchemy import exc
 from sqlalchemy.orm import Session
 
-from consumers.models import ConsumerCounter, InboxEntry
+from consumers.models import InboxEntry
 from consumers.outcome import Outcome
 from consumers.sql import insert_for, upsert
+from outbox import counters
 from outbox.clock import Clock, SystemClock
 from outbox.crashpoints import DISARMED
 from outbox.db import is_unique_violation, wrap_driver_errors
@@ -100,18 +101,8 @@ def claim_if_absent(session: Session, envelope: Envelope, *, consumer: str, now_
 
 
 def increment_counter(session: Session, consumer: str, name: str, by: int = 1) -> None:
-    """Upsert ``ConsumerCounter(consumer, name) += by`` in a small transaction of its own.
-
-    Observability only: a failure is logged, never raised (the delivery itself already succeeded).
-    """
-    stmt = upsert(session, ConsumerCounter, {"consumer": consumer, "name": name, "value": by},
-                  keys=("consumer", "name"), update={"value": ConsumerCounter.value + by})
-    try:
-        session.execute(stmt)
-        session.commit()
-    except exc.DBAPIError as e:
-        session.rollback()
-        log.warning("could not count %s for %s: %s", name, consumer, e.orig)
+    """``ConsumerCounter(consumer, name) += by`` in its own small transaction (never raises)."""
+    counters.increment(session, consumer, name, by)
 
 
 def handle(session: Session, envelope: Envelope, *, consumer: str, handler: Handler, clock: Clock,

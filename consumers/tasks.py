@@ -20,7 +20,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from celeryconfig import Settings
+from celeryconfig import Settings, add_task_routes
 from consumers import attempts, dead_letters, ordering
 from consumers.decorator import ConsumerRegistry, ConsumerSpec, default_registry
 from consumers.inbox import DUPLICATES, CrashSite, already_seen, increment_counter
@@ -259,18 +259,7 @@ def register(app: Any, settings: Settings, *, registry: ConsumerRegistry | None 
         if spec is not None:
             _define(app, settings, spec, sessions=sessions, clock=clock, crash_points=crash_points)
             routes[task_name(name)] = {"queue": settings.queue_name(name)}
-    _add_routes(app, routes)
-
-
-def _add_routes(app: Any, routes: dict[str, dict[str, str]]) -> None:
-    """Route each consumer task to its queue (``send_task``/retries), keeping routes others set."""
-    existing = app.conf.task_routes
-    if not existing:
-        app.conf.task_routes = routes
-    elif isinstance(existing, Mapping):
-        app.conf.task_routes = {**existing, **routes}
-    else:
-        app.conf.task_routes = (routes, *tuple(existing))
+    add_task_routes(app, routes)
 
 
 def _define(app: Any, settings: Settings, spec: ConsumerSpec, *, sessions: SessionSource, clock: Clock,

@@ -8,10 +8,15 @@ derived (inbox rows + pruned inbox rows), not incremented per message.
 
 from __future__ import annotations
 
+import logging
+
+from sqlalchemy import exc
 from sqlalchemy.orm import Session
 
 from consumers.models import ConsumerCounter
 from consumers.sql import upsert
+
+log = logging.getLogger(__name__)
 
 RELAY = "_relay"  # the scope of the relay's counters (a consumer name never starts with "_")
 PUBLISHED = "published"
@@ -27,3 +32,14 @@ def stage_increment(session: Session, scope: str, name: str, by: int = 1) -> Non
         return
     session.execute(upsert(session, ConsumerCounter, {"consumer": scope, "name": name, "value": by},
                            keys=("consumer", "name"), update={"value": ConsumerCounter.value + by}))
+
+
+def increment(session: Session, scope: str, name: str, by: int = 1) -> None:
+    """``counter(scope, name) += by`` in a small transaction of its own, for work that has already
+    committed (or rolled back). Observability only: a failure is logged, never raised."""
+    try:
+        stage_increment(session, scope, name, by)
+        session.commit()
+    except exc.DBAPIError as e:
+        session.rollback()
+        log.warning("could not count %s for %s: %s", name, scope, e.orig)

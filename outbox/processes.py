@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from celeryconfig import Settings
@@ -102,11 +102,11 @@ def beat(settings: Settings, *, broker_url: str, log_dir: Path, name: str = "bea
                  log_path=log_dir / f"{name}.log")
 
 
-def wait_until(predicate: object, *, timeout_s: float, interval_s: float = 0.2) -> bool:
+def wait_until(predicate: Callable[[], bool], *, timeout_s: float, interval_s: float = 0.2) -> bool:
     """Poll ``predicate()`` until true or the deadline passes (a wait, not a timing assertion)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if callable(predicate) and predicate():
+        if predicate():
             return True
         if time.monotonic() >= deadline:
             return False

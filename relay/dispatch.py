@@ -220,7 +220,7 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, batc
                 if breaker is not None:
                     breaker.record_failure(clock.now_ms(), str(e))
                 log.warning("broker unavailable, %s row(s) left pending: %s", result.duplicates_risked, e)
-                _count_outage(session)
+                counters.increment(session, counters.RELAY, counters.BROKER_UNAVAILABLE)
                 return result
             for index, error in report.rejected.items():
                 owner = built.owners[index]
@@ -258,16 +258,6 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, batc
         except Exception:  # the connection may be gone; the original error matters more
             log.debug("rollback after a failed batch failed", exc_info=True)
         raise
-
-
-def _count_outage(session: Session) -> None:
-    """One failed publish attempt of the relay as a whole (observability only, never raises)."""
-    try:
-        counters.stage_increment(session, counters.RELAY, counters.BROKER_UNAVAILABLE)
-        session.commit()
-    except Exception:
-        session.rollback()
-        log.debug("could not count a broker outage", exc_info=True)
 
 
 def dispatch_with_settings(session: Session, publisher: Publisher, clock: Clock, settings: Settings, *,

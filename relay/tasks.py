@@ -11,7 +11,7 @@ import dataclasses
 import threading
 from typing import Any
 
-from celeryconfig import Settings
+from celeryconfig import Settings, add_task_routes
 from outbox import events
 from outbox.clock import SystemClock
 from outbox.crashpoints import CrashPoints
@@ -42,14 +42,7 @@ def register(app: Any, settings: Settings) -> None:
             cache["loop"] = loop
         return loop
 
-    route = {name: {"queue": f"{settings.namespace}.relay"} for name in (TASK_NAME, RECONCILE_TASK)}
-    existing = app.conf.task_routes
-    if existing is None:
-        app.conf.task_routes = route
-    elif isinstance(existing, dict):
-        app.conf.task_routes = {**existing, **route}
-    else:  # a sequence of routers: ours first
-        app.conf.task_routes = (route, *existing)
+    add_task_routes(app, {name: {"queue": f"{settings.namespace}.relay"} for name in (TASK_NAME, RECONCILE_TASK)})
 
     @app.task(name=TASK_NAME, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
     def drain_outbox() -> dict[str, Any]:
