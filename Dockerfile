@@ -1,13 +1,15 @@
-# One image for the orders app, the worker, beat, the standalone relay and flower.
+# One image for the orders app, the worker, beat, the standalone relay and flower: the library installed
+# from the wheel, the reference deployment (orders/, relay/, consumers/, celeryconfig.py, devtools/) beside it.
 FROM python:3.11-slim
 WORKDIR /app
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-COPY pyproject.toml README.md celeryconfig.py ./
-COPY outbox ./outbox
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PYTHONPATH=/app
+COPY pyproject.toml README.md ./
+COPY celery_outbox ./celery_outbox
+RUN pip install ".[postgres,redis,flask]" flower
+COPY celeryconfig.py ./
 COPY orders ./orders
 COPY relay ./relay
 COPY consumers ./consumers
-COPY ops ./ops
-RUN pip install . flower gunicorn
+COPY devtools ./devtools
 EXPOSE 8000 5555 9808
 CMD ["outbox", "--help"]

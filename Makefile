@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/outbox demo --orders $(ORDERS)
+	$(BIN)/python -m devtools demo --orders $(ORDERS)
 
 test: $(STAMP) lint typecheck
 	$(BIN)/pytest

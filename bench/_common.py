@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from outbox import migrate
-from outbox.db import make_engine
+from celery_outbox.db import make_engine
+from orders import migrate
 
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -26,7 +26,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 @contextmanager
 def fresh_database(prefix: str = "outbox_bench") -> Iterator[str]:
-    """A migrated database of its own (``<prefix>_<hex>``), dropped afterwards."""
+    """A database of its own (``<prefix>_<hex>``) with the library's and the Orders service's tables, dropped
+    afterwards."""
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:

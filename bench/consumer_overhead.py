@@ -18,14 +18,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import fresh_database, summary_ms, write_result
+from celery_outbox.clock import SystemClock
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.inbox.handle import NOW_KEY, handle
+from celery_outbox.inbox.outcome import Outcome
+from celery_outbox.messages import Envelope
+from celery_outbox.schema import define_tables
 from chaos.load import order_body
-from consumers.inbox import NOW_KEY, handle
-from consumers.outcome import Outcome
 from consumers.shipping import shipping
 from orders.service import order_placed_payload, parse_order
-from outbox.clock import SystemClock
-from outbox.db import make_engine, make_session_factory
-from outbox.messages import Envelope
 
 
 def envelope(i: int) -> Envelope:
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--deliveries", type=int, default=2000)
     args = parser.parse_args()
     clock = SystemClock()
+    tables = define_tables()
     n = args.deliveries
     with fresh_database() as url:
         engine = make_engine(url)
@@ -54,12 +56,12 @@ def main() -> None:
                 times["effect_alone"].append(time.perf_counter() - t)
             with sessions() as s:
                 t = time.perf_counter()
-                out = handle(s, envs[2 * i + 1], consumer="shipping", handler=shipping.handler, clock=clock)
+                out = handle(s, envs[2 * i + 1], tables=tables, consumer="shipping", handler=shipping.handler, clock=clock)
                 times["inbox_and_effect"].append(time.perf_counter() - t)
                 assert out is Outcome.PROCESSED
             with sessions() as s:
                 t = time.perf_counter()
-                out = handle(s, envs[2 * i + 1], consumer="shipping", handler=shipping.handler, clock=clock)
+                out = handle(s, envs[2 * i + 1], tables=tables, consumer="shipping", handler=shipping.handler, clock=clock)
                 times["duplicate"].append(time.perf_counter() - t)
                 assert out is Outcome.DUPLICATE
         engine.dispose()

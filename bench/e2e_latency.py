@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sqlalchemy as sa
 
 from bench._common import percentile, write_result
+from celery_outbox.clock import SystemClock
 from chaos import invariants
 from chaos.environment import ChaosEnvironment
 from chaos.load import order_body
-from consumers.models import InboxEntry
-from orders.models import Order, OutboxMessage
+from orders.models import Order
 from orders.service import parse_order, place_order
-from outbox.clock import SystemClock
+from relay.factory import create_outbox
 
 
 def stats(values: list[float]) -> dict[str, float]:
@@ -48,7 +48,8 @@ def run(mode: str, *, orders: int, rate: float) -> dict[str, Any]:
         worker.start()
         env.wait(lambda: "ready" in worker.log_path.read_text(errors="replace"), what="worker ready")
         time.sleep(1.0)
-        clock = SystemClock()
+        outbox = create_outbox(env.settings, session_factory=env.sessions, clock=SystemClock())
+        tables = env.tables
         period = 1.0 / rate
         start = time.perf_counter()
         for i in range(orders):
@@ -56,17 +57,17 @@ def run(mode: str, *, orders: int, rate: float) -> dict[str, Any]:
             if delay > 0:
                 time.sleep(delay)
             with env.sessions() as s:
-                place_order(s, parse_order(order_body(f"{mode}-{i}", index=i)), clock=clock)
+                place_order(s, parse_order(order_body(f"{mode}-{i}", index=i)), outbox=outbox)
         with env.sessions() as s:
-            env.wait(lambda: invariants.quiescent(s, consumers=env.consumers, expected_dead_letters=0),
+            env.wait(lambda: invariants.quiescent(s, tables=tables, consumers=env.consumers, expected_dead_letters=0),
                      timeout_s=120, what="every effect")
             created = dict(s.execute(sa.select(Order.id, Order.created_at_ms)).all())
             mid_to_order = {m: str(p["order_id"]) for m, p in
-                            s.execute(sa.select(OutboxMessage.message_id, OutboxMessage.payload)).all()}
+                            s.execute(sa.select(tables.outbox.message_id, tables.outbox.payload)).all()}
             shipping: list[float] = []
             last: dict[str, int] = {}
-            for mid, consumer, at in s.execute(sa.select(InboxEntry.message_id, InboxEntry.consumer,
-                                                         InboxEntry.processed_at_ms)).all():
+            for mid, consumer, at in s.execute(sa.select(tables.inbox.message_id, tables.inbox.consumer,
+                                                         tables.inbox.processed_at_ms)).all():
                 order = mid_to_order[mid]
                 if consumer == "shipping":
                     shipping.append(float(at - created[order]))

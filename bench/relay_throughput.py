@@ -16,22 +16,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import sqlalchemy as sa
 from kombu import Connection, Exchange, Queue
 
+from celery_outbox.celery.kombu_publisher import KombuPublisher
+from celery_outbox.clock import SystemClock
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.messages import Envelope, celery_task_message
+from celery_outbox.relay.dispatch import dispatch_with_settings
+from celery_outbox.schema import Tables, define_tables
 from celeryconfig import Settings
-from orders.models import OutboxMessage
-from outbox import migrate
-from outbox.clock import SystemClock
-from outbox.db import make_engine, make_session_factory
-from outbox.messages import Envelope, celery_task_message
-from relay.dispatch import dispatch_with_settings
-from relay.kombu_publisher import KombuPublisher
+from orders import migrate
 
 CONSUMERS = ("shipping", "billing", "search", "email")
 
@@ -63,11 +66,12 @@ def ceiling(url: str, settings: Settings, rows: int, batch: int) -> float:
     return len(msgs) / elapsed
 
 
-def relay_rate(url: str, settings: Settings, sessions: Any, rows: int, batch: int) -> tuple[float, float]:
+def relay_rate(url: str, settings: Settings, sessions: Any, rows: int, batch: int, *,
+               tables: Tables) -> tuple[float, float]:
     now = SystemClock().now_ms()
     with sessions() as s:
-        s.execute(sa.delete(OutboxMessage))
-        s.execute(sa.insert(OutboxMessage), [
+        s.execute(sa.delete(tables.outbox))
+        s.execute(sa.insert(tables.outbox), [
             {"message_id": uuid.uuid4(), "type": "OrderPlaced", "payload": {"order_id": f"o-{i}", "n": i},
              "headers": {}, "created_at_ms": now, "next_attempt_at_ms": now, "attempts": 0}
             for i in range(rows)])
@@ -79,7 +83,7 @@ def relay_rate(url: str, settings: Settings, sessions: Any, rows: int, batch: in
         start = time.perf_counter()
         while True:
             with sessions() as s:
-                r = dispatch_with_settings(s, pub, clock, settings, batch_size=batch)
+                r = dispatch_with_settings(s, pub, clock, settings, tables=tables, batch_size=batch)
             assert not r.broker_unavailable and r.failed == 0, r
             published += r.published
             if r.claimed == 0:
@@ -107,6 +111,7 @@ def main() -> None:
     url = args.pg_admin_url.rsplit("/", 1)[0] + f"/{db}"
     settings = Settings(namespace=f"bench{uuid.uuid4().hex[:6]}", broker_url=args.broker_url, database_url=url,
                         routes={"OrderPlaced": CONSUMERS[:args.consumers]}, relay_confirm_mode=args.confirm_mode)
+    tables = define_tables(prefix=settings.table_prefix)
     results: list[dict[str, Any]] = []
     try:
         migrate.upgrade(url)
@@ -120,7 +125,7 @@ def main() -> None:
             for _ in range(args.repeat):
                 ceils.append(ceiling(args.broker_url, settings, n, batch))
                 purge(args.broker_url, settings)
-                rates.append(relay_rate(args.broker_url, settings, sessions, n, batch))
+                rates.append(relay_rate(args.broker_url, settings, sessions, n, batch, tables=tables))
                 purge(args.broker_url, settings)
             ceil = statistics.median(ceils)
             msgs_s = statistics.median(r[0] for r in rates)

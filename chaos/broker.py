@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from outbox.embedded import free_port
-from outbox.errors import EmbeddedServerError
+from celery_outbox.errors import EmbeddedServerError
+from devtools.embedded import free_port
 
 SHARED_RABBITMQ_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
@@ -47,7 +47,7 @@ def redis_binary() -> str:
     for candidate in ("/usr/bin/redis-server", "/usr/local/bin/redis-server"):
         if os.access(candidate, os.X_OK):
             return candidate
-    from outbox.embedded import redis_server_binary
+    from devtools.embedded import redis_server_binary
 
     return redis_server_binary()
 
@@ -244,6 +244,6 @@ def make_broker(kind: str, *, data_dir: Path) -> RedisBroker | RabbitBroker:
         return RedisBroker(data_dir=data_dir)
     if kind == "rabbitmq":
         return RabbitBroker()
-    from outbox.errors import ConfigError
+    from celery_outbox.errors import ConfigError
 
     raise ConfigError(f"broker must be redis or rabbitmq, got {kind!r}")

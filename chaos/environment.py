@@ -18,14 +18,14 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.messages import Envelope, TaskMessage, celery_task_message, encode_json, task_id, task_name
+from celery_outbox.schema import Tables, define_tables
 from celeryconfig import Settings
 from chaos.broker import RabbitBroker, RedisBroker, make_broker
 from chaos.processes import ManagedProcess, ProcessGroup, orders_argv, relay_argv, worker_argv
-from orders.models import OutboxMessage
-from outbox import migrate
-from outbox.db import make_engine, make_session_factory
-from outbox.messages import Envelope, TaskMessage, celery_task_message, encode_json, task_id, task_name
-from outbox.processes import wait_until
+from devtools.processes import wait_until
+from orders import migrate
 
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REPO = Path(__file__).resolve().parent.parent
@@ -43,15 +43,20 @@ CHAOS_ENV: dict[str, str] = {
     "OUTBOX_CONSUMER_MAX_DELIVERIES": "3",
     "OUTBOX_CONSUMER_RETRY_BACKOFF_S": "1",
     "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "2",
-    "OUTBOX_BROKER_VISIBILITY_TIMEOUT_S": "3",  # see celeryconfig.redis_transport_options
+    "OUTBOX_BROKER_VISIBILITY_TIMEOUT_S": "3",  # see celery_outbox.celery.config.redis_transport_options
 }
 
 
 class ChaosEnvironment:
-    """See the module docstring. ``broker`` is ``"redis"`` (own server) or ``"rabbitmq"`` (shared)."""
+    """See the module docstring. ``broker`` is ``"redis"`` (own server) or ``"rabbitmq"`` (shared).
+
+    ``tables`` are the library's mapped tables to read the database through (the processes use the
+    default prefix too); pass one ``define_tables()`` result to share it between environments.
+    """
 
     def __init__(self, *, broker: str, workdir: Path, pg_admin_url: str = PG_ADMIN_URL,
-                 namespace: str | None = None, extra_env: Mapping[str, str] | None = None) -> None:
+                 namespace: str | None = None, extra_env: Mapping[str, str] | None = None,
+                 tables: Tables | None = None) -> None:
         self.kind = broker
         self.workdir = workdir
         self.pg_admin_url = pg_admin_url
@@ -61,6 +66,9 @@ class ChaosEnvironment:
         self.broker: RedisBroker | RabbitBroker = make_broker(broker, data_dir=workdir / "redis")
         self.processes = ProcessGroup()
         self.extra_env = dict(extra_env or {})
+        self.tables = tables if tables is not None else define_tables(prefix=self.settings.table_prefix)
+        if self.tables.prefix != self.settings.table_prefix:
+            raise ValueError(f"tables of prefix {self.tables.prefix!r}, processes use {self.settings.table_prefix!r}")
         self._engine: sa.Engine | None = None
         self._sessions: sessionmaker[Session] | None = None
         self._plans = 0
@@ -172,8 +180,8 @@ class ChaosEnvironment:
         return int(self.scalar(sa.select(sa.func.count()).select_from(model).where(*where)))
 
     def pending(self) -> int:
-        return self.count(OutboxMessage, OutboxMessage.published_at_ms.is_(None),
-                          OutboxMessage.dead_lettered_at_ms.is_(None))
+        outbox = self.tables.outbox
+        return self.count(outbox, outbox.published_at_ms.is_(None), outbox.dead_lettered_at_ms.is_(None))
 
     def wait(self, predicate: Callable[[], bool], *, timeout_s: float = 60.0, what: str = "condition") -> None:
         """Poll ``predicate`` until true; on timeout raise with every process's log tail."""
@@ -183,8 +191,8 @@ class ChaosEnvironment:
     def repend(self, seqs: Sequence[int]) -> int:
         """Mark published rows pending again: the relay publishes them a second time (duplicates)."""
         with self.sessions() as s:
-            res = s.execute(sa.update(OutboxMessage).where(OutboxMessage.seq.in_(list(seqs)),
-                                                          OutboxMessage.published_at_ms.is_not(None))
+            outbox = self.tables.outbox
+            res = s.execute(sa.update(outbox).where(outbox.seq.in_(list(seqs)), outbox.published_at_ms.is_not(None))
                             .values(published_at_ms=None, next_attempt_at_ms=0))
             s.commit()
             return int(getattr(res, "rowcount", 0) or 0)
@@ -192,7 +200,7 @@ class ChaosEnvironment:
     # -- the broker --------------------------------------------------------------------------------
     def publish(self, messages: Sequence[TaskMessage]) -> None:
         """Put task messages straight on consumer queues (poison, duplicates), through the real publisher."""
-        from relay.kombu_publisher import KombuPublisher
+        from celery_outbox.celery.kombu_publisher import KombuPublisher
 
         with KombuPublisher(broker_url=self.broker.url, settings=self.settings) as publisher:
             report = publisher.publish_batch(list(messages))
@@ -242,7 +250,7 @@ class ChaosEnvironment:
         """Publish an already published row ``copies`` times more to each consumer, at once; returns
         the number of extra deliveries injected."""
         with self.sessions() as s:
-            row = s.get(OutboxMessage, seq)
+            row = s.get(self.tables.outbox, seq)
             assert row is not None, f"no outbox row {seq}"
             envelope = Envelope(message_id=row.message_id, type=row.type, payload=row.payload,
                                 headers=dict(row.headers or {}), created_at_ms=row.created_at_ms)

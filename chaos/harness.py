@@ -28,7 +28,7 @@ from chaos import invariants
 from chaos.environment import PG_ADMIN_URL, ChaosEnvironment
 from chaos.matrix import MatrixRow, verdict, violated
 from chaos.processes import ManagedProcess
-from orders.models import Order, OutboxMessage
+from orders.models import Order
 
 ROLE_POINTS: dict[str, tuple[str, ...]] = {
     "relay": ("after_claim_before_publish", "after_publish_before_mark", "after_mark"),
@@ -179,11 +179,12 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                     proc.start()
 
             # 2. sample the backlog (the "slow consumer" row's alert signals)
+            outbox = env.tables.outbox
             with env.sessions() as s:
                 snap_pending = env.pending()
-                oldest = s.execute(sa.select(sa.func.min(OutboxMessage.created_at_ms)).where(
-                    OutboxMessage.published_at_ms.is_(None),
-                    OutboxMessage.dead_lettered_at_ms.is_(None))).scalar_one()
+                oldest = s.execute(sa.select(sa.func.min(outbox.created_at_ms)).where(
+                    outbox.published_at_ms.is_(None),
+                    outbox.dead_lettered_at_ms.is_(None))).scalar_one()
             report.peak_pending = max(report.peak_pending, snap_pending)
             if oldest is not None:
                 report.peak_oldest_pending_age_ms = max(report.peak_oldest_pending_age_ms,
@@ -202,8 +203,8 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                 say(f"second relay stopped after {report.second_relay_s:.1f}s")
             if not dup_done and frac >= 0.4:
                 with env.sessions() as s:
-                    published = list(s.execute(sa.select(OutboxMessage.seq).where(
-                        OutboxMessage.published_at_ms.is_not(None))).scalars())
+                    published = list(s.execute(sa.select(outbox.seq).where(
+                        outbox.published_at_ms.is_not(None))).scalars())
                 if published:
                     chosen = rng.sample(published, min(duplicates, len(published)))
                     repended = env.repend(chosen)
@@ -254,8 +255,9 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
 
         def done() -> bool:
             with env.sessions() as s:
-                return (invariants.quiescent(s, consumers=env.consumers, expected_dead_letters=len(poison_set))
-                        and invariants.duplicates_absorbed(s) >= min_dups)
+                return (invariants.quiescent(s, tables=env.tables, consumers=env.consumers,
+                                             expected_dead_letters=len(poison_set))
+                        and invariants.duplicates_absorbed(s, tables=env.tables) >= min_dups)
 
         say("waiting for quiescence")
         deadline = time.monotonic() + max(60.0, timeout_s - (time.monotonic() - started))
@@ -268,7 +270,7 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
         report.quiesced = done()
         time.sleep(1.0)  # let stragglers (a late duplicate) land before the final read
         with env.sessions() as s:
-            report.invariants = invariants.check(s, consumers=env.consumers, rolled_back=rolled_back,
+            report.invariants = invariants.check(s, tables=env.tables, consumers=env.consumers, rolled_back=rolled_back,
                                                  poison=poison_set, min_duplicates=min_dups,
                                                  now_ms=int(time.time() * 1000))
         report.matrix = build_matrix(report)

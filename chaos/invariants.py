@@ -19,8 +19,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from consumers.models import ConsumerDeadLetter, InboxEntry, Invoice, SearchDocument, SentEmail, Shipment
-from orders.models import Order, OutboxMessage
+from celery_outbox.schema import Tables
+from consumers.models import Invoice, SearchDocument, SentEmail, Shipment
+from orders.models import Order
 
 ORDER_PLACED = "OrderPlaced"
 
@@ -55,7 +56,7 @@ class InvariantReport:
         return not self.violations
 
 
-def effect_counts_by_order(session: Session) -> dict[str, Counter[str]]:
+def effect_counts_by_order(session: Session, *, tables: Tables) -> dict[str, Counter[str]]:
     """consumer -> order id -> number of effects, from each shipped consumer's own table.
 
     ``consumers.effects.effect_counts`` gives totals; a chaos run needs them per order, because a
@@ -65,7 +66,7 @@ def effect_counts_by_order(session: Session) -> dict[str, Counter[str]]:
         rows = session.execute(sa.select(column, sa.func.count()).group_by(column)).all()
         return Counter({str(k): int(n) for k, n in rows})
 
-    by_message = order_message_ids(session)
+    by_message = order_message_ids(session, tables=tables)
     emails: Counter[str] = Counter()
     for key, n in session.execute(sa.select(SentEmail.idempotency_key, sa.func.count())
                                   .group_by(SentEmail.idempotency_key)).all():
@@ -89,51 +90,51 @@ def email_provider_calls(session: Session) -> int:
     return int(calls(session))
 
 
-def duplicates_absorbed(session: Session) -> int:
+def duplicates_absorbed(session: Session, *, tables: Tables) -> int:
     from consumers.effects import duplicates_absorbed as absorbed
 
-    return int(sum(absorbed(session).values()))
+    return int(sum(absorbed(session, tables).values()))
 
 
-def order_message_ids(session: Session) -> dict[uuid.UUID, str]:
+def order_message_ids(session: Session, *, tables: Tables) -> dict[uuid.UUID, str]:
     """OrderPlaced message id -> order id, from the outbox rows."""
-    rows = session.execute(sa.select(OutboxMessage.message_id, OutboxMessage.payload)
-                           .where(OutboxMessage.type == ORDER_PLACED)).all()
+    rows = session.execute(sa.select(tables.outbox.message_id, tables.outbox.payload)
+                           .where(tables.outbox.type == ORDER_PLACED)).all()
     return {mid: str((payload or {}).get("order_id")) for mid, payload in rows}
 
 
-def quiescent(session: Session, *, consumers: Sequence[str], expected_dead_letters: int) -> bool:
+def quiescent(session: Session, *, tables: Tables, consumers: Sequence[str], expected_dead_letters: int) -> bool:
     """Nothing left to do: no pending row, every order seen by every consumer, all poison dead."""
-    pending = session.execute(sa.select(sa.func.count()).select_from(OutboxMessage).where(
-        OutboxMessage.published_at_ms.is_(None), OutboxMessage.dead_lettered_at_ms.is_(None))).scalar_one()
+    pending = session.execute(sa.select(sa.func.count()).select_from(tables.outbox).where(
+        tables.outbox.published_at_ms.is_(None), tables.outbox.dead_lettered_at_ms.is_(None))).scalar_one()
     if pending:
         return False
-    messages = session.execute(sa.select(sa.func.count()).select_from(OutboxMessage)).scalar_one()
-    inbox = session.execute(sa.select(sa.func.count()).select_from(InboxEntry).where(
-        InboxEntry.consumer.in_(list(consumers)))).scalar_one()
+    messages = session.execute(sa.select(sa.func.count()).select_from(tables.outbox)).scalar_one()
+    inbox = session.execute(sa.select(sa.func.count()).select_from(tables.inbox).where(
+        tables.inbox.consumer.in_(list(consumers)))).scalar_one()
     if inbox < messages * len(consumers):
         return False
-    dead = session.execute(sa.select(sa.func.count()).select_from(ConsumerDeadLetter)).scalar_one()
+    dead = session.execute(sa.select(sa.func.count()).select_from(tables.dead_letters)).scalar_one()
     return bool(dead >= expected_dead_letters)
 
 
-def snapshot(session: Session, *, consumers: Sequence[str], now_ms: int) -> Snapshot:
+def snapshot(session: Session, *, tables: Tables, consumers: Sequence[str], now_ms: int) -> Snapshot:
     snap = Snapshot()
     snap.committed_orders = session.execute(sa.select(sa.func.count()).select_from(Order)).scalar_one()
-    snap.pending = session.execute(sa.select(sa.func.count()).select_from(OutboxMessage).where(
-        OutboxMessage.published_at_ms.is_(None), OutboxMessage.dead_lettered_at_ms.is_(None))).scalar_one()
-    oldest = session.execute(sa.select(sa.func.min(OutboxMessage.created_at_ms)).where(
-        OutboxMessage.published_at_ms.is_(None), OutboxMessage.dead_lettered_at_ms.is_(None))).scalar_one()
+    snap.pending = session.execute(sa.select(sa.func.count()).select_from(tables.outbox).where(
+        tables.outbox.published_at_ms.is_(None), tables.outbox.dead_lettered_at_ms.is_(None))).scalar_one()
+    oldest = session.execute(sa.select(sa.func.min(tables.outbox.created_at_ms)).where(
+        tables.outbox.published_at_ms.is_(None), tables.outbox.dead_lettered_at_ms.is_(None))).scalar_one()
     snap.oldest_pending_age_ms = None if oldest is None else max(0, now_ms - int(oldest))
-    snap.relay_dead_letters = session.execute(sa.select(sa.func.count()).select_from(OutboxMessage).where(
-        OutboxMessage.dead_lettered_at_ms.is_not(None))).scalar_one()
-    for consumer, n in session.execute(sa.select(InboxEntry.consumer, sa.func.count())
-                                       .group_by(InboxEntry.consumer)).all():
+    snap.relay_dead_letters = session.execute(sa.select(sa.func.count()).select_from(tables.outbox).where(
+        tables.outbox.dead_lettered_at_ms.is_not(None))).scalar_one()
+    for consumer, n in session.execute(sa.select(tables.inbox.consumer, sa.func.count())
+                                       .group_by(tables.inbox.consumer)).all():
         snap.inbox_rows[consumer] = int(n)
-    counts = effect_counts_by_order(session)
+    counts = effect_counts_by_order(session, tables=tables)
     snap.effects = {c: int(sum(counts.get(c, Counter()).values())) for c in consumers}
-    snap.dead_letters = session.execute(sa.select(sa.func.count()).select_from(ConsumerDeadLetter)).scalar_one()
-    snap.duplicates_absorbed = duplicates_absorbed(session)
+    snap.dead_letters = session.execute(sa.select(sa.func.count()).select_from(tables.dead_letters)).scalar_one()
+    snap.duplicates_absorbed = duplicates_absorbed(session, tables=tables)
     return snap
 
 
@@ -143,15 +144,15 @@ def _sample(items: Iterable[Any], n: int = 5) -> str:
     return ", ".join(items[:n]) + more
 
 
-def check(session: Session, *, consumers: Sequence[str], rolled_back: Iterable[str],
+def check(session: Session, *, tables: Tables, consumers: Sequence[str], rolled_back: Iterable[str],
           poison: Iterable[tuple[str, str]], min_duplicates: int = 0, now_ms: int = 0) -> InvariantReport:
     """Every invariant of the module docstring; ``poison`` is the injected (consumer, message_id) set."""
-    snap = snapshot(session, consumers=consumers, now_ms=now_ms)
+    snap = snapshot(session, tables=tables, consumers=consumers, now_ms=now_ms)
     report = InvariantReport(snapshot=snap)
     v = report.violations
 
     orders = set(session.execute(sa.select(Order.id)).scalars())
-    by_message = order_message_ids(session)
+    by_message = order_message_ids(session, tables=tables)
     rows_per_order = Counter(by_message.values())
     no_row = orders - set(rows_per_order)
     if no_row:
@@ -179,9 +180,9 @@ def check(session: Session, *, consumers: Sequence[str], rolled_back: Iterable[s
                            detail=f"{snap.relay_dead_letters} outbox row(s) dead-lettered by the relay"))
 
     inbox: dict[str, set[uuid.UUID]] = {c: set() for c in consumers}
-    for mid, consumer in session.execute(sa.select(InboxEntry.message_id, InboxEntry.consumer)).all():
+    for mid, consumer in session.execute(sa.select(tables.inbox.message_id, tables.inbox.consumer)).all():
         inbox.setdefault(consumer, set()).add(mid)
-    counts = effect_counts_by_order(session)
+    counts = effect_counts_by_order(session, tables=tables)
     for consumer in consumers:
         missing = {by_message[m] for m in by_message if m not in inbox.get(consumer, set())}
         if missing:
@@ -199,7 +200,7 @@ def check(session: Session, *, consumers: Sequence[str], rolled_back: Iterable[s
                                detail=f"effects for {len(ghosts)} unknown/rolled-back order(s): {_sample(ghosts)}"))
 
     dead = Counter((c, m) for c, m in session.execute(
-        sa.select(ConsumerDeadLetter.consumer, ConsumerDeadLetter.message_id)).all())
+        sa.select(tables.dead_letters.consumer, tables.dead_letters.message_id)).all())
     expected = set(poison)
     extra = {k for k in dead if k not in expected}
     missing_dead = expected - set(dead)

@@ -18,12 +18,14 @@ from typing import Any
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
+from celery_outbox import Outbox
+from celery_outbox.crashpoints import CrashPoints
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.errors import OutboxError
 from celeryconfig import Settings
 from orders.models import Order
 from orders.service import OrderRequest, parse_order, place_order
-from outbox.crashpoints import CrashPoints
-from outbox.db import make_engine, make_session_factory
-from outbox.errors import OutboxError
+from relay.factory import create_outbox
 
 
 class InjectedRollback(OutboxError):
@@ -50,11 +52,11 @@ def _fail_after_flush(session: Session, _ctx: Any) -> None:
     raise InjectedRollback("injected failure after the order's INSERTs, before COMMIT")
 
 
-def place_rolled_back(session: Session, req: OrderRequest) -> bool:
+def place_rolled_back(session: Session, req: OrderRequest, *, outbox: Outbox) -> bool:
     """Run place_order in a transaction that fails after flushing; True if it rolled back."""
     event.listen(session, "after_flush", _fail_after_flush)
     try:
-        place_order(session, req)
+        place_order(session, req, outbox=outbox)
     except InjectedRollback:
         return True
     finally:
@@ -65,16 +67,16 @@ def place_rolled_back(session: Session, req: OrderRequest) -> bool:
 def run(plan: list[dict[str, Any]], *, settings: Settings, interval_ms: int) -> None:
     engine = make_engine(settings.effective_database_url)
     sessions = make_session_factory(engine)
+    outbox = create_outbox(settings, session_factory=sessions)
     crash_points = CrashPoints(spec=settings.crash_points)
     for i, item in enumerate(plan):
         order_id = str(item["order_id"])
         req = parse_order(order_body(order_id, index=i))
         with sessions() as session:
             if item.get("rollback"):
-                place_rolled_back(session, req)
+                place_rolled_back(session, req, outbox=outbox)
             elif session.get(Order, order_id) is None:
-                place_order(session, req, max_message_bytes=settings.max_message_bytes,
-                            crash_points=crash_points)
+                place_order(session, req, outbox=outbox, crash_points=crash_points)
             else:
                 continue
         if interval_ms:

@@ -128,12 +128,12 @@ class ManagedProcess:
             return ""
 
 
-def relay_argv() -> list[str]:
-    return [str(BIN / "outbox"), "relay"]
+def relay_argv(*, app: str = "relay.app") -> list[str]:
+    return [str(BIN / "outbox"), "-A", app, "relay"]
 
 
 def worker_argv(*, queues: Sequence[str], pool: str = "solo", concurrency: int = 1,
-                app: str = "outbox.celery_app", hostname: str = "chaos") -> list[str]:
+                app: str = "relay.app", hostname: str = "chaos") -> list[str]:
     return [str(BIN / "celery"), "-A", app, "worker", "-Q", ",".join(queues), "-P", pool,
             "-c", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"{hostname}@%h", "--loglevel", "INFO"]

@@ -7,9 +7,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from consumers.inbox import DUPLICATES
-from consumers.models import ConsumerCounter, Invoice, SearchDocument, SentEmail, Shipment
-from outbox.db import wrap_driver_errors
+from celery_outbox import Tables, wrap_driver_errors
+from consumers.models import Invoice, SearchDocument, SentEmail, Shipment
 
 
 def effect_counts(session: Session) -> dict[str, int]:
@@ -28,12 +27,12 @@ def effect_counts(session: Session) -> dict[str, int]:
         }
 
 
-def duplicates_absorbed(session: Session) -> dict[str, int]:
+def duplicates_absorbed(session: Session, tables: Tables) -> dict[str, int]:
     """Per consumer, how many deliveries the inbox turned into DUPLICATE (consumers with none absent)."""
     with wrap_driver_errors("reading duplicate counters"):
         rows = session.execute(
-            sa.select(ConsumerCounter.consumer, ConsumerCounter.value)
-            .where(ConsumerCounter.name == DUPLICATES).order_by(ConsumerCounter.consumer)
+            sa.select(tables.counters.consumer, tables.counters.value)
+            .where(tables.counters.name == "duplicates").order_by(tables.counters.consumer)
         ).all()
     return {consumer: int(value) for consumer, value in rows}
 

@@ -12,10 +12,9 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
-from consumers.decorator import ConsumerSpec, consumer
+from celery_outbox import ConsumerSpec, Envelope, consumer
 from consumers.email_provider import EmailProvider, FakeEmailProvider, idempotency_key
 from consumers.payloads import order_placed
-from outbox.messages import Envelope
 
 NAME = "email"
 

@@ -15,10 +15,8 @@ from typing import Protocol
 from sqlalchemy import exc
 from sqlalchemy.orm import Session
 
+from celery_outbox import Clock, DatabaseError, SystemClock, upsert
 from consumers.models import SentEmail
-from consumers.sql import upsert
-from outbox.clock import Clock, SystemClock
-from outbox.errors import DatabaseError
 
 
 class EmailProvider(Protocol):

@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from outbox.errors import MalformedMessageError
-from outbox.messages import Envelope
+from celery_outbox import Envelope, MalformedMessageError
 
 
 def _field(payload: Mapping[str, Any], name: str, typ: type, where: str) -> Any:

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from consumers.decorator import consumer
-from consumers.inbox import effect_now_ms
+from celery_outbox import Envelope, consumer, effect_now_ms, upsert
 from consumers.models import SearchDocument
 from consumers.payloads import order_placed
-from consumers.sql import upsert
-from outbox.messages import Envelope
 
 
 @consumer(name="search", event="OrderPlaced", ordering=True)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from consumers.decorator import consumer
-from consumers.inbox import effect_now_ms
+from celery_outbox import Envelope, consumer, effect_now_ms
 from consumers.models import Shipment
 from consumers.payloads import order_placed
-from outbox.messages import Envelope
 
 
 @consumer(name="shipping", event="OrderPlaced")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from outbox.messages import Envelope
+from celery_outbox import Envelope
 
 
 def order_placed_envelope(order_id: str = "o-1", *, message_id: uuid.UUID | None = None, version: int | None = 1,

@@ -11,18 +11,18 @@ from typing import Any
 from sqlalchemy import exc
 from sqlalchemy.orm import Session
 
-from orders import outbox
+from celery_outbox import CrashPoints, DatabaseError, Event, Outbox, ValidationError, is_unique_violation
 from orders.models import Order, OrderLine
-from outbox.clock import Clock, SystemClock
-from outbox.crashpoints import DISARMED, CrashPoints
-from outbox.db import is_unique_violation
-from outbox.errors import DatabaseError, DuplicateOrderError, ValidationError
 
 ORDER_PLACED = "OrderPlaced"
 _ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 _CURRENCY = re.compile(r"^[A-Z]{3}$")
 MAX_LINES = 200
+
+
+class DuplicateOrderError(ValidationError):
+    """An order with this id already exists; nothing was written."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,16 +107,14 @@ def order_placed_payload(req: OrderRequest) -> dict[str, Any]:
     }
 
 
-def place_order(session: Session, req: OrderRequest, *, clock: Clock | None = None,
-                max_message_bytes: int | None = None, correlation_id: str | None = None,
-                crash_points: CrashPoints = DISARMED) -> Order:
+def place_order(session: Session, req: OrderRequest, *, outbox: Outbox, correlation_id: str | None = None,
+                crash_points: CrashPoints | None = None) -> Order:
     """Write the order and its ``OrderPlaced`` event in ONE commit.
 
     A failed commit (duplicate id, database down) rolls back both and raises; there is never an
     order without its event nor an event without its order.
     """
-    clock = clock or SystemClock()
-    now = clock.now_ms()
+    now = outbox.clock.now_ms()
     order = Order(
         id=req.order_id, customer_id=req.customer_id, email=req.email, currency=req.currency,
         total_cents=req.total_cents, status="placed", created_at_ms=now,
@@ -125,15 +123,10 @@ def place_order(session: Session, req: OrderRequest, *, clock: Clock | None = No
     )
     try:
         session.add(order)
-        outbox.add(
-            session,
-            outbox.Event(type=ORDER_PLACED, payload=order_placed_payload(req),
-                         correlation_id=correlation_id, entity_key=f"order:{req.order_id}",
-                         entity_version=1),
-            clock=clock, max_message_bytes=max_message_bytes,
-        )
+        outbox.publish(session, Event(ORDER_PLACED, order_placed_payload(req), correlation_id=correlation_id,
+                                      entity_key=f"order:{req.order_id}", entity_version=1))
         session.commit()
-        crash_points.reached("after_order_commit")
+        (crash_points or outbox.crash_points).reached("after_order_commit")
     except exc.IntegrityError as e:
         session.rollback()
         if is_unique_violation(e):

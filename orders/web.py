@@ -7,12 +7,10 @@ from typing import Any
 from flask import Flask, Response, g, jsonify, request
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import Clock, DatabaseError, OutboxError, SystemClock, ValidationError
 from celeryconfig import Settings
 from orders.models import Order
-from orders.service import parse_order, place_order
-from outbox.clock import Clock, SystemClock
-from outbox.db import make_engine, make_session_factory
-from outbox.errors import DatabaseError, DuplicateOrderError, OutboxError, ValidationError
+from orders.service import DuplicateOrderError, parse_order, place_order
 
 
 def _error(status: int, message: str) -> tuple[Response, int]:
@@ -36,17 +34,17 @@ def order_json(order: Order) -> dict[str, Any]:
 def create_app(*, settings: Settings | None = None, session_factory: sessionmaker[Session] | None = None,
                clock: Clock | None = None) -> Flask:
     """App factory; tests pass their own session factory and clock."""
+    from relay.factory import create_outbox
+
     settings = settings or Settings.from_env()
-    if session_factory is None:
-        session_factory = make_session_factory(make_engine(settings.effective_database_url))
-    clock = clock or SystemClock()
+    outbox = create_outbox(settings, session_factory=session_factory, clock=clock or SystemClock())
+    sessions = outbox.sessions()
     app = Flask("orders")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_message_bytes
-    app.extensions["outbox"] = {"settings": settings, "session_factory": session_factory, "clock": clock}
 
     def session() -> Session:
         if "db" not in g:
-            g.db = session_factory()
+            g.db = sessions()
         s: Session = g.db
         return s
 
@@ -69,8 +67,7 @@ def create_app(*, settings: Settings | None = None, session_factory: sessionmake
             return _error(400, "request body is not valid JSON")
         try:
             req = parse_order(data)
-            order = place_order(session(), req, clock=clock,
-                                max_message_bytes=settings.max_message_bytes,
+            order = place_order(session(), req, outbox=outbox,
                                 correlation_id=request.headers.get("X-Correlation-Id"))
         except DuplicateOrderError as e:
             return _error(409, str(e))
@@ -93,7 +90,7 @@ def create_app(*, settings: Settings | None = None, session_factory: sessionmake
     def healthz() -> tuple[Response, int]:
         return jsonify({"ok": True}), 200
 
-    from ops.admin import init_app as init_ops  # /admin/dead-letters and /metrics
+    from celery_outbox.contrib.flask import init_app as init_ops  # /admin/dead-letters and /metrics
 
-    init_ops(app)
+    init_ops(app, outbox)
     return app

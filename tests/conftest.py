@@ -15,10 +15,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox.clock import ManualClock
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.outbox import Outbox
+from celery_outbox.schema import Tables, define_tables
 from celeryconfig import Settings
-from outbox import migrate
-from outbox.clock import ManualClock
-from outbox.db import make_engine, make_session_factory
+from orders import migrate
 from tests.services import require_service
 
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -29,6 +31,12 @@ RABBITMQ_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@12
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock()
+
+
+@pytest.fixture(scope="session")
+def tables() -> Tables:
+    """The library's tables under the default prefix, as ``outbox db upgrade`` creates them."""
+    return define_tables()
 
 
 @pytest.fixture
@@ -85,7 +93,8 @@ def pg_url(pg_database: str) -> Iterator[str]:
     engine = make_engine(pg_database)
     with engine.begin() as c:
         tables = c.exec_driver_sql(
-            "SELECT tablename FROM pg_tables WHERE schemaname='public' AND tablename <> 'alembic_version'"
+            "SELECT tablename FROM pg_tables WHERE schemaname='public' "
+            "AND tablename NOT IN ('alembic_version', 'outbox_schema_version')"
         ).scalars().all()
         if tables:
             c.exec_driver_sql("TRUNCATE " + ", ".join(f'"{t}"' for t in tables) + " RESTART IDENTITY CASCADE")
@@ -136,3 +145,13 @@ def namespace() -> str:
 @pytest.fixture
 def settings(tmp_home: Path, sqlite_url: str, namespace: str) -> Settings:
     return Settings(home=tmp_home, database_url=sqlite_url, namespace=namespace, broker_url="memory://")
+
+
+@pytest.fixture
+def outbox(settings: Settings, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> Outbox:
+    """The reference deployment's Outbox on the test's SQLite database, memory broker and manual clock."""
+    from relay.factory import create_outbox
+
+    box = create_outbox(settings, session_factory=sqlite_sessions, clock=clock)
+    box._tables = tables  # one mapping of the default prefix for the whole test session
+    return box

@@ -14,8 +14,7 @@ from chaos.environment import ChaosEnvironment
 from chaos.harness import plan_kills, run_chaos
 from chaos.load import make_plan as plan
 from consumers.models import Shipment
-from orders.models import OutboxMessage
-from outbox.cli import cli
+from devtools.__main__ import cli
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
 
@@ -56,14 +55,15 @@ def test_invariants_catch_lost_and_doubled_effects(redis_chaos: ChaosEnvironment
     loader.start()
     assert loader.wait_exit(timeout_s=60) == 0, env.logs()
     with env.sessions() as s:
-        payload = s.execute(sa.select(OutboxMessage.payload)).scalars().first()
+        payload = s.execute(sa.select(env.tables.outbox.payload)).scalars().first()
         assert payload is not None
         order_id = payload["order_id"]
         for _ in range(2):
             s.add(Shipment(order_id=order_id, address_line="", items=1, created_at_ms=0))
         s.commit()
         # When: the invariants are checked
-        report = invariants.check(s, consumers=env.consumers, rolled_back=[], poison=[("billing", "x")])
+        report = invariants.check(s, tables=env.tables, consumers=env.consumers, rolled_back=[],
+                                  poison=[("billing", "x")])
     # Then: each broken rule is reported
     names = {v.invariant for v in report.violations}
     assert not report.ok

@@ -18,8 +18,8 @@ from chaos import invariants
 from chaos.environment import ChaosEnvironment
 from chaos.load import make_plan as plan
 from chaos.processes import ManagedProcess
-from consumers.models import ConsumerDeadLetter, InboxEntry, Shipment
-from orders.models import Order, OutboxMessage
+from consumers.models import Shipment
+from orders.models import Order
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
 
@@ -33,13 +33,14 @@ def settle(env: ChaosEnvironment, *, rolled_back: Iterable[str] = (), poison: It
 
     def done() -> bool:
         with env.sessions() as s:
-            return (invariants.quiescent(s, consumers=env.consumers, expected_dead_letters=len(poison))
-                    and invariants.duplicates_absorbed(s) >= min_duplicates)
+            return (invariants.quiescent(s, tables=env.tables, consumers=env.consumers,
+                                         expected_dead_letters=len(poison))
+                    and invariants.duplicates_absorbed(s, tables=env.tables) >= min_duplicates)
 
     env.wait(done, timeout_s=timeout_s, what="quiescence")
     with env.sessions() as s:
-        report = invariants.check(s, consumers=env.consumers, rolled_back=rolled_back, poison=poison,
-                                  min_duplicates=min_duplicates)
+        report = invariants.check(s, tables=env.tables, consumers=env.consumers, rolled_back=rolled_back,
+                                  poison=poison, min_duplicates=min_duplicates)
     assert report.ok, f"{report.violations}\n{env.logs()}"
     return report
 
@@ -66,7 +67,7 @@ def test_order_commit_fails_leaves_neither_order_nor_event(redis_chaos: ChaosEnv
     # When: the real order writer runs it, then relay and worker run
     place(env, items)
     assert env.count(Order) == 3
-    assert env.count(OutboxMessage) == 3
+    assert env.count(env.tables.outbox) == 3
     env.relay().start()
     env.worker().start()
     # Then: exactly the committed orders have effects; the rolled-back ones nothing anywhere
@@ -160,13 +161,14 @@ def test_broker_down_backlog_drains_nothing_dead_lettered(chaos_env: ChaosEnviro
     env.broker.outage_begin()
     place(env, plan(8))
     # When: the outage lasts far longer than max_attempts x backoff (3 x 200 ms) would allow
-    env.wait(lambda: env.count(OutboxMessage) == 10, what="orders written during the outage")
+    env.wait(lambda: env.count(env.tables.outbox) == 10, what="orders written during the outage")
     time.sleep(4)  # the outage itself: the relay must ride it out (no assertion on time)
     assert relay.alive(), env.logs()
     with env.sessions() as s:
-        dead = s.execute(sa.select(sa.func.count()).select_from(OutboxMessage)
-                         .where(OutboxMessage.dead_lettered_at_ms.is_not(None))).scalar_one()
-        charged = s.execute(sa.select(sa.func.max(OutboxMessage.attempts))).scalar_one()
+        outbox = env.tables.outbox
+        dead = s.execute(sa.select(sa.func.count()).select_from(outbox)
+                         .where(outbox.dead_lettered_at_ms.is_not(None))).scalar_one()
+        charged = s.execute(sa.select(sa.func.max(outbox.attempts))).scalar_one()
     assert env.pending() == 8
     assert dead == 0
     assert charged == 0  # an unreachable broker is nobody's message's fault (the breaker backs off)
@@ -188,7 +190,7 @@ def test_worker_killed_before_commit_redelivered_processed_once(broker: str, req
     worker.start(crash_points="consumer_before_commit@2")
     died_by_sigkill(worker, env)
     # Then: the killed delivery left no effect and no inbox row
-    assert env.count(InboxEntry) == 1
+    assert env.count(env.tables.inbox) == 1
     # When: the worker restarts
     worker.start()
     # Then: the message is redelivered and processed exactly once
@@ -204,7 +206,7 @@ def test_worker_killed_after_commit_before_ack_duplicate_absorbed(redis_chaos: C
     worker = env.worker(concurrency=1)  # one delivery at a time: the kill hits exactly one
     worker.start(crash_points="consumer_after_commit_before_ack")
     died_by_sigkill(worker, env)
-    assert env.count(InboxEntry) == 1
+    assert env.count(env.tables.inbox) == 1
     # When: the worker restarts, the unacked message comes back
     worker.start()
     # Then: the inbox answers Duplicate; one effect
@@ -218,7 +220,7 @@ def test_same_message_delivered_in_parallel_one_effect(redis_chaos: ChaosEnviron
     env.wait(lambda: env.pending() == 0, what="order published")
     # Given: the same event three times on every consumer's queue
     with env.sessions() as s:
-        seq = s.execute(sa.select(OutboxMessage.seq)).scalar_one()
+        seq = s.execute(sa.select(env.tables.outbox.seq)).scalar_one()
     injected = env.duplicate(seq, copies=2)
     # When: a 4-thread worker takes the copies at once
     env.worker(pool="threads", concurrency=4).start()
@@ -238,7 +240,7 @@ def test_poison_message_dead_lettered_messages_behind_flow(redis_chaos: ChaosEnv
     # Then: the orders are processed, the poison is dead-lettered after max deliveries, nothing else
     settle(env, poison=[poison])
     with env.sessions() as s:
-        row = s.execute(sa.select(ConsumerDeadLetter)).scalar_one()
+        row = s.execute(sa.select(env.tables.dead_letters)).scalar_one()
     assert (row.consumer, row.message_id) == poison
     assert row.delivery_count == env.settings.consumer_max_deliveries
 

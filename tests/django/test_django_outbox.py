@@ -22,16 +22,16 @@ from django.urls import include, path
 from shop.models import Order, OrderLine, Shipment
 from shop.services import place_order
 
-import outbox_django
-from orders import outbox as sa_outbox
-from orders.models import OutboxMessage as SAOutboxMessage
-from orders.outbox import Event
+import celery_outbox.contrib.django
+from celery_outbox import writer as sa_writer
+from celery_outbox.clock import ManualClock
+from celery_outbox.contrib.django.models import OutboxMessage
+from celery_outbox.db import make_session_factory
+from celery_outbox.errors import MessageTooLargeError, SerializationError, TransactionRequiredError, ValidationError
+from celery_outbox.messages import Envelope, task_name
+from celery_outbox.schema import OutboxRow, Tables
+from celery_outbox.writer import Event
 from orders.service import ORDER_PLACED, parse_order
-from outbox.clock import ManualClock
-from outbox.db import make_session_factory
-from outbox.errors import MessageTooLargeError, SerializationError, TransactionRequiredError, ValidationError
-from outbox.messages import Envelope, task_name
-from outbox_django.models import OutboxMessage
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True), pytest.mark.urls(__name__)]
 
@@ -72,14 +72,15 @@ def client() -> Client:
 
 # -- the writer ------------------------------------------------------------------------------------
 
-def test_add_inside_atomic_commits_with_the_callers_data() -> None:
+def test_publish_inside_atomic_commits_with_the_callers_data() -> None:
     clock = ManualClock(start_ms=1_700_000_123_000)
     # When an order and its event are written in one atomic block
     with transaction.atomic():
         Order.objects.create(id="o-9", customer_id="c", email="e@example.com", currency="EUR", total_cents=1,
                              created_at_ms=clock.now_ms())
-        written = outbox_django.add(Event(type=ORDER_PLACED, payload={"order_id": "o-9"}, correlation_id="corr-1",
-                                          entity_key="order:o-9", entity_version=1), clock=clock)
+        written = celery_outbox.contrib.django.publish(
+            Event(type=ORDER_PLACED, payload={"order_id": "o-9"}, correlation_id="corr-1",
+                  entity_key="order:o-9", entity_version=1), clock=clock)
     # Then both are committed, the row pending and due now
     assert Order.objects.filter(pk="o-9").exists()
     row = OutboxMessage.objects.get()
@@ -90,23 +91,23 @@ def test_add_inside_atomic_commits_with_the_callers_data() -> None:
     assert row.created_at_ms == row.next_attempt_at_ms == clock.now_ms()
 
 
-def test_django_and_sqlalchemy_writers_write_the_same_row(sa_engine: sa.Engine) -> None:
+def test_django_and_sqlalchemy_writers_write_the_same_row(sa_engine: sa.Engine, tables: Tables) -> None:
     # Given the same event written once by each writer
     clock = ManualClock()
     payload = {"order_id": "o-1", "lines": [{"sku": "a", "quantity": 1}], "note": "é"}
     with transaction.atomic():
-        outbox_django.add(Event(type="OrderPlaced", payload=payload, entity_key="order:o-1", entity_version=3),
+        celery_outbox.contrib.django.publish(Event(type="OrderPlaced", payload=payload, entity_key="order:o-1", entity_version=3),
                           clock=clock)
     with make_session_factory(sa_engine)() as s:
-        sa_outbox.add(s, Event(type="OrderPlaced", payload=payload, entity_key="order:o-1", entity_version=3),
-                      clock=clock)
+        sa_writer.add(s, Event(type="OrderPlaced", payload=payload, entity_key="order:o-1", entity_version=3),
+                      tables=tables, clock=clock)
         s.commit()
     # Then the relay's model reads two rows identical but for seq, message_id and correlation id
     with make_session_factory(sa_engine)() as s:
-        rows = s.scalars(sa.select(SAOutboxMessage).order_by(SAOutboxMessage.seq)).all()
+        rows = s.scalars(sa.select(tables.outbox).order_by(tables.outbox.seq)).all()
     assert len(rows) == 2
 
-    def comparable(r: SAOutboxMessage) -> dict[str, Any]:
+    def comparable(r: OutboxRow) -> dict[str, Any]:
         headers = dict(r.headers)
         assert headers.pop("correlation_id") == str(r.message_id)  # defaults to the message id on both
         return {"type": r.type, "payload": r.payload, "headers": headers, "created": r.created_at_ms,
@@ -115,21 +116,21 @@ def test_django_and_sqlalchemy_writers_write_the_same_row(sa_engine: sa.Engine) 
     assert comparable(rows[0]) == comparable(rows[1])
 
 
-def test_add_rolls_back_with_the_callers_atomic_block() -> None:
+def test_publish_rolls_back_with_the_callers_atomic_block() -> None:
     # When the atomic block that wrote the event fails afterwards
     with pytest.raises(PaymentDeclined), transaction.atomic():
-        outbox_django.add(Event(type=ORDER_PLACED, payload={"order_id": "o-1"}))
+        celery_outbox.contrib.django.publish(Event(type=ORDER_PLACED, payload={"order_id": "o-1"}))
         raise PaymentDeclined
     # Then the event is gone with it
     assert OutboxMessage.objects.count() == 0
 
 
-def test_add_outside_a_transaction_is_refused_and_writes_nothing() -> None:
+def test_publish_outside_a_transaction_is_refused_and_writes_nothing() -> None:
     # Given Django in autocommit (no atomic block)
     assert connection.get_autocommit()
     # When an event is added
     with pytest.raises(TransactionRequiredError, match=r"inside transaction\.atomic\(\)"):
-        outbox_django.add(Event(type=ORDER_PLACED, payload={"order_id": "o-1"}))
+        celery_outbox.contrib.django.publish(Event(type=ORDER_PLACED, payload={"order_id": "o-1"}))
     # Then nothing was written
     assert OutboxMessage.objects.count() == 0
 
@@ -145,7 +146,7 @@ def test_undeliverable_event_is_refused_before_anything_is_written(event: Event,
                                                                   error: type[Exception]) -> None:
     # When an event that could never be delivered is added inside a transaction
     with pytest.raises(error), transaction.atomic():
-        outbox_django.add(event, **kwargs)
+        celery_outbox.contrib.django.publish(event, **kwargs)
     # Then nothing is written
     assert OutboxMessage.objects.count() == 0
 
@@ -180,14 +181,11 @@ def test_shop_view_failing_after_the_outbox_insert_leaves_nothing(client: Client
     assert counts() == (0, 0, 0)
 
 
-def test_shop_view_commits_order_and_event_and_the_relay_publishes_it(client: Client,
-                                                                      sa_engine: sa.Engine) -> None:
-    from django.conf import settings
-    from shop.tasks import fulfilment
-
-    from outbox.clock import SystemClock
-    from relay.dispatch import dispatch_with_settings
-    from relay.memory import InMemoryPublisher
+def test_shop_view_commits_order_and_event_and_the_relay_publishes_it(client: Client, sa_engine: sa.Engine,
+                                                                      shop_outbox: Any) -> None:
+    from celery_outbox.clock import SystemClock
+    from celery_outbox.relay.dispatch import dispatch_with_settings
+    from celery_outbox.testing.memory import InMemoryPublisher
 
     # When an order is posted to the shop
     response = post_order(client, ORDER)
@@ -202,7 +200,8 @@ def test_shop_view_commits_order_and_event_and_the_relay_publishes_it(client: Cl
     # When the relay runs a batch against the same database
     publisher = InMemoryPublisher()
     with make_session_factory(sa_engine)() as session:
-        result = dispatch_with_settings(session, publisher, SystemClock(), settings.OUTBOX)
+        result = dispatch_with_settings(session, publisher, SystemClock(), shop_outbox.settings,
+                                        tables=shop_outbox.tables, routes=shop_outbox.routes())
     # Then it published one task message for the Django consumer and marked the row
     assert result.published == 1
     assert [m.headers["task"] for m in publisher.published] == [task_name("fulfilment")]
@@ -212,6 +211,7 @@ def test_shop_view_commits_order_and_event_and_the_relay_publishes_it(client: Cl
     assert Envelope.from_dict(envelope).message_id == row.message_id
 
     # When the Django consumer's Celery task gets that message twice (at-least-once)
+    fulfilment = shop_outbox.task("fulfilment")
     assert fulfilment.name == task_name("fulfilment")
     outcomes = [fulfilment.apply(args=[envelope]).get() for _ in range(2)]
     # Then it shipped the order once
@@ -239,7 +239,15 @@ def test_shop_view_rejects_invalid_orders_and_writes_nothing(client: Client, bod
 
 def test_message_ids_are_unique_per_event() -> None:
     with transaction.atomic():
-        first = outbox_django.add(Event(type=ORDER_PLACED, payload={}))
-        second = outbox_django.add(Event(type=ORDER_PLACED, payload={}))
+        first = celery_outbox.contrib.django.publish(Event(type=ORDER_PLACED, payload={}))
+        second = celery_outbox.contrib.django.publish(Event(type=ORDER_PLACED, payload={}))
     assert isinstance(first.message_id, uuid.UUID) and first.message_id != second.message_id
     assert second.seq > first.seq
+
+
+def test_database_url_is_djangos_database_for_sqlalchemy(django_pg_url: str) -> None:
+    from celery_outbox.contrib.django import database_settings, database_url
+
+    # Django's DATABASES entry, as a SQLAlchemy URL, is the session's database (and round-trips)
+    assert database_url() == django_pg_url
+    assert database_settings(database_url())["NAME"] == database_settings(django_pg_url)["NAME"]

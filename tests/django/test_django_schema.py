@@ -1,8 +1,8 @@
-"""The schema the Django models expect IS the schema Alembic migration 0001 creates (real Postgres).
+"""The tables ``manage.py migrate`` creates ARE the tables the library's Alembic migration creates (real Postgres).
 
-Both sides are introspected from a live database: the Alembic one (the session's migrated
-database) and a scratch database where Django's own schema editor creates every unmanaged model
-of ``outbox_django`` and the example shop, exactly as Django would if it managed them.
+Both sides are introspected from a live database: the Django one (the session's database, migrated
+by Django with the ``celery_outbox.contrib.django`` app's migrations) and a scratch database
+migrated by ``celery_outbox.migrate.upgrade`` (what ``outbox db upgrade`` runs).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from django.apps import apps
-from django.db import connection
 
-from outbox.db import make_engine
+from celery_outbox import migrate
+from celery_outbox.db import make_engine
+from celery_outbox.schema import define_tables
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -25,10 +26,11 @@ pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 DJANGO_ONLY_OPCLASSES = ("varchar_pattern_ops", "text_pattern_ops")
 
 
-def unmanaged_models() -> list[Any]:
-    models = [m for m in apps.get_models() if not m._meta.managed]
-    assert {m._meta.db_table for m in models} >= {"outbox", "inbox", "orders", "order_lines", "shipments"}
-    return models
+def library_tables() -> list[str]:
+    """The tables of the ``celery_outbox.contrib.django`` app's models: exactly the library's."""
+    names = sorted(m._meta.db_table for m in apps.get_app_config("celery_outbox").get_models())
+    assert names == sorted(define_tables().names())
+    return names
 
 
 def introspect(engine: sa.Engine, tables: list[str]) -> dict[str, dict[str, Any]]:
@@ -80,84 +82,83 @@ def introspect(engine: sa.Engine, tables: list[str]) -> dict[str, dict[str, Any]
     return out
 
 
-def create_sql(models: list[Any]) -> list[str]:
-    """The CREATE TABLE/INDEX/FK statements Django would run if it managed ``models``.
-
-    The schema editor skips the indexes of unmanaged models, so each model is flagged managed for
-    the duration (and restored): exactly "what Django would create", nothing executed here.
-    """
-    saved = [m._meta.managed for m in models]
-    try:
-        for m in models:
-            m._meta.managed = True
-        with connection.schema_editor(collect_sql=True, atomic=False) as editor:
-            for model in models:
-                editor.create_model(model)
-    finally:
-        for m, managed in zip(models, saved, strict=True):
-            m._meta.managed = managed
-    return list(editor.collected_sql)
+def triggers(engine: sa.Engine, tables: list[str]) -> set[tuple[str, str, str]]:
+    """(table, trigger, definition) of every user trigger on ``tables``, incl. the function's body."""
+    with engine.connect() as c:
+        return {(r.table_name, r.tgname, r.definition + " / " + r.body) for r in c.execute(sa.text(
+            "SELECT cl.relname AS table_name, t.tgname, pg_get_triggerdef(t.oid) AS definition, p.prosrc AS body "
+            "FROM pg_trigger t JOIN pg_class cl ON cl.oid = t.tgrelid JOIN pg_proc p ON p.oid = t.tgfoid "
+            "WHERE NOT t.tgisinternal AND cl.relname = ANY(:t)"), {"t": tables})}
 
 
 @pytest.fixture
-def django_created_url(django_pg_url: str) -> Iterator[str]:
-    """A scratch database where Django's schema editor creates the tables from the models."""
+def alembic_url(django_pg_url: str) -> Iterator[str]:
+    """A scratch database migrated by the library's Alembic migrations."""
     admin_url = django_pg_url.rsplit("/", 1)[0] + "/postgres"
     name = f"outbox_djschema_{uuid.uuid4().hex[:10]}"
     admin = make_engine(admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.exec_driver_sql(f'CREATE DATABASE "{name}"')
     try:
-        yield django_pg_url.rsplit("/", 1)[0] + f"/{name}"
+        url = django_pg_url.rsplit("/", 1)[0] + f"/{name}"
+        migrate.upgrade(url)
+        yield url
     finally:
         with admin.connect() as c:
             c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
 
 
-def test_django_models_match_the_alembic_schema(django_pg_url: str, django_created_url: str) -> None:
-    # Given every unmanaged model and the SQL Django's schema editor would run to create them
-    models = unmanaged_models()
-    tables = sorted(m._meta.db_table for m in models)
-    statements = create_sql(models)
-    assert any(s.startswith('CREATE TABLE "outbox"') for s in statements), statements
-    # When that SQL runs on an empty database
-    scratch = make_engine(django_created_url)
+def test_django_migrations_create_the_alembic_schema(django_pg_url: str, alembic_url: str) -> None:
+    # Given the library's tables as Django's migrate created them and as Alembic created them
+    tables = library_tables()
+    engines = {"django": make_engine(django_pg_url), "alembic": make_engine(alembic_url)}
     try:
-        with scratch.begin() as c:
-            for statement in statements:
-                c.exec_driver_sql(statement.replace("%", "%%"))
-        django_side = introspect(scratch, tables)
+        side = {k: introspect(e, tables) for k, e in engines.items()}
+        trigger = {k: triggers(e, tables) for k, e in engines.items()}
     finally:
-        scratch.dispose()
-    alembic_engine = make_engine(django_pg_url)
-    try:
-        alembic_side = introspect(alembic_engine, tables)
-    finally:
-        alembic_engine.dispose()
+        for e in engines.values():
+            e.dispose()
     # Then both schemas agree table by table: columns, types, nullability, identity, defaults,
     # primary keys, unique constraints, foreign keys and indexes (incl. the relay's partial index)
     for table in tables:
-        assert alembic_side[table]["columns"], f"Alembic created no table {table!r}"
-        assert django_side[table] == alembic_side[table], f"table {table!r} differs"
-    assert alembic_side["inbox"]["pk"] == ("message_id", "consumer")
-    assert ("message_id",) in alembic_side["outbox"]["unique"]
+        assert side["alembic"][table]["columns"], f"Alembic created no table {table!r}"
+        assert side["django"][table] == side["alembic"][table], f"table {table!r} differs"
+    assert side["django"]["outbox_inbox"]["pk"] == ("message_id", "consumer")
+    assert ("message_id",) in side["django"]["outbox_messages"]["unique"]
     assert (("seq",), False, "((published_at_ms IS NULL) AND (dead_lettered_at_ms IS NULL))") \
-        in alembic_side["outbox"]["indexes"]
+        in side["django"]["outbox_messages"]["indexes"]
+    # And the same NOTIFY trigger wakes the relay on both
+    assert trigger["django"] == trigger["alembic"]
+    [(table, name, definition)] = trigger["django"]
+    assert (table, name) == ("outbox_messages", "outbox_notify")
+    assert "FOR EACH STATEMENT" in definition and "pg_notify('outbox_pending', '')" in definition
+
+
+def test_django_index_names_are_the_librarys(django_pg_url: str) -> None:
+    engine = make_engine(django_pg_url)
+    try:
+        with engine.connect() as c:
+            names = set(c.execute(sa.text(
+                "SELECT indexname FROM pg_indexes WHERE tablename LIKE 'outbox_%'")).scalars())
+    finally:
+        engine.dispose()
+    assert {"ix_outbox_pending", "ix_outbox_published", "ix_outbox_inbox_processed",
+            "ix_outbox_dead_letters_consumer", "ix_outbox_parked_entity"} <= names
 
 
 def test_schema_comparison_notices_a_difference(django_pg_url: str) -> None:
     # Given the migrated database, then one column of it altered by hand
     engine = make_engine(django_pg_url)
     try:
-        before = introspect(engine, ["inbox"])
+        before = introspect(engine, ["outbox_inbox"])
         with engine.begin() as c:
-            c.exec_driver_sql("ALTER TABLE inbox ALTER COLUMN type TYPE varchar(100)")
-        after = introspect(engine, ["inbox"])
+            c.exec_driver_sql("ALTER TABLE outbox_inbox ALTER COLUMN type TYPE varchar(100)")
+        after = introspect(engine, ["outbox_inbox"])
         with engine.begin() as c:
-            c.exec_driver_sql("ALTER TABLE inbox ALTER COLUMN type TYPE varchar(200)")
+            c.exec_driver_sql("ALTER TABLE outbox_inbox ALTER COLUMN type TYPE varchar(200)")
     finally:
         engine.dispose()
     # Then the introspection the schema test relies on sees it
     assert before != after
-    assert after["inbox"]["columns"]["type"][1] == 100
+    assert after["outbox_inbox"]["columns"]["type"][1] == 100

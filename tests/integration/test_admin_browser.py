@@ -19,12 +19,11 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 from werkzeug.serving import make_server
 
+from celery_outbox import Tables
+from celery_outbox.clock import SystemClock
+from celery_outbox.contrib.flask import EXT
 from celeryconfig import Settings
-from consumers.models import ConsumerDeadLetter
-from ops.admin import EXT
-from orders.models import OutboxMessage
 from orders.web import create_app
-from outbox.clock import SystemClock
 from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 from tests.services import IN_CI
 
@@ -65,14 +64,15 @@ def server(settings: Settings, sqlite_sessions: sessionmaker[Session],
         t.join(timeout=10)
 
 
-def state(sessions: sessionmaker[Session]) -> tuple[Any, ...]:
+def state(sessions: sessionmaker[Session], tables: Tables) -> tuple[Any, ...]:
+    outbox, dead_letters = tables.outbox, tables.dead_letters
     with sessions() as s:
-        return (s.execute(sa.select(OutboxMessage.seq, OutboxMessage.dead_lettered_at_ms)).all(),
-                s.execute(sa.select(ConsumerDeadLetter.id, ConsumerDeadLetter.replayed_at_ms)).all())
+        return (s.execute(sa.select(outbox.seq, outbox.dead_lettered_at_ms)).all(),
+                s.execute(sa.select(dead_letters.id, dead_letters.replayed_at_ms)).all())
 
 
 def test_list_open_replay_disappear(server: str, sqlite_sessions: sessionmaker[Session], tmp_path: Path,
-                                    sent: list[tuple[str, dict[str, Any]]]) -> None:
+                                    sent: list[tuple[str, dict[str, Any]]], tables: Tables) -> None:
     require_chromium()
     from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
@@ -80,11 +80,11 @@ def test_list_open_replay_disappear(server: str, sqlite_sessions: sessionmaker[S
     now = SystemClock().now_ms()
     env = envelope("o-browser")
     with sqlite_sessions() as s:
-        dead = outbox_row(s, created_at_ms=T0, dead_lettered_at_ms=now - 3_600_000, attempts=10,
+        dead = outbox_row(s, tables=tables, created_at_ms=T0, dead_lettered_at_ms=now - 3_600_000, attempts=10,
                           last_error="broker nacked the message")
-        cid = consumer_dead_letter(s, consumer="billing", env=env, failed_at_ms=now - 120_000,
+        cid = consumer_dead_letter(s, tables=tables, consumer="billing", env=env, failed_at_ms=now - 120_000,
                                    error="RuntimeError: payment gateway down")
-    before = state(sqlite_sessions)
+    before = state(sqlite_sessions, tables)
 
     # An unauthenticated POST (no browser session at all) is refused and changes nothing
     req = urllib.request.Request(f"{server}/admin/dead-letters/consumer:{cid}/replay", data=b"csrf_token=x",
@@ -110,7 +110,7 @@ def test_list_open_replay_disappear(server: str, sqlite_sessions: sessionmaker[S
             assert posted.status == 401
         finally:
             anon.close()
-        assert state(sqlite_sessions) == before and sent == []
+        assert state(sqlite_sessions, tables) == before and sent == []
 
         ctx = p.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=CHROMIUM, args=ARGS, headless=True,
@@ -144,6 +144,6 @@ def test_list_open_replay_disappear(server: str, sqlite_sessions: sessionmaker[S
             ctx.close()
 
     assert sent == [("billing", env)]
-    outbox_rows, consumer_rows = state(sqlite_sessions)
+    outbox_rows, consumer_rows = state(sqlite_sessions, tables)
     assert outbox_rows == [(dead.seq, None)]
     assert consumer_rows[0][1] is not None

@@ -1,6 +1,6 @@
 """Real ``celery worker`` processes (prefork, 2 children, not eager) run the consumers against real
 Redis and real RabbitMQ and real Postgres. Messages are published with kombu exactly as the relay
-publishes them (``outbox.messages.celery_task_message``), so this needs no relay.
+publishes them (``celery_outbox.messages.celery_task_message``), so this needs no relay.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import sqlalchemy as sa
 from kombu import Connection, Exchange, Producer, Queue
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import Tables
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.messages import Envelope, celery_task_message
 from celeryconfig import Settings
 from consumers.effects import duplicates_absorbed, effect_counts
-from consumers.models import ConsumerDeadLetter, InboxEntry, Shipment
+from consumers.models import Shipment
 from consumers.testing import order_placed_envelope
-from outbox.db import make_engine, make_session_factory
-from outbox.messages import Envelope, celery_task_message
 
 pytestmark = [pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +66,7 @@ def worker(broker_url: str, pg_url: str, namespace: str, tmp_path: Path) -> Iter
     queues = ",".join(settings.queue_name(c) for c in CONSUMERS)
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [CELERY, "-A", "outbox.celery_app", "worker", "-Q", queues, "-P", "prefork", "-c", "2",
+            [CELERY, "-A", "relay.app", "worker", "-Q", queues, "-P", "prefork", "-c", "2",
              "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
              "-n", f"consumers-{namespace}@%h"],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -133,7 +134,7 @@ def wait_for(what: str, predicate: object, worker: Worker, sessions: sessionmake
     pytest.fail(f"timed out waiting for {what}; last state {last!r}\n--- worker log ---\n{worker.logs()}")
 
 
-def test_real_worker_fan_out_duplicates_and_poison(worker: Worker) -> None:
+def test_real_worker_fan_out_duplicates_and_poison(worker: Worker, tables: Tables) -> None:
     settings, url = worker.settings, worker.broker_url
     sessions = make_session_factory(make_engine(settings.effective_database_url))
     # Given a poison message ("not json" payload) at the head of the shipping queue
@@ -147,18 +148,20 @@ def test_real_worker_fan_out_duplicates_and_poison(worker: Worker) -> None:
     # When they are published as the relay would
     publish(settings, url, items)
 
+    dead_letters = tables.dead_letters
+
     def done(s: Session) -> tuple[bool, object]:
-        state = (effect_counts(s), duplicates_absorbed(s),
-                 s.execute(sa.select(ConsumerDeadLetter.consumer, ConsumerDeadLetter.delivery_count)).all())
+        state = (effect_counts(s), duplicates_absorbed(s, tables),
+                 s.execute(sa.select(dead_letters.consumer, dead_letters.delivery_count)).all())
         return state[0] == dict.fromkeys(CONSUMERS, 3) and state[1].get("shipping") == 2 and len(state[2]) == 1, state
 
     wait_for("all effects, two duplicates absorbed and one dead letter", done, worker, sessions)
     # Then exactly one effect per (order, consumer), the duplicates absorbed by the inbox
     with sessions() as s:
         assert sorted(s.execute(sa.select(Shipment.order_id)).scalars()) == ["o-0", "o-1", "o-2"]
-        assert s.execute(sa.select(sa.func.count()).select_from(InboxEntry)).scalar_one() == 12
+        assert s.execute(sa.select(sa.func.count()).select_from(tables.inbox)).scalar_one() == 12
         # And the poison was delivered 3 times (max 3), then dead-lettered with its raw body
-        [dl] = s.execute(sa.select(ConsumerDeadLetter)).scalars().all()
+        [dl] = s.execute(sa.select(dead_letters)).scalars().all()
         assert (dl.consumer, dl.message_id, dl.delivery_count) == ("shipping", str(poison.message_id), 3)
         assert "payload is not JSON" in dl.last_error and '"not json"' in dl.body
         assert dl.first_failed_at_ms < dl.last_failed_at_ms  # redelivered with backoff, not in a tight loop

@@ -1,4 +1,7 @@
-"""The main job runs end to end: ``outbox demo --orders 20`` in a subprocess exits 0."""
+"""The main job runs end to end: ``python -m devtools demo --orders 20`` in a subprocess exits 0.
+
+The demo is the reference deployment's tool (not the installed ``outbox`` command): it runs from the
+repository, like ``make demo``, so ``devtools``/``relay`` import and its workers find ``relay.app``."""
 
 from __future__ import annotations
 
@@ -10,14 +13,15 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.workers, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+DEVTOOLS = [sys.executable, "-m", "devtools"]
 
 
 def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env["OUTBOX_HOME"] = str(tmp_path / "var")
-    outbox_cli = Path(sys.executable).parent / "outbox"
-    proc = subprocess.run([str(outbox_cli), "demo", "--orders", "20", "--duplicates", "3", "--timeout", "150"],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run([*DEVTOOLS, "demo", "--orders", "20", "--duplicates", "3", "--timeout", "150"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "every count adds up" in out
@@ -26,17 +30,17 @@ def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path) -> None:
 
 
 def test_demo_rejects_bad_arguments(tmp_path: Path) -> None:
-    outbox_cli = Path(sys.executable).parent / "outbox"
-    proc = subprocess.run([str(outbox_cli), "demo", "--orders", "0"], cwd=tmp_path, capture_output=True,
+    proc = subprocess.run([*DEVTOOLS, "demo", "--orders", "0"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert "--orders" in proc.stderr
 
 
 def test_bad_configuration_is_a_usage_error(tmp_path: Path) -> None:
-    env = {**os.environ, "OUTBOX_RELAY_BATCH_SIZE": "lots"}
+    env = {**os.environ, "OUTBOX_RELAY_BATCH_SIZE": "lots", "OUTBOX_HOME": str(tmp_path / "var")}
     outbox_cli = Path(sys.executable).parent / "outbox"
-    proc = subprocess.run([str(outbox_cli), "db", "upgrade"], env=env, cwd=tmp_path, capture_output=True,
+    # run from the repository: the CLI's default -A relay.app is the reference deployment there
+    proc = subprocess.run([str(outbox_cli), "db", "upgrade"], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert "OUTBOX_RELAY_BATCH_SIZE must be int" in proc.stderr

@@ -14,14 +14,14 @@ import sqlalchemy as sa
 from click.testing import CliRunner, Result
 from sqlalchemy.orm import Session, sessionmaker
 
-from consumers.models import ConsumerDeadLetter, InboxEntry
-from orders.models import OutboxMessage
-from outbox.cli import cli
-from outbox.clock import SystemClock
-from outbox.db import make_engine, make_session_factory
+from celery_outbox import Tables
+from celery_outbox.cli import cli
+from celery_outbox.clock import SystemClock
+from celery_outbox.db import make_engine, make_session_factory
 from tests.ops_seed import consumer_dead_letter, envelope, inbox_rows, outbox_row
 
 DAY = 86_400_000
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -44,33 +44,38 @@ def env(db_url: str, tmp_home: Path, namespace: str) -> dict[str, str]:
 
 
 def run(env: dict[str, str], *args: str) -> Result:
+    # The CLI loads its Outbox by importing relay.app (the default -A), which reads OUTBOX_* at import:
+    # forget an earlier invocation's module so this one is built from this env, as a new process would.
+    sys.modules.pop("relay.app", None)
     return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
 
 
-def snapshot(sessions: sessionmaker[Session]) -> tuple[Any, ...]:
+def snapshot(sessions: sessionmaker[Session], tables: Tables) -> tuple[Any, ...]:
+    outbox, dead_letters = tables.outbox, tables.dead_letters
     with sessions() as s:
         return (
-            s.execute(sa.select(OutboxMessage.seq, OutboxMessage.published_at_ms, OutboxMessage.dead_lettered_at_ms,
-                                OutboxMessage.attempts).order_by(OutboxMessage.seq)).all(),
-            s.execute(sa.select(ConsumerDeadLetter.id, ConsumerDeadLetter.replayed_at_ms)
-                      .order_by(ConsumerDeadLetter.id)).all(),
-            s.scalar(sa.select(sa.func.count()).select_from(InboxEntry)),
+            s.execute(sa.select(outbox.seq, outbox.published_at_ms, outbox.dead_lettered_at_ms,
+                                outbox.attempts).order_by(outbox.seq)).all(),
+            s.execute(sa.select(dead_letters.id, dead_letters.replayed_at_ms)
+                      .order_by(dead_letters.id)).all(),
+            s.scalar(sa.select(sa.func.count()).select_from(tables.inbox)),
         )
 
 
 @pytest.fixture
-def seeded(sessions: sessionmaker[Session]) -> dict[str, str]:
+def seeded(sessions: sessionmaker[Session], tables: Tables) -> dict[str, str]:
     now = SystemClock().now_ms()
     with sessions() as s:
-        dead = outbox_row(s, created_at_ms=now - 120_000, dead_lettered_at_ms=now - 60_000, attempts=10,
-                          last_error="broker nacked the message")
-        outbox_row(s, created_at_ms=now - 30_000)
-        outbox_row(s, created_at_ms=now - 5 * DAY, published_at_ms=now - 3 * DAY)
-        c_ship = consumer_dead_letter(s, consumer="shipping", env=envelope("o-ship"), failed_at_ms=now - 10_000,
-                                      error="RuntimeError: carrier down")
-        c_bill = consumer_dead_letter(s, consumer="billing", env=envelope("o-bill"), failed_at_ms=now - 20_000)
-        inbox_rows(s, consumer="shipping", processed_at_ms=now - 3 * DAY, n=3)
-        inbox_rows(s, consumer="shipping", processed_at_ms=now - 1000, n=2)
+        dead = outbox_row(s, tables=tables, created_at_ms=now - 120_000, dead_lettered_at_ms=now - 60_000,
+                          attempts=10, last_error="broker nacked the message")
+        outbox_row(s, tables=tables, created_at_ms=now - 30_000)
+        outbox_row(s, tables=tables, created_at_ms=now - 5 * DAY, published_at_ms=now - 3 * DAY)
+        c_ship = consumer_dead_letter(s, tables=tables, consumer="shipping", env=envelope("o-ship"),
+                                      failed_at_ms=now - 10_000, error="RuntimeError: carrier down")
+        c_bill = consumer_dead_letter(s, tables=tables, consumer="billing", env=envelope("o-bill"),
+                                      failed_at_ms=now - 20_000)
+        inbox_rows(s, tables=tables, consumer="shipping", processed_at_ms=now - 3 * DAY, n=3)
+        inbox_rows(s, tables=tables, consumer="shipping", processed_at_ms=now - 1000, n=2)
     return {"outbox": f"outbox:{dead.seq}", "shipping": f"consumer:{c_ship}", "billing": f"consumer:{c_bill}"}
 
 
@@ -98,29 +103,30 @@ def test_show(env: dict[str, str], seeded: dict[str, str]) -> None:
     assert r.exit_code == 0 and "broker nacked the message" in r.stdout and '"order_id"' in r.stdout
 
 
-def test_replay_ids_and_all(env: dict[str, str], seeded: dict[str, str], sessions: sessionmaker[Session]) -> None:
+def test_replay_ids_and_all(env: dict[str, str], seeded: dict[str, str], sessions: sessionmaker[Session],
+                            tables: Tables) -> None:
     r = run(env, "dead-letters", "replay", seeded["outbox"], seeded["shipping"])
     assert r.exit_code == 0, r.output
     assert f"{seeded['outbox']}: replayed" in r.stdout and f"{seeded['shipping']}: replayed" in r.stdout
-    outbox_rows, consumer_rows, _ = snapshot(sessions)
+    outbox_rows, consumer_rows, _ = snapshot(sessions, tables)
     assert all(row.dead_lettered_at_ms is None for row in outbox_rows)
     replayed = {f"consumer:{row.id}": row.replayed_at_ms for row in consumer_rows}
     assert replayed[seeded["shipping"]] is not None and replayed[seeded["billing"]] is None
     # again: reported as skipped, exit 0, nothing changes
-    before = snapshot(sessions)
+    before = snapshot(sessions, tables)
     r = run(env, "dead-letters", "replay", seeded["outbox"], seeded["shipping"], "--json")
     assert r.exit_code == 0 and [x["replayed"] for x in json.loads(r.stdout)] == [False, False]
-    assert snapshot(sessions) == before
+    assert snapshot(sessions, tables) == before
     r = run(env, "dead-letters", "replay", "--all", "--consumer", "billing")
     assert r.exit_code == 0 and f"{seeded['billing']}: replayed" in r.stdout
     r = run(env, "dead-letters", "replay", "--all")
     assert r.exit_code == 0 and "nothing to replay" in r.stdout
 
 
-def test_purge(env: dict[str, str], seeded: dict[str, str], sessions: sessionmaker[Session]) -> None:
-    before = snapshot(sessions)
+def test_purge(env: dict[str, str], seeded: dict[str, str], sessions: sessionmaker[Session], tables: Tables) -> None:
+    before = snapshot(sessions, tables)
     r = run(env, "dead-letters", "purge", seeded["outbox"], seeded["billing"])
-    assert r.exit_code == 2 and "--yes" in r.output and snapshot(sessions) == before
+    assert r.exit_code == 2 and "--yes" in r.output and snapshot(sessions, tables) == before
     r = run(env, "dead-letters", "purge", seeded["outbox"], seeded["billing"], "--yes")
     assert r.exit_code == 0 and "purged 2" in r.stdout
     r = run(env, "dead-letters", "list", "--json")
@@ -148,27 +154,28 @@ def test_purge(env: dict[str, str], seeded: dict[str, str], sessions: sessionmak
     (["prune", "--published-older-than", "1d", "--batch", "0"], 2, "--batch"),
 ])
 def test_bad_input_is_a_clear_error_and_changes_nothing(env: dict[str, str], seeded: dict[str, str],
-                                                        sessions: sessionmaker[Session], args: list[str],
-                                                        exit_code: int, message: str) -> None:
+                                                        sessions: sessionmaker[Session], tables: Tables,
+                                                        args: list[str], exit_code: int, message: str) -> None:
+    outbox = tables.outbox
     with sessions() as s:
-        pending = s.scalars(sa.select(OutboxMessage.seq).where(OutboxMessage.published_at_ms.is_(None),
-                                                               OutboxMessage.dead_lettered_at_ms.is_(None))).one()
+        pending = s.scalars(sa.select(outbox.seq).where(outbox.published_at_ms.is_(None),
+                                                        outbox.dead_lettered_at_ms.is_(None))).one()
     args = [a.format(outbox=seeded["outbox"], pending=f"outbox:{pending}") for a in args]
-    before = snapshot(sessions)
+    before = snapshot(sessions, tables)
     r = run(env, *args)
     assert r.exit_code == exit_code, r.output
     assert message in r.output
     assert "Traceback" not in r.output
-    assert snapshot(sessions) == before
+    assert snapshot(sessions, tables) == before
 
 
-def test_prune(env: dict[str, str], seeded: dict[str, str], sessions: sessionmaker[Session]) -> None:
+def test_prune(env: dict[str, str], seeded: dict[str, str], sessions: sessionmaker[Session], tables: Tables) -> None:
     r = run(env, "prune", "--inbox-older-than", "2d", "--published-older-than", "1d", "--batch", "2", "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert (report["inbox_deleted"], report["inbox_batches"]) == (3, 2)
     assert (report["outbox_deleted"], report["outbox_batches"]) == (1, 1)
-    outbox_rows, _consumer_rows, inbox = snapshot(sessions)
+    outbox_rows, _consumer_rows, inbox = snapshot(sessions, tables)
     assert inbox == 2 and len(outbox_rows) == 2  # the dead and the pending row stay
     r = run(env, "prune", "--published-older-than", "1d")
     assert r.exit_code == 0 and "deleted 0 published row(s) in 1 batch(es)" in r.stdout
@@ -195,7 +202,8 @@ def test_bad_configuration_exits_2(env: dict[str, str]) -> None:
 
 def test_real_subprocess_stats_json(env: dict[str, str], seeded: dict[str, str]) -> None:
     exe = Path(sys.executable).with_name("outbox")
-    proc = subprocess.run([str(exe), "stats", "--json"], env={**os.environ, **env}, capture_output=True,
+    # from the repository, where the CLI's default -A relay.app (the reference deployment) lives
+    proc = subprocess.run([str(exe), "stats", "--json"], env={**os.environ, **env}, cwd=REPO, capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     st = json.loads(proc.stdout)

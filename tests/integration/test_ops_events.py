@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from celery_outbox.celery import events
 from celeryconfig import Settings, celery_config
-from outbox import events
 
 pytestmark = [pytest.mark.redis]
 

@@ -1,28 +1,29 @@
 """With a real ``celery worker`` on Redis: a CLI replay is processed once (twice -> still one effect),
-``ops.tasks.prune`` runs in the worker, and the worker serves ``/metrics`` with the right values."""
+``celery_outbox.prune`` runs in the worker, and the worker serves ``/metrics`` with the right values."""
 
 from __future__ import annotations
 
 import json
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from kombu import Connection, Exchange, Queue
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import Tables
+from celery_outbox.celery.sender import replay_sender
+from celery_outbox.cli import cli
 from celeryconfig import Settings
-from consumers.dead_letters import celery_sender
-from consumers.models import ConsumerCounter, Shipment
-from ops.broker import sending_app
-from orders.models import OutboxMessage
-from outbox.cli import cli
-from outbox.embedded import free_port
-from outbox.processes import Child, settings_env, wait_until, worker
+from consumers.models import Shipment
+from devtools.embedded import free_port
+from devtools.processes import Child, settings_env, wait_until, worker
+from relay.factory import create_outbox
 from tests.ops_seed import consumer_dead_letter, envelope, outbox_row
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
@@ -73,32 +74,39 @@ def shipments(sessions: sessionmaker[Session]) -> int:
         return int(s.scalar(sa.select(sa.func.count()).select_from(Shipment)) or 0)
 
 
-def duplicates(sessions: sessionmaker[Session]) -> int:
+def duplicates(sessions: sessionmaker[Session], tables: Tables) -> int:
+    counters = tables.counters
     with sessions() as s:
-        return int(s.scalar(sa.select(ConsumerCounter.value).where(ConsumerCounter.consumer == "shipping",
-                                                                  ConsumerCounter.name == "duplicates")) or 0)
+        return int(s.scalar(sa.select(counters.value).where(counters.consumer == "shipping",
+                                                           counters.name == "duplicates")) or 0)
+
+
+def run_cli(env: dict[str, str], *args: str) -> Result:
+    sys.modules.pop("relay.app", None)  # the CLI's Outbox (-A relay.app) is built from this env, as in a new process
+    return CliRunner().invoke(cli, list(args), env=env)
 
 
 def test_replay_through_a_real_worker(wsettings: Settings, shipping_worker: Child,
-                                      sqlite_sessions: sessionmaker[Session]) -> None:
+                                      sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
     # Given a shipping dead letter whose cause has been fixed, and an old published outbox row
     env = envelope("o-replay")
     with sqlite_sessions() as s:
-        cid = consumer_dead_letter(s, consumer="shipping", env=env)
-        outbox_row(s, created_at_ms=0, published_at_ms=1)
+        cid = consumer_dead_letter(s, tables=tables, consumer="shipping", env=env)
+        outbox_row(s, tables=tables, created_at_ms=0, published_at_ms=1)
     cli_env = {k: v for k, v in settings_env(wsettings, broker_url=wsettings.broker_url).items()
                if k.startswith("OUTBOX_")}
     # When it is replayed from the CLI
-    r = CliRunner().invoke(cli, ["dead-letters", "replay", f"consumer:{cid}"], env=cli_env)
+    r = run_cli(cli_env, "dead-letters", "replay", f"consumer:{cid}")
     assert r.exit_code == 0, r.output
     # Then the worker makes exactly one shipment
     assert wait_until(lambda: shipments(sqlite_sessions) == 1, timeout_s=60), shipping_worker.log_tail()
     # When it is replayed again (skipped) and the same envelope is forced through once more
-    r = CliRunner().invoke(cli, ["dead-letters", "replay", f"consumer:{cid}", "--json"], env=cli_env)
+    r = run_cli(cli_env, "dead-letters", "replay", f"consumer:{cid}", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)[0]["replayed"] is False
-    celery_sender(sending_app(wsettings), wsettings)("shipping", env)
+    box = create_outbox(wsettings, broker_url=wsettings.broker_url, session_factory=sqlite_sessions)
+    replay_sender(box.app, box)("shipping", env)
     # Then the inbox absorbs it: a duplicate counted, still one shipment
-    assert wait_until(lambda: duplicates(sqlite_sessions) == 1, timeout_s=60), shipping_worker.log_tail()
+    assert wait_until(lambda: duplicates(sqlite_sessions, tables) == 1, timeout_s=60), shipping_worker.log_tail()
     assert shipments(sqlite_sessions) == 1
 
     # The worker serves /metrics from the database
@@ -111,11 +119,11 @@ def test_replay_through_a_real_worker(wsettings: Settings, shipping_worker: Chil
     assert got is not None and got[("outbox_published_retained_messages", ())] == 1
     assert ("outbox_dead_letters", (("consumer", "shipping"), ("source", "consumer"))) not in got
 
-    # ops.tasks.prune is registered in the worker and prunes the published row
-    sending_app(wsettings).send_task("ops.tasks.prune", kwargs={"published_older_than_ms": 1000},
-                                     queue=f"{wsettings.namespace}.relay")
+    # celery_outbox.prune is registered in the worker and prunes the published row
+    box.app.send_task("celery_outbox.prune", kwargs={"published_older_than_ms": 1000},
+                      queue=f"{wsettings.namespace}.relay")
 
     def pruned() -> bool:
         with sqlite_sessions() as s:
-            return s.scalar(sa.select(sa.func.count()).select_from(OutboxMessage)) == 0
+            return s.scalar(sa.select(sa.func.count()).select_from(tables.outbox)) == 0
     assert wait_until(pruned, timeout_s=60), shipping_worker.log_tail()

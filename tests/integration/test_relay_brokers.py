@@ -12,16 +12,19 @@ import pytest
 from kombu import Connection, Exchange, Queue
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import Tables
+from celery_outbox.celery.kombu_publisher import KombuPublisher
+from celery_outbox.clock import ManualClock
+from celery_outbox.messages import Envelope, celery_task_message, task_id
+from celery_outbox.relay.dispatch import dispatch_with_settings
 from celeryconfig import Settings
-from outbox.clock import ManualClock
-from outbox.messages import Envelope, celery_task_message, task_id
-from relay.dispatch import dispatch_with_settings
-from relay.kombu_publisher import KombuPublisher
 from tests.outbox_rows import insert_pending
 
 
-def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
-    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, payload=lambda i, mid: {"order_id": str(mid)})}
+def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int, tables: Tables) -> set[str]:
+    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, tables=tables,
+                                           payload=lambda i, mid: {"order_id": str(mid)})}
+
 
 def consume_all(url: str, queue_name: str) -> list[tuple[dict[str, object], dict[str, object], str]]:
     out = []
@@ -69,12 +72,12 @@ def check_celery_messages(url: str, settings: Settings, ids: set[str]) -> None:
 @pytest.mark.redis
 def test_redis_every_consumer_queue_gets_a_celery_task_message(
         redis_url: str, namespace: str, tmp_home: object, sqlite_sessions: sessionmaker[Session],
-        clock: ManualClock, cleanup: list[tuple[str, Settings]]) -> None:
+        clock: ManualClock, cleanup: list[tuple[str, Settings]], tables: Tables) -> None:
     settings = Settings(namespace=namespace, broker_url=redis_url)
     cleanup.append((redis_url, settings))
-    ids = insert(sqlite_sessions, clock, 5)
+    ids = insert(sqlite_sessions, clock, 5, tables)
     with KombuPublisher(broker_url=redis_url, settings=settings) as pub, sqlite_sessions() as s:
-        result = dispatch_with_settings(s, pub, clock, settings)
+        result = dispatch_with_settings(s, pub, clock, settings, tables=tables)
     assert (result.published, result.messages_sent) == (5, 20)
     check_celery_messages(redis_url, settings, ids)
 
@@ -83,16 +86,16 @@ def test_redis_every_consumer_queue_gets_a_celery_task_message(
 @pytest.mark.parametrize("mode", ["confirm", "tx", "none"])
 def test_rabbitmq_every_consumer_queue_gets_a_celery_task_message(
         rabbitmq_url: str, namespace: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
-        cleanup: list[tuple[str, Settings]], mode: str) -> None:
+        cleanup: list[tuple[str, Settings]], mode: str, tables: Tables) -> None:
     settings = Settings(namespace=namespace, broker_url=rabbitmq_url, relay_confirm_mode=mode,
                         relay_batch_size=4)
     cleanup.append((rabbitmq_url, settings))
-    ids = insert(sqlite_sessions, clock, 10)
+    ids = insert(sqlite_sessions, clock, 10, tables)
     with KombuPublisher(broker_url=rabbitmq_url, settings=settings) as pub:
         total = 0
         for _ in range(4):
             with sqlite_sessions() as s:
-                total += dispatch_with_settings(s, pub, clock, settings).published
+                total += dispatch_with_settings(s, pub, clock, settings, tables=tables).published
         assert pub.connections_opened == 1
     assert total == 10
     check_celery_messages(rabbitmq_url, settings, ids)

@@ -20,12 +20,12 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import Tables
+from celery_outbox.celery.kombu_publisher import KombuPublisher
+from celery_outbox.clock import ManualClock
+from celery_outbox.relay.dispatch import breaker_from_settings, dispatch_with_settings
 from celeryconfig import Settings
-from orders.models import OutboxMessage
-from outbox.clock import ManualClock
-from outbox.embedded import free_port
-from relay.dispatch import breaker_from_settings, dispatch_with_settings
-from relay.kombu_publisher import KombuPublisher
+from devtools.embedded import free_port
 from tests.outbox_rows import insert_pending
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -82,12 +82,13 @@ def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
             server.proc.wait(30)
 
 
-def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
-    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, payload=lambda i, mid: {})}
+def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int, tables: Tables) -> set[str]:
+    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, tables=tables, payload=lambda i, mid: {})}
+
 
 def test_redis_stopped_and_restarted_during_a_run_loses_and_dead_letters_nothing(
         own_redis: OwnRedis, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
-        namespace: str, tmp_path: Path) -> None:
+        namespace: str, tmp_path: Path, tables: Tables) -> None:
     settings = Settings(home=tmp_path, namespace=namespace, broker_url=own_redis.url, relay_batch_size=5,
                         relay_max_attempts=3, relay_breaker_base_ms=1_000, relay_breaker_max_ms=30_000,
                         routes={"OrderPlaced": ("shipping", "billing")})
@@ -99,17 +100,17 @@ def test_redis_stopped_and_restarted_during_a_run_loses_and_dead_letters_nothing
             published = 0
             while True:
                 with sqlite_sessions() as s:
-                    r = dispatch_with_settings(s, pub, clock, settings, breaker=breaker)
+                    r = dispatch_with_settings(s, pub, clock, settings, tables=tables, breaker=breaker)
                 published += r.published
                 if r.broker_unavailable or r.claimed == 0:
                     return published, r.broker_unavailable
 
         # Given a healthy broker that got the first 10 rows
-        before = insert(sqlite_sessions, clock, 10)
+        before = insert(sqlite_sessions, clock, 10, tables)
         assert drain() == (10, False)
         # When the broker goes down and 10 more orders come in
         own_redis.stop()
-        during = insert(sqlite_sessions, clock, 10)
+        during = insert(sqlite_sessions, clock, 10, tables)
         outcomes = []
         for _ in range(6):  # the relay keeps ticking through the outage (fake clock, 10 s a tick)
             outcomes.append(drain())
@@ -117,7 +118,7 @@ def test_redis_stopped_and_restarted_during_a_run_loses_and_dead_letters_nothing
         # Then every attempt saw the outage, and no row was charged or dead-lettered
         assert outcomes == [(0, True)] * 6
         with sqlite_sessions() as s:
-            rows = list(s.scalars(sa.select(OutboxMessage).where(OutboxMessage.published_at_ms.is_(None))))
+            rows = list(s.scalars(sa.select(tables.outbox).where(tables.outbox.published_at_ms.is_(None))))
         assert len(rows) == 10 and all(r.attempts == 0 and r.dead_lettered_at_ms is None for r in rows)
         # When the broker comes back, then the backlog drains by itself
         own_redis.start()

@@ -11,23 +11,24 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import Tables
+from celery_outbox.clock import ManualClock, SystemClock
+from celery_outbox.relay.dispatch import BatchResult, dispatch_with_settings
+from celery_outbox.relay.loop import RelayLoop
+from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
-from orders.models import OutboxMessage
-from outbox.clock import ManualClock, SystemClock
-from relay.dispatch import BatchResult, dispatch_with_settings
-from relay.loop import RelayLoop
-from relay.memory import InMemoryPublisher
 from tests.outbox_rows import insert_pending
 
 pytestmark = pytest.mark.postgres
 
 
-def insert(sessions: sessionmaker[Session], now_ms: int, n: int) -> set[str]:
-    return {str(i) for i in insert_pending(sessions, now_ms, n, payload=lambda i, mid: {})}
+def insert(sessions: sessionmaker[Session], now_ms: int, n: int, tables: Tables) -> set[str]:
+    return {str(i) for i in insert_pending(sessions, now_ms, n, tables=tables, payload=lambda i, mid: {})}
 
-def pending(sessions: sessionmaker[Session]) -> int:
+
+def pending(sessions: sessionmaker[Session], tables: Tables) -> int:
     with sessions() as s:
-        return int(s.scalar(sa.select(sa.func.count()).where(OutboxMessage.published_at_ms.is_(None))) or 0)
+        return int(s.scalar(sa.select(sa.func.count()).where(tables.outbox.published_at_ms.is_(None))) or 0)
 
 
 def wait_for(cond: Any, what: str, deadline_s: float = 60.0) -> None:
@@ -38,9 +39,9 @@ def wait_for(cond: Any, what: str, deadline_s: float = 60.0) -> None:
 
 
 def test_two_relays_at_once_publish_every_row_once(pg_sessions: sessionmaker[Session], pg_url: str,
-                                                  tmp_path: Path, clock: ManualClock) -> None:
+                                                  tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
     # Given 600 pending rows and two relays started together on the same database
-    ids = insert(pg_sessions, clock.now_ms(), 600)
+    ids = insert(pg_sessions, clock.now_ms(), 600, tables)
     settings = Settings(home=tmp_path, database_url=pg_url, namespace="two", relay_batch_size=25,
                         routes={"OrderPlaced": ("shipping",)})
     # A publisher that takes a moment per batch so the two relays really overlap
@@ -54,7 +55,7 @@ def test_two_relays_at_once_publish_every_row_once(pg_sessions: sessionmaker[Ses
             barrier.wait()
             while True:
                 with pg_sessions() as s:
-                    r = dispatch_with_settings(s, pub, clock, settings)
+                    r = dispatch_with_settings(s, pub, clock, settings, tables=tables)
                 results[name].append(r)
                 if r.claimed == 0:
                     return
@@ -71,16 +72,16 @@ def test_two_relays_at_once_publish_every_row_once(pg_sessions: sessionmaker[Ses
     per_relay = {n: sum(r.published for r in rs) for n, rs in results.items()}
     duplicates = pub.duplicates()
     print(f"two relays: published per relay {per_relay}, duplicates {duplicates}")
-    assert set(pub.message_ids()) == ids and pending(pg_sessions) == 0
+    assert set(pub.message_ids()) == ids and pending(pg_sessions, tables) == 0
     assert sum(per_relay.values()) == 600
     assert duplicates == 0 and sum(r.already_published for rs in results.values() for r in rs) == 0
     assert min(per_relay.values()) > 0
 
 
 def test_skip_locked_claim_is_held_until_the_mark_commits(pg_sessions: sessionmaker[Session], pg_url: str,
-                                                         tmp_path: Path, clock: ManualClock) -> None:
+                                                         tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
     # Given a relay paused inside its publish (rows claimed, not yet marked)
-    insert(pg_sessions, clock.now_ms(), 3)
+    insert(pg_sessions, clock.now_ms(), 3, tables)
     settings = Settings(home=tmp_path, database_url=pg_url, namespace="hold")
     inside, release = threading.Event(), threading.Event()
 
@@ -89,31 +90,32 @@ def test_skip_locked_claim_is_held_until_the_mark_commits(pg_sessions: sessionma
         release.wait(30)
 
     slow = InMemoryPublisher(before_publish=pause)
-    t = threading.Thread(target=lambda: dispatch_with_settings(pg_sessions(), slow, clock, settings))
+    t = threading.Thread(target=lambda: dispatch_with_settings(pg_sessions(), slow, clock, settings, tables=tables))
     t.start()
     try:
         assert inside.wait(30)
         # When a second relay runs meanwhile, then it finds nothing to claim
         with pg_sessions() as s:
-            assert dispatch_with_settings(s, InMemoryPublisher(), clock, settings).claimed == 0
+            assert dispatch_with_settings(s, InMemoryPublisher(), clock, settings, tables=tables).claimed == 0
     finally:
         release.set()
         t.join(30)
-    assert pending(pg_sessions) == 0
+    assert pending(pg_sessions, tables) == 0
 
 
 def test_notify_wakes_the_waiting_loop_before_the_poll_interval(pg_sessions: sessionmaker[Session], pg_url: str,
-                                                               tmp_path: Path) -> None:
+                                                               tmp_path: Path, tables: Tables) -> None:
     # Given the standalone loop idle, polling only once an hour, LISTENing on outbox_pending
     settings = Settings(home=tmp_path, database_url=pg_url, namespace="wake", relay_poll_interval_s=3600.0)
     pub = InMemoryPublisher()
-    loop = RelayLoop(settings=settings, session_factory=pg_sessions, publisher=pub, clock=SystemClock())
+    loop = RelayLoop(settings=settings, tables=tables, session_factory=pg_sessions, publisher=pub,
+                     clock=SystemClock())
     thread = threading.Thread(target=loop.run, kwargs={"handle_signals": False})
     thread.start()
     try:
         wait_for(lambda: loop.stats.listening and loop.stats.waits >= 1, "the loop to wait")
         # When a row is inserted (the trigger NOTIFYs)
-        ids = insert(pg_sessions, SystemClock().now_ms(), 1)
+        ids = insert(pg_sessions, SystemClock().now_ms(), 1, tables)
         # Then the loop publishes it, woken by the notification, not by the hour-long poll
         wait_for(lambda: set(pub.message_ids()) == ids, "the row to be published")
         assert loop.stats.notify_wakeups >= 1

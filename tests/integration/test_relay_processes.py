@@ -1,4 +1,4 @@
-"""The relay as real processes: ``celery beat`` + ``celery worker`` running relay.tasks.drain_outbox
+"""The relay as real processes: ``celery beat`` + ``celery worker`` running celery_outbox.drain
 into consumer queues that the same worker consumes as ordinary Celery tasks, and ``outbox relay``
 (the standalone loop) draining and stopping cleanly on SIGTERM."""
 
@@ -21,8 +21,8 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from orders.models import OutboxMessage
-from outbox.clock import SystemClock
+from celery_outbox import Tables
+from celery_outbox.clock import SystemClock
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
 
@@ -36,13 +36,15 @@ STUB_APP = textwrap.dedent('''
 
     from celery import Celery
 
+    from celery_outbox import Outbox
     from celeryconfig import Settings, celery_config
-    from relay.tasks import register
 
     settings = Settings.from_env()
     app = Celery("relay_stub", set_as_current=False)
     app.conf.update(celery_config(settings, settings.broker_url))
-    register(app, settings)
+    outbox = Outbox(app, settings=settings)  # registers the real relay tasks on this app
+    for event_type, names in settings.routes.items():
+        outbox.route(event_type, *names)  # the consumers are the stubs below, not declared on the outbox
     OUT = os.environ["RELAY_TEST_OUT"]
 
 
@@ -59,20 +61,20 @@ STUB_APP = textwrap.dedent('''
 ''')
 
 
-def insert(sessions: sessionmaker[Session], n: int) -> set[str]:
+def insert(sessions: sessionmaker[Session], n: int, tables: Tables) -> set[str]:
     now = SystemClock().now_ms()
     ids = {uuid.uuid4() for _ in range(n)}
     with sessions() as s:
         for mid in ids:
-            s.add(OutboxMessage(message_id=mid, type="OrderPlaced", payload={"n": 1}, headers={},
+            s.add(tables.outbox(message_id=mid, type="OrderPlaced", payload={"n": 1}, headers={},
                                 created_at_ms=now, next_attempt_at_ms=now, attempts=0))
         s.commit()
     return {str(i) for i in ids}
 
 
-def pending(sessions: sessionmaker[Session]) -> int:
+def pending(sessions: sessionmaker[Session], tables: Tables) -> int:
     with sessions() as s:
-        return int(s.scalar(sa.select(sa.func.count()).where(OutboxMessage.published_at_ms.is_(None))) or 0)
+        return int(s.scalar(sa.select(sa.func.count()).where(tables.outbox.published_at_ms.is_(None))) or 0)
 
 
 class Procs:
@@ -133,7 +135,7 @@ def base_env(pg_url: str, redis_url: str, namespace: str, home: Path) -> dict[st
 
 def test_beat_and_worker_drain_the_outbox_into_celery_consumer_tasks(
         pg_url: str, pg_sessions: sessionmaker[Session], redis_url: str, namespace: str, tmp_path: Path,
-        procs: Procs, redis_cleanup: None) -> None:
+        procs: Procs, redis_cleanup: None, tables: Tables) -> None:
     # Given a real worker (relay queue + every consumer queue, stub consumer tasks) and real beat
     (tmp_path / "relay_stub.py").write_text(STUB_APP)
     out = tmp_path / "deliveries.jsonl"
@@ -149,9 +151,9 @@ def test_beat_and_worker_drain_the_outbox_into_celery_consumer_tasks(
     procs.start("beat", [str(BIN / "celery"), "-A", "relay_stub", "beat", "-l", "info",
                          "-s", str(home / "beat-schedule")], env, tmp_path)
     # When orders' outbox rows are committed
-    ids = insert(pg_sessions, 5)
+    ids = insert(pg_sessions, 5, tables)
     # Then beat's drain task publishes them and each consumer task runs once per message
-    wait_for(lambda: pending(pg_sessions) == 0, "the beat task to publish every row", procs)
+    wait_for(lambda: pending(pg_sessions, tables) == 0, "the beat task to publish every row", procs)
     wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= len(ids) * len(consumers),
              "the consumer tasks to run", procs)
     seen = [json.loads(line) for line in out.read_text().splitlines()]
@@ -160,16 +162,16 @@ def test_beat_and_worker_drain_the_outbox_into_celery_consumer_tasks(
 
 def test_outbox_relay_process_drains_and_stops_on_sigterm(
         pg_url: str, pg_sessions: sessionmaker[Session], redis_url: str, namespace: str, tmp_path: Path,
-        procs: Procs, redis_cleanup: None) -> None:
+        procs: Procs, redis_cleanup: None, tables: Tables) -> None:
     home = tmp_path / "home"
     home.mkdir()
     env = base_env(pg_url, redis_url, namespace, home)
-    insert(pg_sessions, 3)
+    insert(pg_sessions, 3, tables)
     proc = procs.start("relay", [str(BIN / "outbox"), "relay", "--poll-interval", "3600"], env, REPO)
-    wait_for(lambda: pending(pg_sessions) == 0, "the first drain", procs)
+    wait_for(lambda: pending(pg_sessions, tables) == 0, "the first drain", procs)
     # When rows arrive while it sleeps for an hour, then NOTIFY wakes it
-    insert(pg_sessions, 3)
-    wait_for(lambda: pending(pg_sessions) == 0, "the notified drain", procs)
+    insert(pg_sessions, 3, tables)
+    wait_for(lambda: pending(pg_sessions, tables) == 0, "the notified drain", procs)
     # When SIGTERM arrives, then it stops cleanly (exit 0)
     proc.send_signal(signal.SIGTERM)
     try:

@@ -11,16 +11,26 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from consumers import inbox
-from consumers.decorator import default_registry
+from celery_outbox.clock import ManualClock
+from celery_outbox.consumer import ConsumerRegistry
+from celery_outbox.errors import MalformedMessageError, UnknownEventTypeError
+from celery_outbox.inbox import handle as inbox
+from celery_outbox.inbox.outcome import Outcome
+from celery_outbox.messages import Envelope
+from celery_outbox.schema import Tables
+from consumers.billing import billing
 from consumers.effects import duplicates_absorbed, effect_counts, email_provider_calls
-from consumers.models import InboxEntry, Invoice, SearchDocument, SentEmail, Shipment
-from consumers.outcome import Outcome
+from consumers.email import email
+from consumers.models import Invoice, SearchDocument, SentEmail, Shipment
+from consumers.search import search
 from consumers.shipping import shipping
 from consumers.testing import order_placed_envelope
-from outbox.clock import ManualClock
-from outbox.errors import MalformedMessageError, UnknownEventTypeError
-from outbox.messages import Envelope
+
+
+def deployment_consumers() -> ConsumerRegistry:
+    """The reference deployment's four consumers, as ``consumers.register`` declares them."""
+    return ConsumerRegistry(specs=[shipping, billing, search, email])
+
 
 FAST_PATH = pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "no-fast-path"])
 
@@ -43,45 +53,45 @@ def count(sessions: sessionmaker[Session], model: type) -> int:
         return int(s.execute(sa.select(sa.func.count()).select_from(model)).scalar_one())
 
 
-def ship(sessions: sessionmaker[Session], env: Envelope, clock: ManualClock, *, fast_path: bool,
+def ship(sessions: sessionmaker[Session], tables: Tables, env: Envelope, clock: ManualClock, *, fast_path: bool,
          crash: CrashAt | None = None) -> Outcome:
     with sessions() as s:
-        return inbox.handle(s, env, consumer="shipping", handler=shipping, clock=clock, fast_path=fast_path,
+        return inbox.handle(s, env, tables=tables, consumer="shipping", handler=shipping, clock=clock, fast_path=fast_path,
                             crash_points=crash)
 
 
 @FAST_PATH
 def test_same_message_twice_sequentially(any_sessions: sessionmaker[Session], clock: ManualClock,
-                                         fast_path: bool) -> None:
+                                         fast_path: bool, tables: Tables) -> None:
     # Given one OrderPlaced
     env = order_placed_envelope("o-1")
     # When it is delivered twice
-    first = ship(any_sessions, env, clock, fast_path=fast_path)
-    second = ship(any_sessions, env, clock, fast_path=fast_path)
+    first = ship(any_sessions, tables, env, clock, fast_path=fast_path)
+    second = ship(any_sessions, tables, env, clock, fast_path=fast_path)
     # Then one PROCESSED, one DUPLICATE, one inbox row, one effect, one duplicate counted
     assert (first, second) == (Outcome.PROCESSED, Outcome.DUPLICATE)
-    assert count(any_sessions, InboxEntry) == 1
+    assert count(any_sessions, tables.inbox) == 1
     assert count(any_sessions, Shipment) == 1
     with any_sessions() as s:
-        assert duplicates_absorbed(s) == {"shipping": 1}
-        row = s.get(InboxEntry, (env.message_id, "shipping"))
+        assert duplicates_absorbed(s, tables) == {"shipping": 1}
+        row = s.get(tables.inbox, (env.message_id, "shipping"))
         assert row is not None and row.processed_at_ms == clock.now_ms() and row.type == "OrderPlaced"
 
 
 @FAST_PATH
 def test_each_consumer_has_its_own_inbox_key(any_sessions: sessionmaker[Session], clock: ManualClock,
-                                             fast_path: bool) -> None:
+                                             fast_path: bool, tables: Tables) -> None:
     env = order_placed_envelope("o-1")
-    registry = default_registry().with_options(fast_path=fast_path)
+    registry = deployment_consumers().with_options(fast_path=fast_path)
     with any_sessions() as s:
-        outcomes = [registry[name].handle(s, env, clock=clock) for name in ("shipping", "billing")]
+        outcomes = [registry[name].handle(s, env, tables=tables, clock=clock) for name in ("shipping", "billing")]
     assert outcomes == [Outcome.PROCESSED, Outcome.PROCESSED]
-    assert count(any_sessions, InboxEntry) == 2
+    assert count(any_sessions, tables.inbox) == 2
 
 
 @FAST_PATH
 def test_effect_write_fails_once_then_retry_succeeds_once(any_sessions: sessionmaker[Session], clock: ManualClock,
-                                                          fast_path: bool) -> None:
+                                                          fast_path: bool, tables: Tables) -> None:
     # Given a Shipping handler whose effect write fails on the first delivery (NOT NULL violation)
     calls: list[int] = []
 
@@ -95,36 +105,36 @@ def test_effect_write_fails_once_then_retry_succeeds_once(any_sessions: sessionm
     env = order_placed_envelope("o-1")
     # When it is delivered: the effect fails
     with any_sessions() as s, pytest.raises(sa.exc.IntegrityError):
-        inbox.handle(s, env, consumer="shipping", handler=flaky, clock=clock, fast_path=fast_path)
+        inbox.handle(s, env, tables=tables, consumer="shipping", handler=flaky, clock=clock, fast_path=fast_path)
     # Then nothing at all was written: no effect, no inbox row (not even a duplicate counted)
     assert count(any_sessions, Shipment) == 0
-    assert count(any_sessions, InboxEntry) == 0
+    assert count(any_sessions, tables.inbox) == 0
     with any_sessions() as s:
-        assert duplicates_absorbed(s) == {}
+        assert duplicates_absorbed(s, tables) == {}
     # When it is redelivered: processed once
     with any_sessions() as s:
-        outcome = inbox.handle(s, env, consumer="shipping", handler=flaky, clock=clock, fast_path=fast_path)
+        outcome = inbox.handle(s, env, tables=tables, consumer="shipping", handler=flaky, clock=clock, fast_path=fast_path)
     assert outcome is Outcome.PROCESSED
     assert count(any_sessions, Shipment) == 1
-    assert count(any_sessions, InboxEntry) == 1
+    assert count(any_sessions, tables.inbox) == 1
     assert len(calls) == 2
 
 
 def test_handler_exception_rolls_back_and_propagates(sqlite_sessions: sessionmaker[Session],
-                                                     clock: ManualClock) -> None:
+                                                     clock: ManualClock, tables: Tables) -> None:
     def boom(session: Session, env: Envelope) -> None:
         shipping(session, env)
         session.flush()
         raise RuntimeError("downstream said no")
 
     with sqlite_sessions() as s, pytest.raises(RuntimeError, match="downstream said no"):
-        inbox.handle(s, order_placed_envelope(), consumer="shipping", handler=boom, clock=clock)
+        inbox.handle(s, order_placed_envelope(), tables=tables, consumer="shipping", handler=boom, clock=clock)
     assert count(sqlite_sessions, Shipment) == 0
-    assert count(sqlite_sessions, InboxEntry) == 0
+    assert count(sqlite_sessions, tables.inbox) == 0
 
 
 def test_a_unique_violation_of_the_effect_is_not_a_duplicate(any_sessions: sessionmaker[Session],
-                                                             clock: ManualClock) -> None:
+                                                             clock: ManualClock, tables: Tables) -> None:
     # Given a handler whose own write violates a unique key (not the inbox's)
     def twice(session: Session, env: Envelope) -> None:
         for _ in range(2):
@@ -133,16 +143,16 @@ def test_a_unique_violation_of_the_effect_is_not_a_duplicate(any_sessions: sessi
 
     # When it runs, Then the error propagates (redelivery), it is not mistaken for a duplicate
     with any_sessions() as s, pytest.raises(sa.exc.IntegrityError):
-        inbox.handle(s, order_placed_envelope(), consumer="search", handler=twice, clock=clock)
-    assert count(any_sessions, InboxEntry) == 0
+        inbox.handle(s, order_placed_envelope(), tables=tables, consumer="search", handler=twice, clock=clock)
+    assert count(any_sessions, tables.inbox) == 0
 
 
-def test_mirror_bug_loses_the_effect(sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+def test_mirror_bug_loses_the_effect(sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
     """The design forbids committing the inbox row before (and apart from) the effect. Here is why."""
 
     def broken_handle(session: Session, env: Envelope) -> None:
         # The mirror bug: mark the message seen in its own transaction, then do the effect.
-        session.add(InboxEntry(message_id=env.message_id, consumer="shipping", type=env.type,
+        session.add(tables.inbox(message_id=env.message_id, consumer="shipping", type=env.type,
                                processed_at_ms=clock.now_ms()))
         session.commit()
         raise SimulatedCrash("killed between the inbox commit and the effect")
@@ -152,49 +162,49 @@ def test_mirror_bug_loses_the_effect(sqlite_sessions: sessionmaker[Session], clo
     with sqlite_sessions() as s, pytest.raises(SimulatedCrash):
         broken_handle(s, env)
     # When the broker redelivers to the (correct) consumer
-    outcome = ship(sqlite_sessions, env, clock, fast_path=True)
+    outcome = ship(sqlite_sessions, tables, env, clock, fast_path=True)
     # Then the inbox says "seen", so the effect is skipped: the shipment is lost for good
     assert outcome is Outcome.DUPLICATE
     assert count(sqlite_sessions, Shipment) == 0
-    assert count(sqlite_sessions, InboxEntry) == 1
+    assert count(sqlite_sessions, tables.inbox) == 1
 
     # Contrast: the real handle() crashing at the same moment (before its single commit) loses nothing
     env2 = order_placed_envelope("o-2")
     with pytest.raises(SimulatedCrash):
-        ship(sqlite_sessions, env2, clock, fast_path=True, crash=CrashAt("consumer_before_commit"))
-    assert ship(sqlite_sessions, env2, clock, fast_path=True) is Outcome.PROCESSED
+        ship(sqlite_sessions, tables, env2, clock, fast_path=True, crash=CrashAt("consumer_before_commit"))
+    assert ship(sqlite_sessions, tables, env2, clock, fast_path=True) is Outcome.PROCESSED
     with sqlite_sessions() as s:
         assert s.execute(sa.select(Shipment.order_id)).scalars().all() == ["o-2"]
 
 
 @FAST_PATH
 def test_crash_after_commit_before_ack_is_absorbed(any_sessions: sessionmaker[Session], clock: ManualClock,
-                                                   fast_path: bool) -> None:
+                                                   fast_path: bool, tables: Tables) -> None:
     # Given the worker dies after the inbox commit, before acking
     env = order_placed_envelope("o-1")
     with pytest.raises(SimulatedCrash):
-        ship(any_sessions, env, clock, fast_path=fast_path, crash=CrashAt("consumer_after_commit_before_ack"))
+        ship(any_sessions, tables, env, clock, fast_path=fast_path, crash=CrashAt("consumer_after_commit_before_ack"))
     # When the broker redelivers, Then it is a DUPLICATE and there is still one shipment
-    assert ship(any_sessions, env, clock, fast_path=fast_path) is Outcome.DUPLICATE
+    assert ship(any_sessions, tables, env, clock, fast_path=fast_path) is Outcome.DUPLICATE
     assert count(any_sessions, Shipment) == 1
 
 
 @FAST_PATH
 def test_fan_out_one_order_placed_one_effect_per_consumer(any_sessions: sessionmaker[Session], clock: ManualClock,
-                                                          fast_path: bool) -> None:
+                                                          fast_path: bool, tables: Tables) -> None:
     # Given one OrderPlaced routed to shipping, billing, search and email
     env = order_placed_envelope("o-7", quantity=3, unit_price_cents=1000)
-    registry = default_registry().with_options(fast_path=fast_path)
+    registry = deployment_consumers().with_options(fast_path=fast_path)
     # When each consumer receives it twice
     with any_sessions() as s:
-        first = {spec.name: spec.handle(s, env, clock=clock) for spec in registry}
-        second = {spec.name: spec.handle(s, env, clock=clock) for spec in registry}
+        first = {spec.name: spec.handle(s, env, tables=tables, clock=clock) for spec in registry}
+        second = {spec.name: spec.handle(s, env, tables=tables, clock=clock) for spec in registry}
     # Then exactly one Shipment, one Invoice, one search document and one e-mail
     assert set(first.values()) == {Outcome.PROCESSED}
     assert set(second.values()) == {Outcome.DUPLICATE}
     with any_sessions() as s:
         assert effect_counts(s) == {"shipping": 1, "billing": 1, "search": 1, "email": 1}
-        assert duplicates_absorbed(s) == {"billing": 1, "email": 1, "search": 1, "shipping": 1}
+        assert duplicates_absorbed(s, tables) == {"billing": 1, "email": 1, "search": 1, "shipping": 1}
         shipment = s.execute(sa.select(Shipment)).scalar_one()
         assert (shipment.order_id, shipment.items) == ("o-7", 3)
         invoice = s.execute(sa.select(Invoice)).scalar_one()
@@ -209,39 +219,39 @@ def test_fan_out_one_order_placed_one_effect_per_consumer(any_sessions: sessionm
 
 @FAST_PATH
 def test_email_crash_after_send_before_commit_sends_once(any_sessions: sessionmaker[Session], clock: ManualClock,
-                                                         fast_path: bool) -> None:
+                                                         fast_path: bool, tables: Tables) -> None:
     # Given the e-mail consumer dies after the provider call, before its inbox commit
-    spec = default_registry()["email"]
+    spec = deployment_consumers()["email"]
     env = order_placed_envelope("o-1")
     with any_sessions() as s, pytest.raises(SimulatedCrash):
-        spec.handle(s, env, clock=clock, crash_points=CrashAt("consumer_before_commit"), fast_path=fast_path)
+        spec.handle(s, env, tables=tables, clock=clock, crash_points=CrashAt("consumer_before_commit"), fast_path=fast_path)
     # When it is redelivered
     with any_sessions() as s:
-        outcome = spec.handle(s, env, clock=clock, fast_path=fast_path)
+        outcome = spec.handle(s, env, tables=tables, clock=clock, fast_path=fast_path)
     # Then the provider was called twice with one key and sent one e-mail; the inbox has one row
     assert outcome is Outcome.PROCESSED
     with any_sessions() as s:
         assert effect_counts(s)["email"] == 1
         assert email_provider_calls(s) == 2
-    assert count(any_sessions, InboxEntry) == 1
+    assert count(any_sessions, tables.inbox) == 1
 
 
 def test_consumer_refuses_an_event_type_it_does_not_handle(sqlite_sessions: sessionmaker[Session],
-                                                           clock: ManualClock) -> None:
+                                                           clock: ManualClock, tables: Tables) -> None:
     env = Envelope(message_id=uuid.uuid4(), type="OrderCancelled", payload={"order_id": "o-1"})
     with sqlite_sessions() as s, pytest.raises(UnknownEventTypeError, match="does not handle event type"):
-        default_registry()["shipping"].handle(s, env, clock=clock)
-    assert count(sqlite_sessions, InboxEntry) == 0
+        deployment_consumers()["shipping"].handle(s, env, tables=tables, clock=clock)
+    assert count(sqlite_sessions, tables.inbox) == 0
 
 
 def test_payload_missing_a_field_is_malformed_and_writes_nothing(sqlite_sessions: sessionmaker[Session],
-                                                                 clock: ManualClock) -> None:
+                                                                 clock: ManualClock, tables: Tables) -> None:
     good = order_placed_envelope("o-1")
     payload = {k: v for k, v in good.payload.items() if k != "order_id"}
     env = Envelope(message_id=good.message_id, type=good.type, payload=payload, headers=good.headers)
     for name in ("shipping", "billing", "search", "email"):
         with sqlite_sessions() as s, pytest.raises(MalformedMessageError, match="missing required field 'order_id'"):
-            default_registry()[name].handle(s, env, clock=clock)
+            deployment_consumers()[name].handle(s, env, tables=tables, clock=clock)
     with sqlite_sessions() as s:
         assert effect_counts(s) == {"shipping": 0, "billing": 0, "search": 0, "email": 0}
-    assert count(sqlite_sessions, InboxEntry) == 0
+    assert count(sqlite_sessions, tables.inbox) == 0

@@ -8,13 +8,15 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from consumers import dead_letters, inbox, ordering
-from consumers.decorator import default_registry
-from consumers.models import EntityVersion, InboxEntry, ParkedMessage, SearchDocument
-from consumers.outcome import Outcome
+from celery_outbox.clock import ManualClock
+from celery_outbox.inbox import dead_letters, ordering
+from celery_outbox.inbox import handle as inbox
+from celery_outbox.inbox.outcome import Outcome
+from celery_outbox.messages import Envelope
+from celery_outbox.schema import Tables
+from consumers.models import SearchDocument
+from consumers.search import search as search_consumer
 from consumers.testing import order_placed_envelope
-from outbox.clock import ManualClock
-from outbox.messages import Envelope
 
 
 class Recorder:
@@ -29,89 +31,90 @@ def v(n: int, *, order_id: str = "o-1") -> Envelope:
     return order_placed_envelope(order_id, version=n, total_cents=n * 100)
 
 
-def run(sessions: sessionmaker[Session], env: Envelope, clock: ManualClock, handler: Recorder) -> Outcome:
+def run(sessions: sessionmaker[Session], tables: Tables, env: Envelope, clock: ManualClock, handler: Recorder) -> Outcome:
     with sessions() as s:
-        return inbox.handle(s, env, consumer="ledger", handler=handler, clock=clock, ordering=True)
+        return inbox.handle(s, env, tables=tables, consumer="ledger", handler=handler, clock=clock, ordering=True)
 
 
-def test_in_order_early_and_stale(any_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+def test_in_order_early_and_stale(any_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
     rec = Recorder()
     v1, v2, v3, v4 = v(1), v(2), v(3), v(4)
     # Given v1 applied
-    assert run(any_sessions, v1, clock, rec) is Outcome.PROCESSED
+    assert run(any_sessions, tables, v1, clock, rec) is Outcome.PROCESSED
     # When v3 and v4 arrive before v2, Then they are parked, not applied
-    assert run(any_sessions, v4, clock, rec) is Outcome.PARKED
-    assert run(any_sessions, v3, clock, rec) is Outcome.PARKED
-    assert run(any_sessions, v3, clock, rec) is Outcome.DUPLICATE  # a redelivery of a parked one
+    assert run(any_sessions, tables, v4, clock, rec) is Outcome.PARKED
+    assert run(any_sessions, tables, v3, clock, rec) is Outcome.PARKED
+    assert run(any_sessions, tables, v3, clock, rec) is Outcome.DUPLICATE  # a redelivery of a parked one
     assert rec.applied == [1]
     # When v2 fills the gap, Then v2, v3, v4 are applied in order in the same transaction
-    assert run(any_sessions, v2, clock, rec) is Outcome.PROCESSED
+    assert run(any_sessions, tables, v2, clock, rec) is Outcome.PROCESSED
     assert rec.applied == [1, 2, 3, 4]
     with any_sessions() as s:
-        assert s.execute(sa.select(sa.func.count()).select_from(ParkedMessage)).scalar_one() == 0
-        assert s.get(EntityVersion, ("ledger", "order:o-1")).version == 4  # type: ignore[union-attr]
-        assert s.execute(sa.select(sa.func.count()).select_from(InboxEntry)).scalar_one() == 4
+        assert s.execute(sa.select(sa.func.count()).select_from(tables.parked)).scalar_one() == 0
+        assert s.get(tables.entity_versions, ("ledger", "order:o-1")).version == 4  # type: ignore[union-attr]
+        assert s.execute(sa.select(sa.func.count()).select_from(tables.inbox)).scalar_one() == 4
     # When an older version arrives under a new message id, Then it is STALE: skipped, recorded
-    assert run(any_sessions, v(2), clock, rec) is Outcome.STALE
+    assert run(any_sessions, tables, v(2), clock, rec) is Outcome.STALE
     assert rec.applied == [1, 2, 3, 4]
     # And the redelivery of an applied one is a DUPLICATE
-    assert run(any_sessions, v4, clock, rec) is Outcome.DUPLICATE
+    assert run(any_sessions, tables, v4, clock, rec) is Outcome.DUPLICATE
 
 
 def test_entities_are_independent_and_unordered_events_pass(sqlite_sessions: sessionmaker[Session],
-                                                            clock: ManualClock) -> None:
+                                                            clock: ManualClock, tables: Tables) -> None:
     rec = Recorder()
-    assert run(sqlite_sessions, v(1, order_id="a"), clock, rec) is Outcome.PROCESSED
-    assert run(sqlite_sessions, v(1, order_id="b"), clock, rec) is Outcome.PROCESSED
-    assert run(sqlite_sessions, v(3, order_id="a"), clock, rec) is Outcome.PARKED
-    assert run(sqlite_sessions, v(2, order_id="b"), clock, rec) is Outcome.PROCESSED
+    assert run(sqlite_sessions, tables, v(1, order_id="a"), clock, rec) is Outcome.PROCESSED
+    assert run(sqlite_sessions, tables, v(1, order_id="b"), clock, rec) is Outcome.PROCESSED
+    assert run(sqlite_sessions, tables, v(3, order_id="a"), clock, rec) is Outcome.PARKED
+    assert run(sqlite_sessions, tables, v(2, order_id="b"), clock, rec) is Outcome.PROCESSED
     no_headers = order_placed_envelope("c", version=None)
     with sqlite_sessions() as s:
-        assert inbox.handle(s, no_headers, consumer="ledger", handler=lambda s, e: None, clock=clock,
+        assert inbox.handle(s, no_headers, tables=tables, consumer="ledger", handler=lambda s, e: None, clock=clock,
                             ordering=True) is Outcome.PROCESSED
 
 
 def test_parked_message_dead_lettered_after_timeout_then_replayable(sqlite_sessions: sessionmaker[Session],
-                                                                    clock: ManualClock) -> None:
+                                                                    clock: ManualClock, tables: Tables) -> None:
     rec = Recorder()
     v3 = v(3)
-    assert run(sqlite_sessions, v(1), clock, rec) is Outcome.PROCESSED
-    assert run(sqlite_sessions, v3, clock, rec) is Outcome.PARKED
+    assert run(sqlite_sessions, tables, v(1), clock, rec) is Outcome.PROCESSED
+    assert run(sqlite_sessions, tables, v3, clock, rec) is Outcome.PARKED
     # Given the gap (v2) never fills within the timeout
     clock.advance(5_000)
     with sqlite_sessions() as s:
-        assert ordering.expire_parked(s, consumer="ledger", now_ms=clock.now_ms(), timeout_ms=10_000) == 0
+        assert ordering.expire_parked(s, tables=tables, consumer="ledger", now_ms=clock.now_ms(), timeout_ms=10_000) == 0
     clock.advance(5_000)
     # When the timeout passes, Then the parked message is dead-lettered with a clear error
     with sqlite_sessions() as s:
-        assert ordering.expire_parked(s, consumer="ledger", now_ms=clock.now_ms(), timeout_ms=10_000) == 1
-        [dl] = dead_letters.list_dead_letters(s, consumer="ledger")
+        assert ordering.expire_parked(s, tables=tables, consumer="ledger", now_ms=clock.now_ms(), timeout_ms=10_000) == 1
+        [dl] = dead_letters.list_dead_letters(s, tables=tables, consumer="ledger")
         assert dl.message_id == str(v3.message_id) and dl.type == "OrderPlaced"
         assert "waiting for version 2" in dl.last_error and "version 3" in dl.last_error
-        assert s.execute(sa.select(sa.func.count()).select_from(ParkedMessage)).scalar_one() == 0
+        assert s.execute(sa.select(sa.func.count()).select_from(tables.parked)).scalar_one() == 0
         dl_id = dl.id
     # When v2 arrives later and the dead letter is replayed, Then v3 goes through the same path
-    assert run(sqlite_sessions, v(2), clock, rec) is Outcome.PROCESSED
+    assert run(sqlite_sessions, tables, v(2), clock, rec) is Outcome.PROCESSED
     sent: list[tuple[str, dict[str, object]]] = []
     with sqlite_sessions() as s:
-        dead_letters.replay(s, dl_id, send=lambda c, e: sent.append((c, e)), clock=clock)
+        dead_letters.replay(s, dl_id, tables=tables, send=lambda c, e: sent.append((c, e)), clock=clock)
     [(consumer, body)] = sent
     assert consumer == "ledger"
-    assert run(sqlite_sessions, Envelope.from_dict(body), clock, rec) is Outcome.PROCESSED
+    assert run(sqlite_sessions, tables, Envelope.from_dict(body), clock, rec) is Outcome.PROCESSED
     assert rec.applied == [1, 2, 3]
 
 
-def test_search_consumer_keeps_the_newest_document(any_sessions: sessionmaker[Session], clock: ManualClock) -> None:
-    search = default_registry()["search"]
+def test_search_consumer_keeps_the_newest_document(any_sessions: sessionmaker[Session], clock: ManualClock,
+                                                   tables: Tables) -> None:
+    search = search_consumer
     assert search.ordering
     with any_sessions() as s:
-        assert search.handle(s, order_placed_envelope("o-1", version=1, total_cents=100), clock=clock) \
+        assert search.handle(s, order_placed_envelope("o-1", version=1, total_cents=100), tables=tables, clock=clock) \
             is Outcome.PROCESSED
-        assert search.handle(s, order_placed_envelope("o-1", version=3, total_cents=300), clock=clock) \
+        assert search.handle(s, order_placed_envelope("o-1", version=3, total_cents=300), tables=tables, clock=clock) \
             is Outcome.PARKED
-        assert search.handle(s, order_placed_envelope("o-1", version=2, total_cents=200), clock=clock) \
+        assert search.handle(s, order_placed_envelope("o-1", version=2, total_cents=200), tables=tables, clock=clock) \
             is Outcome.PROCESSED
-        assert search.handle(s, order_placed_envelope("o-1", version=2, total_cents=999), clock=clock) \
+        assert search.handle(s, order_placed_envelope("o-1", version=2, total_cents=999), tables=tables, clock=clock) \
             is Outcome.STALE
         doc = s.get(SearchDocument, "o-1", populate_existing=True)
         assert doc is not None and (doc.version, doc.body["total_cents"]) == (3, 300)

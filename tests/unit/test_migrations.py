@@ -1,36 +1,154 @@
-"""Migrations and models agree, on SQLite and Postgres; upgrade/downgrade round-trips."""
+"""Migrations and models agree, on SQLite and Postgres; upgrade/downgrade round-trips.
+
+Two sets of migrations share one database: the library's (``celery_outbox/migrations``, the
+``outbox_*`` tables, version table ``outbox_schema_version``) and the reference deployment's own
+(``orders/migrations``, orders and the consumers' effects, Alembic's default ``alembic_version``).
+Each must match its models, create only its own tables and undo exactly what it did.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import sqlalchemy as sa
+from alembic import command
 from alembic.autogenerate import compare_metadata
+from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 
 import consumers.models
+import orders.migrate
 import orders.models
-from outbox import migrate
-from outbox.db import Base, make_engine
+from celery_outbox import migrate
+from celery_outbox.db import make_engine
+from celery_outbox.schema import PENDING_SQL, Tables
 
-_ = (orders.models, consumers.models)
+_ = consumers.models  # its models join orders.models.Base.metadata
+
+LIBRARY_VERSION_TABLE = "outbox_schema_version"
+LIBRARY_TABLES = {"outbox_messages", "outbox_inbox", "outbox_attempts", "outbox_dead_letters", "outbox_parked",
+                  "outbox_entity_versions", "outbox_counters"}
+DEPLOYMENT_TABLES = {"orders", "order_lines", "shipments", "invoices", "search_documents", "sent_emails"}
+
+
+def table_names(url: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        return set(sa.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def deployment_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(orders.migrate.MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def deployment_revision(url: str) -> str | None:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def pending_index_sql(url: str) -> str:
+    """The DDL of the relay's partial index on the pending outbox rows, as the database holds it."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            if engine.dialect.name == "postgresql":
+                sql = conn.execute(sa.text("SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_outbox_pending'"
+                                           " AND tablename = 'outbox_messages'")).scalar_one_or_none()
+            else:
+                sql = conn.execute(sa.text("SELECT sql FROM sqlite_master WHERE type = 'index' AND "
+                                           "name = 'ix_outbox_pending' AND tbl_name = 'outbox_messages'")
+                                   ).scalar_one_or_none()
+    finally:
+        engine.dispose()
+    assert sql is not None, "the partial index ix_outbox_pending is missing"
+    return str(sql)
+
+
+def test_the_table_sets_are_the_models(tables: Tables) -> None:
+    assert set(tables.names()) == LIBRARY_TABLES and tables.version_table == LIBRARY_VERSION_TABLE
+    assert set(orders.models.Base.metadata.tables) == DEPLOYMENT_TABLES
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_migrations_match_models(request: pytest.FixtureRequest, backend: str) -> None:
     url = request.getfixturevalue("sqlite_url" if backend == "sqlite" else "pg_url")
+    # Both sets of migrations ran (the fixtures run orders.migrate.upgrade): each set's tables, nothing else
+    assert table_names(url) == LIBRARY_TABLES | DEPLOYMENT_TABLES | {LIBRARY_VERSION_TABLE, "alembic_version"}
+    # The library's tables match define_tables() and are at the library's head revision
+    assert migrate.check(url) == [], "library models and migrations disagree"
+    assert migrate.current(url) == migrate.head()
+    # The deployment's tables match its models (the library's tables are not its business)
+
+    def deployment_only(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+        table = obj if type_ == "table" else getattr(obj, "table", None)
+        return (table.name if table is not None else name) not in LIBRARY_TABLES | {LIBRARY_VERSION_TABLE}
+
     engine = make_engine(url)
     with engine.connect() as conn:
-        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+        ctx = MigrationContext.configure(conn, opts={"include_object": deployment_only})
+        diff = compare_metadata(ctx, orders.models.Base.metadata)
     engine.dispose()
-    assert diff == [], f"models and migrations disagree: {diff}"
+    assert diff == [], f"deployment models and migrations disagree: {diff}"
+    assert deployment_revision(url) == "orders0001"
 
 
-def test_upgrade_downgrade_roundtrip(tmp_path: object) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_the_relay_query_has_its_partial_index(request: pytest.FixtureRequest, backend: str) -> None:
+    url = request.getfixturevalue("sqlite_url" if backend == "sqlite" else "pg_url")
+    sql = " ".join(pending_index_sql(url).split()).lower()
+    assert "(seq)" in sql and "where" in sql
+    assert "published_at_ms is null" in sql and "dead_lettered_at_ms is null" in sql, sql
+    assert " ".join(PENDING_SQL.split()).lower() in sql.replace("(", "").replace(")", ""), sql
+
+
+def test_library_upgrade_downgrade_roundtrip_touches_only_library_tables(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/rt.db"
     migrate.upgrade(url)
-    assert migrate.current(url) is not None
+    assert migrate.current(url) == migrate.head() is not None
+    assert table_names(url) == LIBRARY_TABLES | {LIBRARY_VERSION_TABLE}  # no alembic_version, no app table
+    assert pending_index_sql(url)
     migrate.downgrade(url)
     assert migrate.current(url) is None
-    engine = make_engine(url)
-    assert set(sa.inspect(engine).get_table_names()) <= {"alembic_version"}
-    engine.dispose()
+    assert table_names(url) <= {LIBRARY_VERSION_TABLE}
+
+
+def test_deployment_upgrade_downgrade_roundtrip_leaves_the_library_alone(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/rt.db"
+    orders.migrate.upgrade(url)
+    assert table_names(url) == LIBRARY_TABLES | DEPLOYMENT_TABLES | {LIBRARY_VERSION_TABLE, "alembic_version"}
+    assert deployment_revision(url) == "orders0001" and migrate.current(url) == migrate.head()
+    # Undo the deployment's own migrations: its tables go, the library's stay at their head
+    command.downgrade(deployment_config(url), "base")
+    assert deployment_revision(url) is None
+    assert table_names(url) - {"alembic_version"} == LIBRARY_TABLES | {LIBRARY_VERSION_TABLE}
+    assert migrate.current(url) == migrate.head() and migrate.check(url) == []
+    # Then the library's: nothing of either is left but the version tables
+    migrate.downgrade(url)
+    assert migrate.current(url) is None
+    assert table_names(url) <= {LIBRARY_VERSION_TABLE, "alembic_version"}
+    # And upgrading again recreates both (the round trip is repeatable)
+    orders.migrate.upgrade(url)
+    assert table_names(url) == LIBRARY_TABLES | DEPLOYMENT_TABLES | {LIBRARY_VERSION_TABLE, "alembic_version"}
+
+
+def test_postgres_notifies_the_standalone_relay_on_insert(pg_url: str, tables: Tables) -> None:
+    engine = make_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            triggers = conn.execute(sa.text(
+                "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal AND tgrelid = 'outbox_messages'::regclass"
+            )).scalars().all()
+    finally:
+        engine.dispose()
+    assert triggers == ["outbox_notify"] and tables.notify_channel == "outbox_pending"

@@ -11,12 +11,11 @@ import sqlalchemy as sa
 from flask.testing import FlaskClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox.clock import ManualClock
+from celery_outbox.contrib.flask import CSRF_COOKIE, EXT
+from celery_outbox.schema import Tables
 from celeryconfig import Settings
-from consumers.models import ConsumerDeadLetter
-from ops.admin import CSRF_COOKIE, EXT
-from orders.models import OutboxMessage
 from orders.web import create_app
-from outbox.clock import ManualClock
 from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 
 TOKEN = "s3cret-token"
@@ -36,12 +35,11 @@ def client(settings: Settings, sqlite_sessions: sessionmaker[Session], clock: Ma
     return app.test_client()
 
 
-def state(sessions: sessionmaker[Session]) -> tuple[Any, ...]:
+def state(sessions: sessionmaker[Session], tables: Tables) -> tuple[Any, ...]:
+    ob, cdl = tables.outbox, tables.dead_letters
     with sessions() as s:
-        return (s.execute(sa.select(OutboxMessage.seq, OutboxMessage.dead_lettered_at_ms, OutboxMessage.attempts)
-                          .order_by(OutboxMessage.seq)).all(),
-                s.execute(sa.select(ConsumerDeadLetter.id, ConsumerDeadLetter.replayed_at_ms)
-                          .order_by(ConsumerDeadLetter.id)).all())
+        return (s.execute(sa.select(ob.seq, ob.dead_lettered_at_ms, ob.attempts).order_by(ob.seq)).all(),
+                s.execute(sa.select(cdl.id, cdl.replayed_at_ms).order_by(cdl.id)).all())
 
 
 def csrf_of(client: FlaskClient, html: str) -> str:
@@ -67,13 +65,13 @@ def test_no_token_configured_means_no_page(settings: Settings, sqlite_sessions: 
     {"Authorization": "Basic " + base64.b64encode(TOKEN.encode() + b":").decode()},  # token as user, not password
 ])
 def test_unauthenticated_gets_401_and_changes_nothing(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
-                                                      headers: dict[str, str],
+                                                      tables: Tables, headers: dict[str, str],
                                                       sent: list[tuple[str, dict[str, Any]]]) -> None:
     # Given a dead letter of each kind
     with sqlite_sessions() as s:
-        row = outbox_row(s, dead_lettered_at_ms=T0, attempts=10)
-        cid = consumer_dead_letter(s)
-    before = state(sqlite_sessions)
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10)
+        cid = consumer_dead_letter(s, tables=tables)
+    before = state(sqlite_sessions, tables)
     # When someone without the token lists, replays and purges
     r = client.get("/admin/dead-letters/", headers=headers)
     assert r.status_code == 401 and "Basic" in r.headers["WWW-Authenticate"]
@@ -82,15 +80,15 @@ def test_unauthenticated_gets_401_and_changes_nothing(client: FlaskClient, sqlit
                            data={"csrf_token": "x"}).status_code == 401
     assert client.get(f"/admin/dead-letters/outbox:{row.seq}", headers=headers).status_code == 401
     # Then nothing was replayed, sent or purged
-    assert state(sqlite_sessions) == before and sent == []
+    assert state(sqlite_sessions, tables) == before and sent == []
 
 
-def test_list_show_replay_with_bearer(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
+def test_list_show_replay_with_bearer(client: FlaskClient, sqlite_sessions: sessionmaker[Session], tables: Tables,
                                       clock: ManualClock, sent: list[tuple[str, dict[str, Any]]]) -> None:
     env = envelope("o-77")
     with sqlite_sessions() as s:
-        row = outbox_row(s, dead_lettered_at_ms=T0, attempts=10, last_error="<script>alert(1)</script>")
-        cid = consumer_dead_letter(s, consumer="email", env=env, error="smtp 554")
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10, last_error="<script>alert(1)</script>")
+        cid = consumer_dead_letter(s, tables=tables, consumer="email", env=env, error="smtp 554")
     clock.set(T0 + 90_000)
     page = client.get("/admin/dead-letters/", headers=BEARER)
     html = page.get_data(as_text=True)
@@ -107,32 +105,32 @@ def test_list_show_replay_with_bearer(client: FlaskClient, sqlite_sessions: sess
     assert "1 dead letter(s)" in after and f"consumer:{cid}: re-sent" in after
     r = client.post(f"/admin/dead-letters/outbox:{row.seq}/replay", headers=BEARER, data={"csrf_token": token})
     assert r.status_code == 303
-    assert state(sqlite_sessions)[0] == [(row.seq, None, 0)]
+    assert state(sqlite_sessions, tables)[0] == [(row.seq, None, 0)]
 
 
-def test_basic_auth_works_and_post_without_csrf_is_refused(client: FlaskClient,
-                                                           sqlite_sessions: sessionmaker[Session]) -> None:
+def test_basic_auth_works_and_post_without_csrf_is_refused(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
+                                                           tables: Tables) -> None:
     basic = {"Authorization": "Basic " + base64.b64encode(f"ops:{TOKEN}".encode()).decode()}
     with sqlite_sessions() as s:
-        row = outbox_row(s, dead_lettered_at_ms=T0, attempts=10)
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10)
     html = client.get("/admin/dead-letters/", headers=basic).get_data(as_text=True)
     token = csrf_of(client, html)
-    before = state(sqlite_sessions)
+    before = state(sqlite_sessions, tables)
     url = f"/admin/dead-letters/outbox:{row.seq}/purge"
     # no field; wrong field; right field from another origin
     assert client.post(url, headers=basic).status_code == 403
     assert client.post(url, headers=basic, data={"csrf_token": "forged"}).status_code == 403
     assert client.post(url, headers={**basic, "Origin": "https://evil.example"},
                        data={"csrf_token": token}).status_code == 403
-    assert state(sqlite_sessions) == before
+    assert state(sqlite_sessions, tables) == before
     # a field without the cookie (a cross-site form cannot send the SameSite=Strict cookie)
     client.delete_cookie(CSRF_COOKIE, path="/admin/")
     assert client.post(url, headers=basic, data={"csrf_token": token}).status_code == 403
-    assert state(sqlite_sessions) == before
+    assert state(sqlite_sessions, tables) == before
     html = client.get("/admin/dead-letters/", headers=basic).get_data(as_text=True)
     r = client.post(url, headers={**basic, "Origin": "http://localhost"}, data={"csrf_token": csrf_of(client, html)})
     assert r.status_code == 303
-    assert state(sqlite_sessions)[0] == []
+    assert state(sqlite_sessions, tables)[0] == []
 
 
 def test_bad_ids(client: FlaskClient, sqlite_sessions: sessionmaker[Session]) -> None:

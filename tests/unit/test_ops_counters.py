@@ -7,37 +7,38 @@ import json
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox.clock import ManualClock
+from celery_outbox.delivery import deliver
+from celery_outbox.ops import retention
+from celery_outbox.ops.metrics import make_registry, render
+from celery_outbox.relay.dispatch import dispatch_batch
+from celery_outbox.schema import Tables
+from celery_outbox.testing.memory import InMemoryPublisher
+from celery_outbox.writer import Event, add
 from celeryconfig import Settings
-from consumers.decorator import default_registry
-from consumers.tasks import deliver
-from ops import retention
-from ops.metrics import make_registry, render
-from orders import outbox
-from outbox.clock import ManualClock
-from relay.dispatch import dispatch_batch
-from relay.memory import InMemoryPublisher
+from consumers.shipping import shipping
 from tests.unit.test_ops_stats import samples
 
 DAY = 86_400_000
 
 
 def test_counters_after_a_scripted_run(settings: Settings, sqlite_sessions: sessionmaker[Session],
-                                       clock: ManualClock) -> None:
+                                       clock: ManualClock, tables: Tables) -> None:
     # Given three events, one of a type the broker rejects for good (max_attempts = 1)
     routes = {"OrderPlaced": ("shipping",)}
     with sqlite_sessions() as s:
         for i in range(2):
-            outbox.add(s, outbox.Event(type="OrderPlaced", payload={
+            add(s, Event(type="OrderPlaced", payload={
                 "order_id": f"o-{i}", "customer_id": "c", "email": "a@example.com", "currency": "EUR",
-                "total_cents": 1, "lines": [{"sku": "s", "quantity": 1, "unit_price_cents": 1}]}), clock=clock)
-        doomed = outbox.add(s, outbox.Event(type="OrderPlaced", payload={"order_id": "o-x"}), clock=clock)
+                "total_cents": 1, "lines": [{"sku": "s", "quantity": 1, "unit_price_cents": 1}]}), tables=tables, clock=clock)
+        doomed = add(s, Event(type="OrderPlaced", payload={"order_id": "o-x"}), tables=tables, clock=clock)
         s.commit()
     pub = InMemoryPublisher()
     pub.reject(str(doomed.message_id), times=None, error="returned: NO_ROUTE")
 
     def relay_pass() -> None:
         with sqlite_sessions() as s:
-            dispatch_batch(s, pub, clock, batch_size=10, max_attempts=1, base_delay_ms=1000, max_delay_ms=10_000,
+            dispatch_batch(s, pub, clock, tables=tables, batch_size=10, max_attempts=1, base_delay_ms=1000, max_delay_ms=10_000,
                            routes=routes, max_message_bytes=100_000, namespace=settings.namespace)
 
     # When the broker is unreachable once, then the relay publishes
@@ -45,17 +46,17 @@ def test_counters_after_a_scripted_run(settings: Settings, sqlite_sessions: sess
     relay_pass()
     relay_pass()
     # And shipping handles each published message, one of them twice, and gets a poison message
-    spec = default_registry()["shipping"]
+    spec = shipping
     cfg = settings.replace(consumer_max_deliveries=1)
     bodies = [json.loads(m.body)[0][0] for m in pub.published]
     for body in [*bodies, bodies[0]]:
-        deliver(sqlite_sessions, spec, body, request_id=None, settings=cfg, clock=clock, first_delivery=True)
+        deliver(sqlite_sessions, spec, body, tables=tables, request_id=None, settings=cfg, clock=clock, first_delivery=True)
     deliver(sqlite_sessions, spec, {**bodies[0], "message_id": "7d1b1c6e-0c1e-4f0a-9a53-5a3f0c2d8e99",
-                                    "payload": "not json"}, request_id=None, settings=cfg, clock=clock,
+                                    "payload": "not json"}, tables=tables, request_id=None, settings=cfg, clock=clock,
             first_delivery=True)
 
     def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        return samples(render(make_registry(session_factory=sqlite_sessions, clock=clock)).decode())
+        return samples(render(make_registry(tables=tables, session_factory=sqlite_sessions, clock=clock)).decode())
 
     got = scrape()
     # Then the counters say exactly what happened
@@ -68,7 +69,7 @@ def test_counters_after_a_scripted_run(settings: Settings, sqlite_sessions: sess
     assert got[("outbox_dead_lettered_total", (("consumer", "shipping"), ("source", "consumer")))] == 1
     # And after retention prunes the inbox, "processed" does not go backwards
     clock.advance(10 * DAY)
-    report = retention.prune(sqlite_sessions, inbox_older_than_ms=7 * DAY, published_older_than_ms=None,
+    report = retention.prune(sqlite_sessions, tables=tables, inbox_older_than_ms=7 * DAY, published_older_than_ms=None,
                              clock=clock, redelivery_window_ms=DAY)
     assert report.inbox_deleted == 2
     after = scrape()

@@ -9,11 +9,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from consumers.models import InboxEntry
-from ops import retention
-from orders.models import OutboxMessage
-from outbox.clock import ManualClock
-from outbox.errors import ValidationError
+from celery_outbox.clock import ManualClock
+from celery_outbox.errors import ValidationError
+from celery_outbox.ops import retention
+from celery_outbox.schema import Tables
 from tests.ops_seed import T0, inbox_rows, outbox_row
 
 DAY = 86_400_000
@@ -34,70 +33,70 @@ def deletes(sqlite_engine: sa.Engine) -> Iterator[list[str]]:
     sa.event.remove(sqlite_engine, "before_cursor_execute", count)
 
 
-def counts(sessions: sessionmaker[Session]) -> dict[str, int]:
+def counts(sessions: sessionmaker[Session], tables: Tables) -> dict[str, int]:
+    ob = tables.outbox
     with sessions() as s:
         return {
-            "inbox": int(s.scalar(sa.select(sa.func.count()).select_from(InboxEntry)) or 0),
-            "published": int(s.scalar(sa.select(sa.func.count()).select_from(OutboxMessage)
-                                      .where(OutboxMessage.published_at_ms.is_not(None))) or 0),
-            "pending": int(s.scalar(sa.select(sa.func.count()).select_from(OutboxMessage)
-                                    .where(OutboxMessage.published_at_ms.is_(None),
-                                           OutboxMessage.dead_lettered_at_ms.is_(None))) or 0),
-            "dead": int(s.scalar(sa.select(sa.func.count()).select_from(OutboxMessage)
-                                 .where(OutboxMessage.dead_lettered_at_ms.is_not(None))) or 0),
+            "inbox": int(s.scalar(sa.select(sa.func.count()).select_from(tables.inbox)) or 0),
+            "published": int(s.scalar(sa.select(sa.func.count()).select_from(ob)
+                                      .where(ob.published_at_ms.is_not(None))) or 0),
+            "pending": int(s.scalar(sa.select(sa.func.count()).select_from(ob)
+                                    .where(ob.published_at_ms.is_(None), ob.dead_lettered_at_ms.is_(None))) or 0),
+            "dead": int(s.scalar(sa.select(sa.func.count()).select_from(ob)
+                                 .where(ob.dead_lettered_at_ms.is_not(None))) or 0),
         }
 
 
 def test_prune_deletes_only_old_rows_in_batches(sqlite_sessions: sessionmaker[Session], deletes: list[str],
-                                                clock: ManualClock) -> None:
+                                                clock: ManualClock, tables: Tables) -> None:
     # Given 12 old and 3 recent inbox rows, 7 old and 2 recent published rows, old pending and dead rows
     clock.set(T0 + 10 * DAY)
     with sqlite_sessions() as s:
-        inbox_rows(s, consumer="shipping", processed_at_ms=T0, n=8)
-        inbox_rows(s, consumer="billing", processed_at_ms=T0 + DAY, n=4)
-        inbox_rows(s, consumer="billing", processed_at_ms=T0 + 9 * DAY + 1, n=3)  # inside 1 day: kept
+        inbox_rows(s, tables=tables, consumer="shipping", processed_at_ms=T0, n=8)
+        inbox_rows(s, tables=tables, consumer="billing", processed_at_ms=T0 + DAY, n=4)
+        inbox_rows(s, tables=tables, consumer="billing", processed_at_ms=T0 + 9 * DAY + 1, n=3)  # inside 1 day: kept
         for _ in range(7):
-            outbox_row(s, created_at_ms=T0, published_at_ms=T0 + 5 * DAY)
+            outbox_row(s, tables=tables, created_at_ms=T0, published_at_ms=T0 + 5 * DAY)
         for _ in range(2):
-            outbox_row(s, created_at_ms=T0, published_at_ms=T0 + 10 * DAY - 1000)
-        outbox_row(s, created_at_ms=T0)  # pending for 10 days: never pruned
-        outbox_row(s, created_at_ms=T0, dead_lettered_at_ms=T0, attempts=10)  # dead: never pruned
+            outbox_row(s, tables=tables, created_at_ms=T0, published_at_ms=T0 + 10 * DAY - 1000)
+        outbox_row(s, tables=tables, created_at_ms=T0)  # pending for 10 days: never pruned
+        outbox_row(s, tables=tables, created_at_ms=T0, dead_lettered_at_ms=T0, attempts=10)  # dead: never pruned
     # When pruning inbox > 1 day and published > 1 day with batches of 5
-    report = retention.prune(sqlite_sessions, inbox_older_than_ms=DAY, published_older_than_ms=DAY, batch=5,
+    report = retention.prune(sqlite_sessions, tables=tables, inbox_older_than_ms=DAY, published_older_than_ms=DAY, batch=5,
                              clock=clock, redelivery_window_ms=WINDOW)
     # Then exactly the old rows went, 5 at a time: 12 -> 5+5+2 (3 DELETEs), 7 -> 5+2 (2 DELETEs)
     assert (report.inbox_deleted, report.inbox_batches) == (12, 3)
     assert (report.outbox_deleted, report.outbox_batches) == (7, 2)
     assert len(deletes) == 5
     assert all("IN (SELECT" in d.upper().replace("\n", " ") for d in deletes)
-    assert counts(sqlite_sessions) == {"inbox": 3, "published": 2, "pending": 1, "dead": 1}
+    assert counts(sqlite_sessions, tables) == {"inbox": 3, "published": 2, "pending": 1, "dead": 1}
 
 
 def test_exact_multiple_of_batch_needs_one_empty_probe(sqlite_sessions: sessionmaker[Session],
-                                                       deletes: list[str], clock: ManualClock) -> None:
+                                                       deletes: list[str], clock: ManualClock, tables: Tables) -> None:
     clock.set(T0 + 10 * DAY)
     with sqlite_sessions() as s:
-        inbox_rows(s, consumer="shipping", processed_at_ms=T0, n=10)
-    report = retention.prune(sqlite_sessions, inbox_older_than_ms=2 * DAY, published_older_than_ms=None,
+        inbox_rows(s, tables=tables, consumer="shipping", processed_at_ms=T0, n=10)
+    report = retention.prune(sqlite_sessions, tables=tables, inbox_older_than_ms=2 * DAY, published_older_than_ms=None,
                              batch=5, clock=clock, redelivery_window_ms=WINDOW)
     assert (report.inbox_deleted, report.inbox_batches, report.outbox_batches) == (10, 3, 0)
     assert len(deletes) == 3
 
 
 def test_refuses_to_prune_the_inbox_inside_the_redelivery_window(sqlite_sessions: sessionmaker[Session],
-                                                                 deletes: list[str], clock: ManualClock) -> None:
+                                                                 deletes: list[str], clock: ManualClock, tables: Tables) -> None:
     # Given inbox rows two hours old and a one-day redelivery window
     clock.set(T0 + 2 * 3_600_000)
     with sqlite_sessions() as s:
-        inbox_rows(s, consumer="shipping", processed_at_ms=T0, n=4)
-        outbox_row(s, created_at_ms=T0, published_at_ms=T0)
+        inbox_rows(s, tables=tables, consumer="shipping", processed_at_ms=T0, n=4)
+        outbox_row(s, tables=tables, created_at_ms=T0, published_at_ms=T0)
     # When asked to prune the inbox older than one hour
     with pytest.raises(ValidationError, match="redelivery window"):
-        retention.prune(sqlite_sessions, inbox_older_than_ms=3_600_000, published_older_than_ms=0, batch=5,
+        retention.prune(sqlite_sessions, tables=tables, inbox_older_than_ms=3_600_000, published_older_than_ms=0, batch=5,
                         clock=clock, redelivery_window_ms=WINDOW)
     # Then nothing at all was deleted (the outbox part is refused too)
     assert deletes == []
-    assert counts(sqlite_sessions)["inbox"] == 4 and counts(sqlite_sessions)["published"] == 1
+    assert counts(sqlite_sessions, tables)["inbox"] == 4 and counts(sqlite_sessions, tables)["published"] == 1
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -106,41 +105,44 @@ def test_refuses_to_prune_the_inbox_inside_the_redelivery_window(sqlite_sessions
     ({"inbox_older_than_ms": None, "published_older_than_ms": -1}, "must be >= 0"),
 ])
 def test_bad_arguments(sqlite_sessions: sessionmaker[Session], clock: ManualClock, kwargs: dict[str, Any],
-                       message: str) -> None:
+                       message: str, tables: Tables) -> None:
     with pytest.raises(ValidationError, match=message):
-        retention.prune(sqlite_sessions, clock=clock, redelivery_window_ms=WINDOW, **kwargs)
+        retention.prune(sqlite_sessions, tables=tables, clock=clock, redelivery_window_ms=WINDOW, **kwargs)
 
 
-def test_beat_task_prunes_with_defaults_that_respect_the_window(settings: Any, sqlite_sessions: Any) -> None:
+def test_beat_task_prunes_with_defaults_that_respect_the_window(settings: Any, sqlite_sessions: Any,
+                                                                tables: Tables) -> None:
     from celery import Celery
     from freezegun import freeze_time
 
-    from ops.tasks import PRUNE_TASK, register
+    from celery_outbox import Outbox
+    from celery_outbox.celery.config import PRUNE_TASK
 
     app = Celery("t", set_as_current=False)
     app.conf.task_always_eager = True
-    register(app, settings.replace(broker_redelivery_window_ms=30 * DAY, metrics_port=0))
+    Outbox(app, settings=settings.replace(broker_redelivery_window_ms=30 * DAY, metrics_port=0),
+           session_factory=sqlite_sessions)  # defines the prune task on the app
     with sqlite_sessions() as s:
-        inbox_rows(s, consumer="shipping", processed_at_ms=T0, n=2)  # 10 days old: inside a 30-day window
-        outbox_row(s, created_at_ms=T0, published_at_ms=T0)
+        inbox_rows(s, tables=tables, consumer="shipping", processed_at_ms=T0, n=2)  # 10 days old: inside a 30-day window
+        outbox_row(s, tables=tables, created_at_ms=T0, published_at_ms=T0)
     with freeze_time("2023-11-24T22:13:20Z"):  # T0 + 10 days
         result = app.tasks[PRUNE_TASK].apply().get()
     assert result["inbox_deleted"] == 0 and result["outbox_deleted"] == 1
-    assert counts(sqlite_sessions)["inbox"] == 2
+    assert counts(sqlite_sessions, tables)["inbox"] == 2
 
 
 def test_the_celery_app_registers_prune_and_beat_schedules_it(settings: Any,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    # outbox.celery_app builds its module-level app at import: keep it off the embedded broker
+    # relay.app builds its module-level app at import: keep it off the embedded broker
     monkeypatch.setenv("OUTBOX_BROKER_URL", "memory://")
     monkeypatch.setenv("OUTBOX_HOME", str(settings.home))
     monkeypatch.setenv("OUTBOX_METRICS_PORT", "0")
+    from celery_outbox.celery.config import PRUNE_TASK
     from celeryconfig import celery_config
-    from ops.tasks import PRUNE_TASK
-    from outbox.celery_app import create_celery_app
+    from relay.app import create_celery_app
 
     app = create_celery_app(settings, broker_url="memory://")
-    assert {PRUNE_TASK, "relay.tasks.drain_outbox", "relay.tasks.reconcile", "consumers.shipping"} <= set(app.tasks)
-    assert app.conf.beat_schedule["reconcile-outbox"]["task"] == "relay.tasks.reconcile"
+    assert {PRUNE_TASK, "celery_outbox.drain", "celery_outbox.reconcile", "consumers.shipping"} <= set(app.tasks)
+    assert app.conf.beat_schedule["reconcile-outbox"]["task"] == "celery_outbox.reconcile"
     entry = celery_config(settings, "memory://")["beat_schedule"]["prune-retention"]
-    assert entry["task"] == "ops.tasks.prune" and entry["options"]["queue"] == f"{settings.namespace}.relay"
+    assert entry["task"] == "celery_outbox.prune" and entry["options"]["queue"] == f"{settings.namespace}.relay"

@@ -1,4 +1,4 @@
-"""``ops.stats`` and the Prometheus collector: the figures after a scripted scenario, exactly."""
+"""``celery_outbox.ops.stats`` and the Prometheus collector: the figures after a scripted scenario, exactly."""
 
 from __future__ import annotations
 
@@ -8,28 +8,29 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox.clock import ManualClock
+from celery_outbox.ops import stats as ops_stats
+from celery_outbox.ops.metrics import OutboxCollector, make_registry, render
+from celery_outbox.schema import Tables
 from celeryconfig import Settings
-from ops import stats as ops_stats
-from ops.metrics import OutboxCollector, make_registry, render
 from orders.web import create_app
-from outbox.clock import ManualClock
 from tests.ops_seed import T0, consumer_dead_letter, counter, inbox_rows, outbox_row
 
 
-def scenario(s: Session) -> None:
-    outbox_row(s, created_at_ms=T0)  # oldest pending: 60 s old at T0 + 60 s
-    outbox_row(s, created_at_ms=T0 + 30_000, attempts=2, last_error="nacked")  # retrying
-    outbox_row(s, created_at_ms=T0, published_at_ms=T0 + 1)
-    outbox_row(s, created_at_ms=T0, published_at_ms=T0 + 2)
-    outbox_row(s, created_at_ms=T0, published_at_ms=T0 + 3)
-    outbox_row(s, created_at_ms=T0, dead_lettered_at_ms=T0 + 20_000, attempts=10, last_error="too large")
-    consumer_dead_letter(s, consumer="billing", failed_at_ms=T0 + 10_000)
-    consumer_dead_letter(s, consumer="billing", failed_at_ms=T0 + 40_000)
-    consumer_dead_letter(s, consumer="email", failed_at_ms=T0 + 50_000)
-    inbox_rows(s, consumer="shipping", processed_at_ms=T0, n=3)
-    inbox_rows(s, consumer="billing", processed_at_ms=T0, n=2)
-    counter(s, consumer="shipping", name="duplicates", value=4)
-    counter(s, consumer="billing", name="duplicates", value=1)
+def scenario(s: Session, tables: Tables) -> None:
+    outbox_row(s, tables=tables, created_at_ms=T0)  # oldest pending: 60 s old at T0 + 60 s
+    outbox_row(s, tables=tables, created_at_ms=T0 + 30_000, attempts=2, last_error="nacked")  # retrying
+    outbox_row(s, tables=tables, created_at_ms=T0, published_at_ms=T0 + 1)
+    outbox_row(s, tables=tables, created_at_ms=T0, published_at_ms=T0 + 2)
+    outbox_row(s, tables=tables, created_at_ms=T0, published_at_ms=T0 + 3)
+    outbox_row(s, tables=tables, created_at_ms=T0, dead_lettered_at_ms=T0 + 20_000, attempts=10, last_error="too large")
+    consumer_dead_letter(s, tables=tables, consumer="billing", failed_at_ms=T0 + 10_000)
+    consumer_dead_letter(s, tables=tables, consumer="billing", failed_at_ms=T0 + 40_000)
+    consumer_dead_letter(s, tables=tables, consumer="email", failed_at_ms=T0 + 50_000)
+    inbox_rows(s, tables=tables, consumer="shipping", processed_at_ms=T0, n=3)
+    inbox_rows(s, tables=tables, consumer="billing", processed_at_ms=T0, n=2)
+    counter(s, tables=tables, consumer="shipping", name="duplicates", value=4)
+    counter(s, tables=tables, consumer="billing", name="duplicates", value=1)
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -60,10 +61,10 @@ EXPECTED: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {
 }
 
 
-def test_stats_after_a_scripted_scenario(sqlite_session: Session, clock: ManualClock) -> None:
-    scenario(sqlite_session)
+def test_stats_after_a_scripted_scenario(sqlite_session: Session, clock: ManualClock, tables: Tables) -> None:
+    scenario(sqlite_session, tables)
     clock.set(T0 + 60_000)
-    st = ops_stats.collect(sqlite_session, clock=clock).to_dict()
+    st = ops_stats.collect(sqlite_session, tables=tables, clock=clock).to_dict()
     assert st["outbox"] == {"pending": 2, "due": 2, "retrying": 1, "oldest_pending_age_ms": 60_000,
                             "published_retained": 3}
     assert st["dead_letters"]["total"] == 4 and st["dead_letters"]["oldest_age_ms"] == 50_000
@@ -77,17 +78,17 @@ def test_stats_after_a_scripted_scenario(sqlite_session: Session, clock: ManualC
     json.dumps(st)  # machine output must be plain JSON
 
 
-def test_empty_database(sqlite_session: Session, clock: ManualClock) -> None:
-    st = ops_stats.collect(sqlite_session, clock=clock)
+def test_empty_database(sqlite_session: Session, clock: ManualClock, tables: Tables) -> None:
+    st = ops_stats.collect(sqlite_session, tables=tables, clock=clock)
     assert (st.pending, st.oldest_pending_age_ms, st.dead_letter_total, st.oldest_dead_letter_age_ms) == \
         (0, None, 0, None)
 
 
 def test_metrics_endpoint_on_the_flask_app(settings: Settings, sqlite_sessions: sessionmaker[Session],
-                                           clock: ManualClock) -> None:
+                                           clock: ManualClock, tables: Tables) -> None:
     # Given the scenario, one minute later
     with sqlite_sessions() as s:
-        scenario(s)
+        scenario(s, tables)
     clock.set(T0 + 60_000)
     client = create_app(settings=settings, session_factory=sqlite_sessions, clock=clock).test_client()
     # When Prometheus scrapes /metrics
@@ -103,21 +104,21 @@ def test_metrics_endpoint_on_the_flask_app(settings: Settings, sqlite_sessions: 
     assert got2[("outbox_oldest_pending_age_seconds", ())] == 120.0
 
 
-def test_a_broken_database_reports_up_zero(clock: ManualClock, tmp_path: Any) -> None:
-    from outbox.db import make_engine, make_session_factory
+def test_a_broken_database_reports_up_zero(clock: ManualClock, tmp_path: Any, tables: Tables) -> None:
+    from celery_outbox.db import make_engine, make_session_factory
 
     sessions = make_session_factory(make_engine(f"sqlite:///{tmp_path / 'empty.db'}"))  # no tables
-    registry = make_registry(session_factory=sessions, clock=clock)
+    registry = make_registry(tables=tables, session_factory=sessions, clock=clock)
     got = samples(render(registry).decode())
     assert got[("outbox_stats_up", ())] == 0
     assert ("outbox_pending_messages", ()) not in got
 
 
-def test_registering_the_collector_does_not_touch_the_database(clock: ManualClock) -> None:
+def test_registering_the_collector_does_not_touch_the_database(clock: ManualClock, tables: Tables) -> None:
     class Exploding:
         def __call__(self) -> Any:
             raise AssertionError("describe() must not open a session")
 
-    collector = OutboxCollector(session_factory=Exploding(), clock=clock)  # type: ignore[arg-type]
+    collector = OutboxCollector(tables=tables, session_factory=Exploding(), clock=clock)  # type: ignore[arg-type]
     names = {m.name for m in collector.describe()}
     assert {"outbox_pending_messages", "outbox_oldest_pending_age_seconds", "outbox_dead_letters"} <= names

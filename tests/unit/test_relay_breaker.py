@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.breaker import BreakerState, CircuitBreaker
+from celery_outbox.relay.breaker import BreakerState, CircuitBreaker
 
 
 def test_opens_doubles_caps_and_closes() -> None:

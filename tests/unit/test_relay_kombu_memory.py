@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from pathlib import Path
 
-from celery import Celery
+import pytest
 from click.testing import CliRunner
 from kombu import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
-from celeryconfig import Settings, celery_config
-from outbox.clock import ManualClock
-from outbox.messages import Envelope, celery_task_message
-from relay.dispatch import dispatch_with_settings
-from relay.kombu_publisher import KombuPublisher
-from relay.tasks import TASK_NAME, register
+from celery_outbox import Outbox
+from celery_outbox.celery.config import DRAIN_TASK
+from celery_outbox.celery.kombu_publisher import KombuPublisher
+from celery_outbox.clock import ManualClock
+from celery_outbox.messages import Envelope, celery_task_message
+from celery_outbox.relay.dispatch import dispatch_with_settings
+from celery_outbox.schema import Tables
+from celeryconfig import Settings
 from tests.outbox_rows import insert_pending
 
 
-def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
-    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, payload=lambda i, mid: {"id": str(mid)})}
+def insert(sessions: sessionmaker[Session], clock: ManualClock, tables: Tables, n: int) -> set[str]:
+    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, tables=tables,
+                                           payload=lambda i, mid: {"id": str(mid)})}
 
 def drain_queue(url: str, name: str) -> list[tuple[dict[str, object], list[object], int | None]]:
     out = []
@@ -37,10 +41,10 @@ def drain_queue(url: str, name: str) -> list[tuple[dict[str, object], list[objec
 
 def test_dispatch_through_kombu_lands_in_every_consumer_queue(settings: Settings,
                                                               sqlite_sessions: sessionmaker[Session],
-                                                              clock: ManualClock) -> None:
-    ids = insert(sqlite_sessions, clock, 3)
+                                                              clock: ManualClock, tables: Tables) -> None:
+    ids = insert(sqlite_sessions, clock, tables, 3)
     with KombuPublisher(broker_url="memory://", settings=settings) as pub, sqlite_sessions() as s:
-        result = dispatch_with_settings(s, pub, clock, settings)
+        result = dispatch_with_settings(s, pub, clock, settings, tables=tables)
     assert result.published == 3
     for consumer in settings.consumers:
         got = drain_queue("memory://", settings.queue_name(consumer))
@@ -60,24 +64,27 @@ def test_publisher_keeps_one_connection_across_batches(settings: Settings) -> No
     assert len(drain_queue("memory://", settings.queue_name("shipping"))) == 3
 
 
-def test_beat_task_drains_the_outbox(settings: Settings, sqlite_sessions: sessionmaker[Session],
-                                     clock: ManualClock) -> None:
-    ids = insert(sqlite_sessions, clock, 4)
-    app = Celery("t", set_as_current=False)
-    app.conf.update(celery_config(settings, "memory://"))
-    register(app, settings)
-    task = app.tasks[TASK_NAME]
-    assert app.amqp.router.route({}, TASK_NAME)["queue"].name == f"{settings.namespace}.relay"
+def test_beat_task_drains_the_outbox(settings: Settings, outbox: Outbox, sqlite_sessions: sessionmaker[Session],
+                                     clock: ManualClock, tables: Tables) -> None:
+    ids = insert(sqlite_sessions, clock, tables, 4)
+    app = outbox.app  # the deployment's app on the memory broker: the Outbox defined the relay's tasks on it
+    task = app.tasks[DRAIN_TASK]
+    assert DRAIN_TASK == "celery_outbox.drain"
+    assert app.amqp.router.route({}, DRAIN_TASK)["queue"].name == f"{settings.namespace}.relay"
     summary = task.apply().get()
     assert summary["published"] == 4
     assert {h["outbox_message_id"] for h, _, _ in drain_queue("memory://", settings.queue_name("billing"))} == ids
 
 
 def test_cli_relay_once_drains_and_exits(settings: Settings, sqlite_url: str, tmp_home: Path,
-                                         sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
-    from outbox.cli import cli
+                                         sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_outbox.cli import cli
 
-    ids = insert(sqlite_sessions, clock, 2)
+    # The default -A is the reference deployment's relay.app, built from OUTBOX_* when first imported:
+    # import it afresh under this test's environment.
+    monkeypatch.delitem(sys.modules, "relay.app", raising=False)
+    ids = insert(sqlite_sessions, clock, tables, 2)
     env = {"OUTBOX_DATABASE_URL": sqlite_url, "OUTBOX_BROKER_URL": "memory://",
            "OUTBOX_NAMESPACE": settings.namespace, "OUTBOX_HOME": str(tmp_home)}
     result = CliRunner().invoke(cli, ["relay", "--once", "--batch-size", "1"], env=env)

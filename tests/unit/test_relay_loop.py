@@ -12,20 +12,20 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox.clock import ManualClock
+from celery_outbox.relay.loop import RelayLoop
+from celery_outbox.schema import Tables
+from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
-from orders.models import OutboxMessage
-from outbox.clock import ManualClock
-from relay.loop import RelayLoop
-from relay.memory import InMemoryPublisher
 from tests.outbox_rows import insert_pending
 
 
-def insert(sessions: sessionmaker[Session], clock: ManualClock, n: int) -> set[str]:
-    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, payload=lambda i, mid: {})}
+def insert(sessions: sessionmaker[Session], clock: ManualClock, tables: Tables, n: int) -> set[str]:
+    return {str(i) for i in insert_pending(sessions, clock.now_ms(), n, tables=tables, payload=lambda i, mid: {})}
 
-def pending(sessions: sessionmaker[Session]) -> int:
+def pending(sessions: sessionmaker[Session], tables: Tables) -> int:
     with sessions() as s:
-        return int(s.scalar(sa.select(sa.func.count()).where(OutboxMessage.published_at_ms.is_(None))) or 0)
+        return int(s.scalar(sa.select(sa.func.count()).where(tables.outbox.published_at_ms.is_(None))) or 0)
 
 
 def wait_for(cond: Any, what: str, deadline_s: float = 30.0) -> None:
@@ -42,24 +42,24 @@ def make_settings(tmp_path: Path, sqlite_url: str) -> Settings:
 
 def test_drain_once_publishes_batch_after_batch_until_empty(tmp_path: Path, sqlite_url: str,
                                                            sqlite_sessions: sessionmaker[Session],
-                                                           clock: ManualClock) -> None:
-    ids = insert(sqlite_sessions, clock, 25)
+                                                           clock: ManualClock, tables: Tables) -> None:
+    ids = insert(sqlite_sessions, clock, tables, 25)
     pub = InMemoryPublisher()
-    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), session_factory=sqlite_sessions,
+    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), tables=tables, session_factory=sqlite_sessions,
                      publisher=pub, clock=clock)
     result = loop.drain_once()
     assert (result.batches, result.published) == (4, 25)  # 10 + 10 + 5 + the empty one that proves it
-    assert set(pub.message_ids()) == ids and pending(sqlite_sessions) == 0
+    assert set(pub.message_ids()) == ids and pending(sqlite_sessions, tables) == 0
     loop.close()
 
 
 def test_drain_once_stops_at_the_first_broker_outage(tmp_path: Path, sqlite_url: str,
                                                      sqlite_sessions: sessionmaker[Session],
-                                                     clock: ManualClock) -> None:
-    insert(sqlite_sessions, clock, 25)
+                                                     clock: ManualClock, tables: Tables) -> None:
+    insert(sqlite_sessions, clock, tables, 25)
     pub = InMemoryPublisher()
     pub.fail_unavailable(5)
-    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), session_factory=sqlite_sessions,
+    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), tables=tables, session_factory=sqlite_sessions,
                      publisher=pub, clock=clock)
     result = loop.drain_once()
     assert result.broker_unavailable and result.batches == 1 and pub.calls == 1
@@ -68,9 +68,9 @@ def test_drain_once_stops_at_the_first_broker_outage(tmp_path: Path, sqlite_url:
 
 
 def test_run_logs_errors_and_keeps_going(tmp_path: Path, sqlite_url: str,
-                                         sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+                                         sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
     # Given a database that fails the first two times the relay opens a session
-    ids = insert(sqlite_sessions, clock, 5)
+    ids = insert(sqlite_sessions, clock, tables, 5)
     failures = [RuntimeError("database blip"), RuntimeError("database blip")]
 
     def flaky() -> Session:
@@ -80,13 +80,13 @@ def test_run_logs_errors_and_keeps_going(tmp_path: Path, sqlite_url: str,
 
     flaky.kw = sqlite_sessions.kw  # type: ignore[attr-defined]
     pub = InMemoryPublisher()
-    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), session_factory=flaky,  # type: ignore[arg-type]
+    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), tables=tables, session_factory=flaky,  # type: ignore[arg-type]
                      publisher=pub, clock=clock)
     thread = threading.Thread(target=loop.run, kwargs={"handle_signals": False})
     thread.start()
     try:
         # Then the loop survives the errors and publishes once the database is back
-        wait_for(lambda: pending(sqlite_sessions) == 0, "the backlog to drain")
+        wait_for(lambda: pending(sqlite_sessions, tables) == 0, "the backlog to drain")
     finally:
         loop.stop()
         thread.join(10)
@@ -97,11 +97,11 @@ def test_run_logs_errors_and_keeps_going(tmp_path: Path, sqlite_url: str,
 
 
 def test_sigterm_stops_the_loop_cleanly(tmp_path: Path, sqlite_url: str,
-                                        sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
-    insert(sqlite_sessions, clock, 3)
+                                        sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    insert(sqlite_sessions, clock, tables, 3)
     pub = InMemoryPublisher()
     settings = make_settings(tmp_path, sqlite_url).replace(relay_poll_interval_s=3600.0)
-    loop = RelayLoop(settings=settings, session_factory=sqlite_sessions, publisher=pub, clock=clock)
+    loop = RelayLoop(settings=settings, tables=tables, session_factory=sqlite_sessions, publisher=pub, clock=clock)
     before = signal.getsignal(signal.SIGTERM)
 
     def terminate() -> None:
@@ -112,6 +112,6 @@ def test_sigterm_stops_the_loop_cleanly(tmp_path: Path, sqlite_url: str,
     killer.start()
     loop.run()  # returns only because SIGTERM woke the hour-long wait
     killer.join(10)
-    assert loop.stopping and pending(sqlite_sessions) == 0
+    assert loop.stopping and pending(sqlite_sessions, tables) == 0
     assert signal.getsignal(signal.SIGTERM) == before
     loop.close()

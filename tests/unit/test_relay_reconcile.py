@@ -6,13 +6,14 @@ import json
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import Outbox
+from celery_outbox.clock import ManualClock
+from celery_outbox.delivery import deliver
+from celery_outbox.relay.dispatch import dispatch_batch
+from celery_outbox.relay.reconcile import reconcile
+from celery_outbox.schema import Tables
+from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
-from consumers.decorator import default_registry
-from consumers.tasks import deliver
-from outbox.clock import ManualClock
-from relay.dispatch import dispatch_batch
-from relay.memory import InMemoryPublisher
-from relay.reconcile import reconcile
 from tests.outbox_rows import insert_pending
 
 ROUTES = {"OrderPlaced": ("shipping", "billing")}
@@ -24,81 +25,82 @@ def order(i: int, mid: object) -> dict[str, object]:
             "total_cents": 1, "lines": [{"sku": "s", "quantity": 1, "unit_price_cents": 1}]}
 
 
-def run(sessions: sessionmaker[Session], pub: InMemoryPublisher, clock: ManualClock) -> tuple[int, int]:
+def run(sessions: sessionmaker[Session], pub: InMemoryPublisher, clock: ManualClock, tables: Tables) -> tuple[int, int]:
     with sessions() as s:
-        r = reconcile(s, pub, clock, routes=ROUTES, namespace="ns", max_message_bytes=100_000, older_than_ms=AFTER)
+        r = reconcile(s, pub, clock, tables=tables, routes=ROUTES, namespace="ns", max_message_bytes=100_000, older_than_ms=AFTER)
     return r.checked, r.republished
 
 
 def test_lost_messages_are_sent_again_to_the_consumer_that_missed_them(
-        settings: Settings, sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+        settings: Settings, outbox: Outbox, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+        tables: Tables) -> None:
     # Given a reconciler that has run once (its watermark starts now), and three published events
     relay_pub = InMemoryPublisher()
-    assert run(sqlite_sessions, relay_pub, clock) == (0, 0)
+    assert run(sqlite_sessions, relay_pub, clock, tables) == (0, 0)
     clock.advance(AFTER)
-    ids = insert_pending(sqlite_sessions, clock.now_ms(), 3, payload=order)
+    ids = insert_pending(sqlite_sessions, clock.now_ms(), 3, tables=tables, payload=order)
     with sqlite_sessions() as s:
-        dispatch_batch(s, relay_pub, clock, batch_size=10, max_attempts=3, base_delay_ms=1000, max_delay_ms=10_000,
+        dispatch_batch(s, relay_pub, clock, tables=tables, batch_size=10, max_attempts=3, base_delay_ms=1000, max_delay_ms=10_000,
                        routes=ROUTES, max_message_bytes=100_000, namespace="ns")
     # And a broker that lost two of the six messages: billing never got event 0, shipping never got event 2
     lost = {(str(ids[0]), "billing"), (str(ids[2]), "shipping")}
-    spec = default_registry()
+    spec = outbox.registry
     for m in relay_pub.published:
         if (m.properties["message_id"], m.consumer) not in lost:
-            deliver(sqlite_sessions, spec[m.consumer], json.loads(m.body)[0][0], request_id=None,
+            deliver(sqlite_sessions, spec[m.consumer], json.loads(m.body)[0][0], tables=tables, request_id=None,
                     settings=settings, clock=clock, first_delivery=True)
     # When the reconciler runs before the deadline, it waits; after it, it re-sends exactly the lost ones
     pub = InMemoryPublisher()
     clock.advance(AFTER // 2)
-    assert run(sqlite_sessions, pub, clock) == (0, 0)
+    assert run(sqlite_sessions, pub, clock, tables) == (0, 0)
     clock.advance(AFTER)
-    assert run(sqlite_sessions, pub, clock) == (3, 2)
+    assert run(sqlite_sessions, pub, clock, tables) == (3, 2)
     assert {(m.properties["message_id"], m.consumer) for m in pub.published} == lost
     assert {m.routing_key for m in pub.published} == {"ns.billing", "ns.shipping"}
     # And each row is checked once: the next pass sends nothing
     clock.advance(AFTER)
-    assert run(sqlite_sessions, pub, clock) == (0, 0)
+    assert run(sqlite_sessions, pub, clock, tables) == (0, 0)
     assert len(pub.published) == 2
 
 
-def test_dead_letters_are_not_sent_again(settings: Settings, sqlite_sessions: sessionmaker[Session],
-                                        clock: ManualClock) -> None:
+def test_dead_letters_are_not_sent_again(settings: Settings, outbox: Outbox, sqlite_sessions: sessionmaker[Session],
+                                        clock: ManualClock, tables: Tables) -> None:
     relay_pub = InMemoryPublisher()
-    run(sqlite_sessions, relay_pub, clock)
+    run(sqlite_sessions, relay_pub, clock, tables)
     clock.advance(AFTER)
-    [mid] = insert_pending(sqlite_sessions, clock.now_ms(), 1, payload=lambda i, m: {"order_id": "bad"})
+    [mid] = insert_pending(sqlite_sessions, clock.now_ms(), 1, tables=tables, payload=lambda i, m: {"order_id": "bad"})
     with sqlite_sessions() as s:
-        dispatch_batch(s, relay_pub, clock, batch_size=10, max_attempts=3, base_delay_ms=1000, max_delay_ms=10_000,
+        dispatch_batch(s, relay_pub, clock, tables=tables, batch_size=10, max_attempts=3, base_delay_ms=1000, max_delay_ms=10_000,
                        routes=ROUTES, max_message_bytes=100_000, namespace="ns")
     # Given a message every consumer dead-lettered (malformed payload, one delivery allowed)
     cfg = settings.replace(consumer_max_deliveries=1)
     for m in relay_pub.published:
-        deliver(sqlite_sessions, default_registry()[m.consumer], json.loads(m.body)[0][0], request_id=None,
+        deliver(sqlite_sessions, outbox.registry[m.consumer], json.loads(m.body)[0][0], tables=tables, request_id=None,
                 settings=cfg, clock=clock, first_delivery=True)
     # When the reconciler passes after the deadline
     clock.advance(2 * AFTER)
     pub = InMemoryPublisher()
-    assert run(sqlite_sessions, pub, clock) == (1, 0)  # dead letters are a person's job, not re-sent
+    assert run(sqlite_sessions, pub, clock, tables) == (1, 0)  # dead letters are a person's job, not re-sent
     assert pub.published == [] and str(mid)
 
 
 def test_a_down_broker_keeps_the_window_for_the_next_pass(sqlite_sessions: sessionmaker[Session],
-                                                           clock: ManualClock) -> None:
+                                                           clock: ManualClock, tables: Tables) -> None:
     # Given a published event no consumer recorded
     relay_pub = InMemoryPublisher()
-    run(sqlite_sessions, relay_pub, clock)
+    run(sqlite_sessions, relay_pub, clock, tables)
     clock.advance(AFTER)
-    [mid] = insert_pending(sqlite_sessions, clock.now_ms(), 1, payload=order)
+    [mid] = insert_pending(sqlite_sessions, clock.now_ms(), 1, tables=tables, payload=order)
     with sqlite_sessions() as s:
-        dispatch_batch(s, relay_pub, clock, batch_size=10, max_attempts=3, base_delay_ms=1000, max_delay_ms=10_000,
+        dispatch_batch(s, relay_pub, clock, tables=tables, batch_size=10, max_attempts=3, base_delay_ms=1000, max_delay_ms=10_000,
                        routes=ROUTES, max_message_bytes=100_000, namespace="ns")
     clock.advance(2 * AFTER)
     # When the broker is down for the reconciler's pass
     pub = InMemoryPublisher()
     pub.fail_unavailable(1)
     with sqlite_sessions() as s:
-        r = reconcile(s, pub, clock, routes=ROUTES, namespace="ns", max_message_bytes=100_000, older_than_ms=AFTER)
+        r = reconcile(s, pub, clock, tables=tables, routes=ROUTES, namespace="ns", max_message_bytes=100_000, older_than_ms=AFTER)
     assert r.broker_unavailable and r.republished == 0
     # Then the next pass re-sends the same window: nothing skipped
-    assert run(sqlite_sessions, pub, clock) == (1, 2)
+    assert run(sqlite_sessions, pub, clock, tables) == (1, 2)
     assert {m.properties["message_id"] for m in pub.published} == {str(mid)}

@@ -7,11 +7,12 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox.clock import ManualClock
+from celery_outbox.relay.loop import RelayLoop
+from celery_outbox.relay.single_flight import single_flight, sqlite_lock_path
+from celery_outbox.schema import Tables
+from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
-from outbox.clock import ManualClock
-from relay.loop import RelayLoop
-from relay.memory import InMemoryPublisher
-from relay.single_flight import single_flight, sqlite_lock_path
 from tests.unit.test_relay_loop import insert, pending
 
 
@@ -25,7 +26,7 @@ def _hold_lock(path: str, ready: multiprocessing.synchronize.Event, release: mul
 
 def test_a_second_drain_skips_while_another_process_drains(tmp_path: Path, sqlite_url: str,
                                                            sqlite_sessions: sessionmaker[Session],
-                                                           clock: ManualClock) -> None:
+                                                           clock: ManualClock, tables: Tables) -> None:
     # Given a process that is draining (holds the relay lock of this SQLite database)
     settings = Settings(home=tmp_path, database_url=sqlite_url, namespace="sf", relay_batch_size=10)
     lock = sqlite_lock_path(settings.effective_database_url)
@@ -36,21 +37,21 @@ def test_a_second_drain_skips_while_another_process_drains(tmp_path: Path, sqlit
     holder.start()
     try:
         assert ready.wait(30)
-        ids = insert(sqlite_sessions, clock, 5)
+        ids = insert(sqlite_sessions, clock, tables, 5)
         pub = InMemoryPublisher()
-        loop = RelayLoop(settings=settings, session_factory=sqlite_sessions, publisher=pub, clock=clock,
+        loop = RelayLoop(settings=settings, tables=tables, session_factory=sqlite_sessions, publisher=pub, clock=clock,
                          listen=False)
         # When this relay drains at the same time
         result = loop.drain_once()
         # Then it publishes nothing (no double publish) and says it skipped
         assert result.published == 0 and pub.published == [] and loop.stats.skipped_busy == 1
-        assert pending(sqlite_sessions) == 5
+        assert pending(sqlite_sessions, tables) == 5
     finally:
         release.set()
         holder.join(30)
     # And once the other drain is over, it publishes every row once
     result = loop.drain_once()
-    assert result.published == 5 and set(pub.message_ids()) == ids and pending(sqlite_sessions) == 0
+    assert result.published == 5 and set(pub.message_ids()) == ids and pending(sqlite_sessions, tables) == 0
     loop.close()
 
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from celery_outbox import Settings as LibrarySettings
+from celery_outbox.errors import ConfigError
 from celeryconfig import DEFAULT_ROUTES, Settings, celery_config
-from outbox.errors import ConfigError
 
 
 def test_defaults_are_the_embedded_ones() -> None:
@@ -44,6 +45,39 @@ def test_bad_config_is_a_clear_error(env: dict[str, str], match: str) -> None:
         Settings.from_env(env)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"relay_batch_size": 0}, "OUTBOX_RELAY_BATCH_SIZE must be > 0"),
+        ({"relay_poll_interval_s": -1.0}, "POLL_INTERVAL"),
+        ({"database_url": "mysql://x"}, "sqlite:// or postgresql://"),
+        ({"broker_url": "kafka://x"}, "OUTBOX_BROKER_URL"),
+        ({"relay_confirm_mode": "maybe"}, "CONFIRM_MODE"),
+        ({"namespace": "a b"}, "NAMESPACE"),
+        ({"table_prefix": "Bad-Prefix"}, "table prefix"),
+        ({"worker_concurrency": 0}, "OUTBOX_WORKER_CONCURRENCY must be > 0"),
+    ],
+)
+def test_bad_settings_are_refused_at_construction(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Settings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_settings_changed_by_replace_are_validated_again() -> None:
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_BATCH_SIZE must be > 0"):
+        Settings().replace(relay_batch_size=0)
+
+
+def test_the_embedded_broker_is_the_deployment_s_alias_not_the_library_s() -> None:
+    assert Settings(broker_url="embedded").broker_url == "embedded"
+    with pytest.raises(ConfigError, match="OUTBOX_BROKER_URL"):
+        LibrarySettings(broker_url="embedded")
+    lib = LibrarySettings.from_env({})
+    assert dict(lib.routes) == {} and lib.broker_url == ""
+    with pytest.raises(ConfigError, match="no database"):
+        _ = lib.effective_database_url
+
+
 def test_celery_speaks_json_only() -> None:
     conf = celery_config(Settings(), "redis://127.0.0.1:6379/0")
     assert conf["accept_content"] == ["json"]
@@ -52,7 +86,9 @@ def test_celery_speaks_json_only() -> None:
 
 
 def test_redis_redelivery_follows_the_visibility_timeout() -> None:
-    conf = celery_config(Settings(broker_visibility_timeout_s=30), "redis://127.0.0.1:6379/0")
+    # (a retry may wait at most backoff_max, which must stay below the visibility timeout: validated at construction)
+    settings = Settings(broker_visibility_timeout_s=30, consumer_retry_backoff_max_s=20)
+    conf = celery_config(settings, "redis://127.0.0.1:6379/0")
     opts = conf["broker_transport_options"]
     assert opts["visibility_timeout"] == 30
     # a worker killed while holding kombu's restore mutex must not block restores for 5 minutes
@@ -62,6 +98,8 @@ def test_redis_redelivery_follows_the_visibility_timeout() -> None:
 def test_retry_backoff_must_stay_below_the_visibility_timeout() -> None:
     with pytest.raises(ConfigError, match="must be below OUTBOX_BROKER_VISIBILITY_TIMEOUT_S"):
         Settings.from_env({"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S": "60", "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "60"})
+    with pytest.raises(ConfigError, match="must be below OUTBOX_BROKER_VISIBILITY_TIMEOUT_S"):
+        Settings(broker_visibility_timeout_s=60, consumer_retry_backoff_max_s=60)
 
 
 def test_to_env_round_trips_every_field() -> None:

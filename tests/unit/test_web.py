@@ -9,10 +9,11 @@ import sqlalchemy as sa
 from flask.testing import FlaskClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox.clock import ManualClock
+from celery_outbox.schema import Tables
 from celeryconfig import Settings
-from orders.models import Order, OutboxMessage
+from orders.models import Order
 from orders.web import create_app
-from outbox.clock import ManualClock
 
 ORDER = {"order_id": "o-1", "customer_id": "c-1", "email": "a@example.com",
          "lines": [{"sku": "sku-1", "quantity": 1, "unit_price_cents": 999}]}
@@ -25,19 +26,19 @@ def client(settings: Settings, sqlite_sessions: sessionmaker[Session], clock: Ma
     return app.test_client()
 
 
-def rows(sessions: sessionmaker[Session]) -> tuple[int, int]:
+def rows(sessions: sessionmaker[Session], tables: Tables) -> tuple[int, int]:
     with sessions() as s:
         return (int(s.scalar(sa.select(sa.func.count()).select_from(Order)) or 0),
-                int(s.scalar(sa.select(sa.func.count()).select_from(OutboxMessage)) or 0))
+                int(s.scalar(sa.select(sa.func.count()).select_from(tables.outbox)) or 0))
 
 
-def test_post_then_get(client: FlaskClient, sqlite_sessions: sessionmaker[Session]) -> None:
+def test_post_then_get(client: FlaskClient, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
     r = client.post("/orders", json=ORDER)
     assert r.status_code == 201, r.json
     assert r.json is not None and r.json["total_cents"] == 999
     g = client.get("/orders/o-1")
     assert g.status_code == 200 and g.json is not None and g.json["lines"][0]["sku"] == "sku-1"
-    assert rows(sqlite_sessions) == (1, 1)
+    assert rows(sqlite_sessions, tables) == (1, 1)
 
 
 @pytest.mark.parametrize(
@@ -53,19 +54,20 @@ def test_post_then_get(client: FlaskClient, sqlite_sessions: sessionmaker[Sessio
     ],
 )
 def test_bad_input_is_rejected_and_writes_nothing(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
-                                                  kwargs: dict[str, object], status: int, match: str) -> None:
+                                                  tables: Tables, kwargs: dict[str, object], status: int,
+                                                  match: str) -> None:
     r = client.post("/orders", **kwargs)
     assert r.status_code == status
     assert r.json is not None and match in r.json["error"]
-    assert rows(sqlite_sessions) == (0, 0)
+    assert rows(sqlite_sessions, tables) == (0, 0)
 
 
-def test_duplicate_order_is_409_and_keeps_one_event(client: FlaskClient,
-                                                     sqlite_sessions: sessionmaker[Session]) -> None:
+def test_duplicate_order_is_409_and_keeps_one_event(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
+                                                     tables: Tables) -> None:
     assert client.post("/orders", json=ORDER).status_code == 201
     r = client.post("/orders", json=ORDER)
     assert r.status_code == 409 and r.json is not None and "already exists" in r.json["error"]
-    assert rows(sqlite_sessions) == (1, 1)
+    assert rows(sqlite_sessions, tables) == (1, 1)
 
 
 def test_unknown_order_is_404(client: FlaskClient) -> None:

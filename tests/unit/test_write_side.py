@@ -6,17 +6,17 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from orders import outbox
-from orders.models import Order, OrderLine, OutboxMessage
-from orders.service import ORDER_PLACED, parse_order, place_order
-from outbox.clock import ManualClock
-from outbox.errors import (
-    DuplicateOrderError,
+from celery_outbox import Outbox, writer
+from celery_outbox.clock import ManualClock
+from celery_outbox.errors import (
     MessageTooLargeError,
     SerializationError,
     UnknownEventTypeError,
     ValidationError,
 )
+from celery_outbox.schema import Tables
+from orders.models import Order, OrderLine
+from orders.service import ORDER_PLACED, DuplicateOrderError, parse_order, place_order
 
 ORDER = {"order_id": "o-1", "customer_id": "c-1", "email": "a@example.com", "currency": "EUR",
          "lines": [{"sku": "sku-1", "quantity": 2, "unit_price_cents": 500}]}
@@ -27,15 +27,16 @@ def count(sessions: sessionmaker[Session], model: type) -> int:
         return int(s.scalar(sa.select(sa.func.count()).select_from(model)) or 0)
 
 
-def test_order_and_outbox_row_commit_together(any_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+def test_order_and_outbox_row_commit_together(any_sessions: sessionmaker[Session], clock: ManualClock,
+                                              outbox: Outbox, tables: Tables) -> None:
     # Given a valid order
     req = parse_order(ORDER)
     # When it is placed
     with any_sessions() as s:
-        place_order(s, req, clock=clock)
+        place_order(s, req, outbox=outbox)
     # Then the order, its line and one pending OrderPlaced row exist
     with any_sessions() as s:
-        row = s.scalars(sa.select(OutboxMessage)).one()
+        row = s.scalars(sa.select(tables.outbox)).one()
         assert s.get(Order, "o-1") is not None
     assert count(any_sessions, OrderLine) == 1
     assert row.type == ORDER_PLACED
@@ -46,44 +47,45 @@ def test_order_and_outbox_row_commit_together(any_sessions: sessionmaker[Session
 
 
 def test_failed_commit_leaves_neither_order_nor_outbox_row(any_sessions: sessionmaker[Session],
-                                                           clock: ManualClock) -> None:
+                                                           outbox: Outbox, tables: Tables) -> None:
     # Given an order already placed
     with any_sessions() as s:
-        place_order(s, parse_order(ORDER), clock=clock)
+        place_order(s, parse_order(ORDER), outbox=outbox)
     # When a second order with the same primary key is placed
     with any_sessions() as s, pytest.raises(DuplicateOrderError, match="already exists"):
-        place_order(s, parse_order({**ORDER, "email": "b@example.com"}), clock=clock)
+        place_order(s, parse_order({**ORDER, "email": "b@example.com"}), outbox=outbox)
     # Then the commit failed as a whole: still one order and ONE outbox row, not two
     assert count(any_sessions, Order) == 1
-    assert count(any_sessions, OutboxMessage) == 1
+    assert count(any_sessions, tables.outbox) == 1
 
 
-def test_caller_rollback_discards_the_event(sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> None:
+def test_caller_rollback_discards_the_event(sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+                                           tables: Tables) -> None:
     with sqlite_sessions() as s:
-        outbox.add(s, outbox.Event(type="OrderPlaced", payload={"order_id": "x"}), clock=clock)
+        writer.add(s, writer.Event(type="OrderPlaced", payload={"order_id": "x"}), tables=tables, clock=clock)
         s.rollback()
-    assert count(sqlite_sessions, OutboxMessage) == 0
+    assert count(sqlite_sessions, tables.outbox) == 0
 
 
 @pytest.mark.parametrize(
     ("event", "error", "match"),
     [
-        (outbox.Event(type="", payload={}), ValidationError, "non-empty"),
-        (outbox.Event(type="OrderPlaced", payload={"x": object()}), SerializationError, "JSON"),
-        (outbox.Event(type="OrderPlaced", payload={"x": float("nan")}), SerializationError, "JSON"),
-        (outbox.Event(type="Nope", payload={}), UnknownEventTypeError, "no consumer is routed"),
-        (outbox.Event(type="OrderPlaced", payload={"blob": "x" * 2000}), MessageTooLargeError, "over the limit"),
-        (outbox.Event(type="OrderPlaced", payload={}, entity_key="order:1", entity_version=0),
+        (writer.Event(type="", payload={}), ValidationError, "non-empty"),
+        (writer.Event(type="OrderPlaced", payload={"x": object()}), SerializationError, "JSON"),
+        (writer.Event(type="OrderPlaced", payload={"x": float("nan")}), SerializationError, "JSON"),
+        (writer.Event(type="Nope", payload={}), UnknownEventTypeError, "no consumer is routed"),
+        (writer.Event(type="OrderPlaced", payload={"blob": "x" * 2000}), MessageTooLargeError, "over the limit"),
+        (writer.Event(type="OrderPlaced", payload={}, entity_key="order:1", entity_version=0),
          ValidationError, "entity_version"),
     ],
 )
 def test_outbox_writer_refuses_undeliverable_events(sqlite_sessions: sessionmaker[Session], clock: ManualClock,
-                                                    event: outbox.Event, error: type, match: str) -> None:
+                                                    tables: Tables, event: writer.Event, error: type, match: str) -> None:
     with sqlite_sessions() as s:
         with pytest.raises(error, match=match):
-            outbox.add(s, event, clock=clock, max_message_bytes=1000, known_types=["OrderPlaced"])
+            writer.add(s, event, tables=tables, clock=clock, max_message_bytes=1000, known_types=["OrderPlaced"])
         s.commit()
-    assert count(sqlite_sessions, OutboxMessage) == 0
+    assert count(sqlite_sessions, tables.outbox) == 0
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,4 @@
-"""Unmanaged models of the ``orders``, ``order_lines`` and ``shipments`` tables of Alembic migration 0001.
-
-The shop uses the reference schema so the SQLAlchemy side, the relay and this Django project
-share one database; a real project would map its own tables the same way (or let Django manage
-them and keep only the outbox and inbox on Alembic).
-"""
+"""The shop's own tables (``manage.py migrate`` creates them, beside the outbox's ``outbox_*`` tables)."""
 
 from __future__ import annotations
 
@@ -20,7 +15,6 @@ class Order(models.Model):  # type: ignore[misc]
     created_at_ms = models.BigIntegerField()
 
     class Meta:
-        managed = False
         db_table = "orders"
 
     def __str__(self) -> str:
@@ -35,7 +29,6 @@ class OrderLine(models.Model):  # type: ignore[misc]
     unit_price_cents = models.BigIntegerField()
 
     class Meta:
-        managed = False
         db_table = "order_lines"
         ordering = ("id",)
 
@@ -53,7 +46,6 @@ class Shipment(models.Model):  # type: ignore[misc]
     created_at_ms = models.BigIntegerField()
 
     class Meta:
-        managed = False
         db_table = "shipments"
 
     def __str__(self) -> str:

@@ -10,12 +10,12 @@ from collections.abc import Iterable
 
 from django.db import IntegrityError, transaction
 
-import outbox_django
-from orders.outbox import Event
-from orders.service import ORDER_PLACED, OrderRequest, order_placed_payload
-from outbox.clock import Clock, SystemClock
-from outbox.errors import DatabaseError, DuplicateOrderError
-from outbox_django.consumer import is_unique_violation
+import celery_outbox.contrib.django
+from celery_outbox.clock import Clock, SystemClock
+from celery_outbox.contrib.django.consumer import is_unique_violation
+from celery_outbox.errors import DatabaseError
+from celery_outbox.writer import Event
+from orders.service import ORDER_PLACED, DuplicateOrderError, OrderRequest, order_placed_payload
 from shop.models import Order, OrderLine
 
 
@@ -35,7 +35,7 @@ def place_order(req: OrderRequest, *, clock: Clock | None = None, max_message_by
                 OrderLine(order=order, sku=li.sku, quantity=li.quantity, unit_price_cents=li.unit_price_cents)
                 for li in req.lines
             ])
-            outbox_django.add(
+            celery_outbox.contrib.django.publish(
                 Event(type=ORDER_PLACED, payload=order_placed_payload(req), correlation_id=correlation_id,
                       entity_key=f"order:{req.order_id}", entity_version=1),
                 clock=clock, max_message_bytes=max_message_bytes, known_types=known_types,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
+from shop_project.celery import outbox
 
-from orders.service import parse_order
-from outbox.errors import DatabaseError, DuplicateOrderError, OutboxError, ValidationError
+from celery_outbox.errors import DatabaseError, OutboxError, ValidationError
+from orders.service import DuplicateOrderError, parse_order
 from shop import services
 from shop.models import Order
 
@@ -42,11 +42,10 @@ def create_order(request: HttpRequest) -> JsonResponse:
         data = json.loads(request.body)
     except ValueError:
         return _error(400, "request body is not valid JSON")
-    outbox = settings.OUTBOX
     try:
         req = parse_order(data)
-        order = services.place_order(req, max_message_bytes=outbox.max_message_bytes,
-                                     known_types=outbox.routes.keys(),
+        order = services.place_order(req, clock=outbox.clock, max_message_bytes=outbox.settings.max_message_bytes,
+                                     known_types=outbox.routes(),
                                      correlation_id=request.headers.get("X-Correlation-Id"))
     except DuplicateOrderError as e:
         return _error(409, str(e))

@@ -1,7 +1,2 @@
-"""The example Django project. Importing it loads the Celery app, the Django way."""
-
-from __future__ import annotations
-
-from shop_project.celery import app as celery_app
-
-__all__ = ["celery_app"]
+"""The example Django project. Its Celery app and outbox live in ``shop_project.celery``
+(``celery -A shop_project worker`` finds it there)."""

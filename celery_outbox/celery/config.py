@@ -1,0 +1,102 @@
+"""The Celery configuration the outbox relies on: JSON only, late acks, one durable queue per consumer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from celery_outbox.settings import Settings
+
+DRAIN_TASK = "celery_outbox.drain"
+RECONCILE_TASK = "celery_outbox.reconcile"
+PRUNE_TASK = "celery_outbox.prune"
+
+
+def broker_is_rabbitmq(url: str) -> bool:
+    return url.startswith(("amqp://", "pyamqp://", "amqps://"))
+
+
+def add_task_routes(app: Any, routes: Mapping[str, Mapping[str, str]]) -> None:
+    """Route these tasks to their queues (``send_task``, retries), keeping routes others set."""
+    existing = app.conf.task_routes
+    if not existing:
+        app.conf.task_routes = dict(routes)
+    elif isinstance(existing, Mapping):
+        app.conf.task_routes = {**existing, **routes}
+    else:  # a sequence of routers: ours first
+        app.conf.task_routes = (dict(routes), *tuple(existing))
+
+
+def redis_transport_options(settings: Settings) -> dict[str, Any]:
+    """Redelivery of unacked messages on Redis, sized from one setting.
+
+    kombu restores a dead worker's unacked messages after ``visibility_timeout``, under a mutex kept
+    in Redis; a worker SIGKILLed while holding it blocks every restore until the mutex expires (300 s
+    by default), so the mutex expiry follows the timeout instead of staying fixed.
+    """
+    vt = settings.broker_visibility_timeout_s
+    return {
+        "visibility_timeout": vt,
+        "unacked_restore_interval": max(1, min(60, vt // 3)),
+        "unacked_mutex_expire": max(5, min(300, vt * 2)),
+    }
+
+
+def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename: str | None = None,
+                  consumers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The Celery configuration for these settings. ``broker_url`` is already resolved (no 'embedded')."""
+    from kombu import Exchange, Queue
+
+    exchange = Exchange(settings.exchange_name, type="direct", durable=True)
+    queues = [
+        Queue(settings.queue_name(c), exchange, routing_key=settings.queue_name(c), durable=True)
+        for c in dict.fromkeys((*settings.consumers, *consumers))
+    ]
+    relay_queue = Queue(f"{settings.namespace}.relay", Exchange(f"{settings.namespace}.relay"),
+                        routing_key=f"{settings.namespace}.relay", durable=True)
+    return {
+        "broker_url": broker_url,
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "event_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "task_ignore_result": True,
+        "result_backend": None,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        # After a reconnect Celery lowers the prefetch count and raises it back as in-flight tasks
+        # ack; acks of tasks delivered on the dead connection fail, and a worker was seen stuck,
+        # consuming nothing, after a RabbitMQ outage (chaos run; celery/celery#9512). Prefetch is 1
+        # per process here, so there is nothing to protect by reducing it.
+        "worker_enable_prefetch_count_reduction": False,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_queues": [*queues, relay_queue],
+        "task_default_queue": relay_queue.name,
+        "task_default_exchange": relay_queue.exchange.name,
+        "task_default_routing_key": relay_queue.routing_key,
+        "task_create_missing_queues": False,
+        "broker_transport_options": {"confirm_publish": True}
+        if broker_is_rabbitmq(broker_url)
+        else redis_transport_options(settings),
+        "beat_schedule": {
+            "drain-outbox": {
+                "task": DRAIN_TASK,
+                "schedule": settings.relay_poll_interval_s,
+                "options": {"queue": relay_queue.name, "expires": max(settings.relay_poll_interval_s, 1.0)},
+            },
+            "reconcile-outbox": {  # relay/reconcile.py: re-send what a consumer never recorded
+                "task": RECONCILE_TASK, "schedule": settings.relay_reconcile_interval_s,
+                "options": {"queue": relay_queue.name, "expires": settings.relay_reconcile_interval_s},
+            },
+            "prune-retention": {  # celery_outbox.celery.ops_tasks: hourly, inbox kept >= broker_redelivery_window_ms
+                "task": PRUNE_TASK, "schedule": 3600.0,
+                "options": {"queue": relay_queue.name, "expires": 3600.0},
+            },
+        },
+        **({"beat_schedule_filename": beat_schedule_filename} if beat_schedule_filename else {}),
+        "worker_hijack_root_logger": False,
+    }

@@ -1,0 +1,65 @@
+"""One Celery task per consumer, on its own queue; ``delivery.deliver`` decides, the task maps it onto Celery.
+
+Returning acks the message (acks_late: only after the inbox commit). A delivery that must be
+redelivered becomes ``self.retry`` with the consumer's backoff; Celery's retry is the redelivery loop,
+the count in the database decides when it ends in the dead-letter store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from celery import Celery
+
+from celery_outbox.celery import events
+from celery_outbox.consumer import ConsumerSpec
+from celery_outbox.delivery import Delivery, backoff_s, deliver
+from celery_outbox.inbox.outcome import Outcome
+from celery_outbox.messages import task_name
+from celery_outbox.runtime import Context
+
+
+def _announce(app: Celery, consumer: str, body: Any, result: Delivery) -> None:
+    """Custom Celery events for the two outcomes an operator watches in Flower (best effort)."""
+    if result.outcome not in (Outcome.DUPLICATE, Outcome.DEAD_LETTERED):
+        return
+    raw = body.get("message_id") if isinstance(body, Mapping) else None
+    message_id = str(raw) if raw is not None else ""
+    event_type = body.get("type") if isinstance(body, Mapping) else None
+    if result.outcome is Outcome.DUPLICATE:
+        events.duplicate_absorbed(app, consumer=consumer, message_id=message_id, event_type=event_type)
+    else:
+        events.dead_lettered(app, source="consumer", consumer=consumer, message_id=message_id,
+                             error=result.error or "", event_type=event_type, attempts=result.deliveries)
+
+
+def define(app: Celery, ctx: Context, spec: ConsumerSpec) -> Any:
+    """Define the task ``task_name(spec.name)`` on ``app`` and return it."""
+    settings = ctx.settings
+
+    @app.task(  # type: ignore[untyped-decorator]
+        name=task_name(spec.name), bind=True, acks_late=True,
+        reject_on_worker_lost=True, ignore_result=True, max_retries=None, shared=False,
+    )
+    def run(self: Any, body: Any) -> str:
+        policy = spec.policy.resolve(settings)
+        try:
+            info = self.request.delivery_info or {}
+            result = deliver(ctx.sessions(), spec, body, tables=ctx.tables, request_id=self.request.id,
+                             settings=settings, clock=ctx.clock, crash_points=ctx.crash_points,
+                             first_delivery=not self.request.retries, redelivered=bool(info.get("redelivered")))
+        except Exception as e:  # never let a failure escape: acks_late would ack (and drop) the message
+            result = Delivery(outcome=Outcome.RETRY, deliveries=0, error=f"{e.__class__.__name__}: {e}",
+                              retry_in_s=backoff_s(1, policy=policy))
+        if result.retry_in_s is not None:
+            raise self.retry(countdown=result.retry_in_s, max_retries=None,
+                             exc=RedeliveryError(result.error or "failed"))
+        _announce(app, spec.name, body, result)
+        return result.outcome.value
+
+    return run
+
+
+class RedeliveryError(Exception):
+    """Carries the failure text into Celery's retry log line (JSON-safe, no driver objects)."""

@@ -1,0 +1,191 @@
+"""The Kombu publisher: the only module of ``relay`` that imports kombu.
+
+Durability per batch, not per message (DESIGN "measured limits"): on RabbitMQ the channel is put in
+confirm mode once and a whole batch is published before waiting for its acks (or, with
+``confirm_mode="tx"``, published inside one channel transaction); messages are persistent and
+``mandatory`` so an unroutable one comes back as a ``basic.return`` and is reported as rejected.
+Exchange, consumer queues and bindings are declared on every new connection before the first
+publish (Redis silently drops messages for an exchange with no bound queue). There is no infinite
+retry anywhere: a connection attempt is retried ``connect_retries`` times, then the batch fails
+with ``BrokerUnavailableError`` and the relay's circuit breaker takes over; the next batch opens a
+fresh connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+from kombu import Connection, Exchange, Producer, Queue
+from kombu.exceptions import KombuError
+
+from celery_outbox.celery.config import broker_is_rabbitmq, celery_config
+from celery_outbox.errors import BrokerUnavailableError, ConfigError
+from celery_outbox.messages import TaskMessage
+from celery_outbox.relay.publisher import PublishReport
+from celery_outbox.settings import Settings
+
+log = logging.getLogger("relay.kombu")
+
+CONFIRM_MODES = ("confirm", "tx", "none")
+
+
+class KombuPublisher:
+    """Publishes ``TaskMessage`` batches to the direct exchange of the settings' namespace."""
+
+    def __init__(self, *, broker_url: str, settings: Settings | None = None, exchange_name: str | None = None,
+                 queue_names: Sequence[str] | None = None, confirm_mode: str | None = None,
+                 publish_timeout_s: float | None = None, connect_retries: int = 1,
+                 transport_options: dict[str, Any] | None = None, consumers: Sequence[str] | None = None) -> None:
+        if settings is None and (exchange_name is None or queue_names is None):
+            raise ConfigError("KombuPublisher needs settings, or exchange_name and queue_names")
+        mode = confirm_mode or (settings.relay_confirm_mode if settings is not None else "confirm")
+        if mode not in CONFIRM_MODES:
+            raise ConfigError(f"confirm_mode must be one of {', '.join(CONFIRM_MODES)}, got {mode!r}")
+        self.broker_url = broker_url
+        self.confirm_mode = mode
+        self.is_rabbitmq = broker_is_rabbitmq(broker_url)
+        self.timeout_s = publish_timeout_s or (settings.relay_publish_timeout_s if settings is not None else 10.0)
+        self.connect_retries = connect_retries
+        if settings is not None:
+            # The very Queue objects Celery workers declare, so the declarations can never disagree.
+            exchange_name = settings.exchange_name
+            names = tuple(consumers) if consumers is not None else settings.consumers
+            consumer_queues = {settings.queue_name(c) for c in names}
+            self.queues: list[Queue] = [q for q in celery_config(settings, broker_url, consumers=names)["task_queues"]
+                                        if q.name in consumer_queues]
+            self.exchange = Exchange(exchange_name, type="direct", durable=True)
+        else:
+            assert exchange_name is not None and queue_names is not None
+            self.exchange = Exchange(exchange_name, type="direct", durable=True)
+            self.queues = [Queue(q, self.exchange, routing_key=q, durable=True) for q in queue_names]
+        options: dict[str, Any] = {}
+        if not self.is_rabbitmq and broker_url.startswith(("redis", "rediss")):
+            options.update(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
+        options.update(transport_options or {})
+        options["confirm_publish"] = False  # we confirm per batch ourselves, never per message
+        self._transport_options = options
+        self._conn: Any = None
+        self._channel: Any = None
+        self._producer: Any = None
+        self._next_tag = 0
+        self._outstanding: dict[int, int] = {}
+        self._nacked: set[int] = set()
+        self._returned: dict[str, str] = {}
+        self.connections_opened = 0
+
+    # -- connection ------------------------------------------------------------------------------
+    def _errors(self) -> tuple[type[BaseException], ...]:
+        conn = self._conn or Connection(self.broker_url)
+        return (*conn.connection_errors, *conn.channel_errors, OSError, KombuError)
+
+    def _ensure(self) -> Any:
+        if self._producer is not None:
+            return self._producer
+        conn = Connection(self.broker_url, connect_timeout=self.timeout_s,
+                          transport_options=self._transport_options)
+        self._conn = conn
+        conn.ensure_connection(max_retries=self.connect_retries, interval_start=0.2, interval_step=0.5,
+                               interval_max=1.0, timeout=self.timeout_s)
+        channel = conn.channel()
+        self._channel = channel
+        for queue in self.queues:
+            queue(channel).declare()
+        if self.is_rabbitmq and self.confirm_mode == "confirm":
+            channel.confirm_select()
+            channel.events["basic_ack"].add(self._on_ack)
+            channel.events["basic_nack"].add(self._on_nack)
+            self._next_tag = 0
+        elif self.is_rabbitmq and self.confirm_mode == "tx":
+            channel.tx_select()
+        self._producer = Producer(channel, exchange=self.exchange, auto_declare=False,
+                                  on_return=self._on_return if self.is_rabbitmq else None)
+        self.connections_opened += 1
+        return self._producer
+
+    def _reset(self) -> None:
+        conn, self._conn, self._channel, self._producer = self._conn, None, None, None
+        self._outstanding.clear()
+        self._nacked.clear()
+        self._returned.clear()
+        if conn is not None:
+            try:
+                conn.release()
+            except Exception:  # a dead connection may fail to close; it is dropped either way
+                log.debug("closing a broken broker connection failed", exc_info=True)
+
+    # -- confirm callbacks -----------------------------------------------------------------------
+    def _settle(self, delivery_tag: int, multiple: bool, *, nack: bool) -> None:
+        tags = [t for t in self._outstanding if t <= delivery_tag] if multiple else [delivery_tag]
+        for tag in tags:
+            index = self._outstanding.pop(tag, None)
+            if index is not None and nack:
+                self._nacked.add(index)
+
+    def _on_ack(self, delivery_tag: int, multiple: bool) -> None:
+        self._settle(delivery_tag, multiple, nack=False)
+
+    def _on_nack(self, delivery_tag: int, multiple: bool) -> None:
+        self._settle(delivery_tag, multiple, nack=True)
+
+    def _on_return(self, exc: Any, exchange: str, routing_key: str, message: Any) -> None:
+        props = getattr(message, "properties", {}) or {}
+        cid = props.get("correlation_id")
+        if cid is not None:
+            self._returned[str(cid)] = f"unroutable (returned by the broker: {exc}) routing_key={routing_key!r}"
+
+    # -- Publisher -------------------------------------------------------------------------------
+    def publish_batch(self, messages: Sequence[TaskMessage]) -> PublishReport:
+        if not messages:
+            return PublishReport(count=0)
+        errors = self._errors()
+        try:
+            return self._publish(messages)
+        except errors as e:
+            self._reset()
+            raise BrokerUnavailableError(f"broker unavailable: {e.__class__.__name__}: {e}") from e
+
+    def _publish(self, messages: Sequence[TaskMessage]) -> PublishReport:
+        producer = self._ensure()
+        self._nacked.clear()
+        self._returned.clear()
+        confirm = self.is_rabbitmq and self.confirm_mode == "confirm"
+        for i, m in enumerate(messages):
+            producer.publish(
+                m.body, routing_key=m.routing_key, headers=m.headers, content_type="application/json",
+                content_encoding="utf-8", delivery_mode=2, mandatory=self.is_rabbitmq, retry=False,
+                **m.properties,
+            )
+            if confirm:
+                self._next_tag += 1
+                self._outstanding[self._next_tag] = i
+        if confirm:
+            deadline = time.monotonic() + self.timeout_s
+            while self._outstanding:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no publisher confirm for {len(self._outstanding)} message(s) "
+                                       f"within {self.timeout_s}s")
+                self._conn.drain_events(timeout=remaining)
+        elif self.is_rabbitmq and self.confirm_mode == "tx":
+            self._channel.tx_commit()
+        rejected: dict[int, str] = {i: "broker nacked the message" for i in self._nacked}
+        if self._returned:
+            for i, m in enumerate(messages):
+                why = self._returned.get(str(m.properties.get("correlation_id")))
+                if why is not None:
+                    rejected[i] = why
+        return PublishReport(count=len(messages), rejected=rejected)
+
+    def close(self) -> None:
+        self._reset()
+
+    def __enter__(self) -> KombuPublisher:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,48 @@
+"""``outbox db``: schema migrations."""
+
+from __future__ import annotations
+
+import click
+
+from celery_outbox import migrate
+from celery_outbox.cli.common import get_outbox, handle_errors
+
+
+@click.group()
+def db() -> None:
+    """Database schema (Alembic migrations)."""
+
+
+@db.command()
+@click.option("--revision", default="head", show_default=True, help="Target revision.")
+@click.pass_context
+@handle_errors
+def upgrade(ctx: click.Context, revision: str) -> None:
+    """Create or upgrade the library's tables (own version table; your tables are never touched)."""
+    outbox = get_outbox(ctx)
+    url, prefix = outbox.sessions.url, outbox.settings.table_prefix
+    migrate.upgrade(url, revision, prefix=prefix)
+    click.echo(f"outbox tables at {migrate.current(url, prefix=prefix)} ({url.split('@')[-1]})")
+
+
+@db.command()
+@click.pass_context
+@handle_errors
+def current(ctx: click.Context) -> None:
+    """Print the current schema revision."""
+    outbox = get_outbox(ctx)
+    click.echo(migrate.current(outbox.sessions.url, prefix=outbox.settings.table_prefix) or "empty")
+
+
+@db.command()
+@click.pass_context
+@handle_errors
+def check(ctx: click.Context) -> None:
+    """Exit 1 unless the live schema matches this version of the library (for CI and readiness probes)."""
+    outbox = get_outbox(ctx)
+    problems = migrate.check(outbox.sessions.url, prefix=outbox.settings.table_prefix)
+    for p in problems:
+        click.echo(p, err=True)
+    if problems:
+        raise click.exceptions.Exit(1)
+    click.echo("schema ok")

@@ -1,0 +1,226 @@
+"""``outbox dead-letters ...``, ``outbox prune``, ``outbox stats``: the on-call person's commands.
+
+Human output is rich tables; ``--json`` is for machines (one JSON document on stdout). Bad ids,
+unknown consumers and bad durations exit non-zero with the reason and change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox.cli.common import Duration, get_outbox, get_settings, handle_errors
+from celery_outbox.clock import SystemClock
+from celery_outbox.ops import dead_letters as dl
+from celery_outbox.ops import retention
+from celery_outbox.ops import stats as ops_stats
+
+
+def _sessions(ctx: click.Context) -> sessionmaker[Session]:
+    return get_outbox(ctx).sessions()
+
+
+def _console() -> Console:
+    """Tables for humans; piped output gets a wide fixed width so nothing is wrapped mid-word."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def _age(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    s = ms // 1000
+    d, h, m = s // 86400, s % 86400 // 3600, s % 3600 // 60
+    return f"{d}d {h}h" if d else f"{h}h {m}m" if h else f"{m}m {s % 60}s" if m else f"{s}s"
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+@click.group("dead-letters")
+def dead_letters() -> None:
+    """List, inspect, replay and purge dead letters (outbox:<seq> and consumer:<id>)."""
+
+
+@dead_letters.command("list")
+@click.option("--source", type=click.Choice(dl.SOURCES), default=None, help="Only this store.")
+@click.option("--consumer", default=None, help="Only this consumer's dead letters.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@handle_errors
+def list_cmd(ctx: click.Context, source: dl.Source | None, consumer: str | None, as_json: bool) -> None:
+    """Unreplayed dead letters, oldest first."""
+    outbox = get_outbox(ctx)
+    now = SystemClock().now_ms()
+    with _sessions(ctx)() as session:
+        items = dl.list_dead_letters(session, tables=outbox.tables, source=source, consumer=consumer,
+                                     known_consumers=outbox.known_consumers())
+    if as_json:
+        _echo_json([d.to_dict(now_ms=now) for d in items])
+        return
+    if not items:
+        click.echo("no dead letters")
+        return
+    table = Table(title=f"{len(items)} dead letter(s)")
+    for col in ("id", "age", "source", "consumer", "type", "attempts", "error"):
+        table.add_column(col)
+    for d in items:
+        table.add_row(str(d.id), _age(d.age_ms(now)), d.source, d.consumer or "-", d.type or "?",
+                      str(d.attempts), d.error[:100])
+    _console().print(table)
+
+
+@dead_letters.command("show")
+@click.argument("dl_id")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@handle_errors
+def show_cmd(ctx: click.Context, dl_id: str, as_json: bool) -> None:
+    """One dead letter with its error, payload and headers."""
+    outbox = get_outbox(ctx)
+    now = SystemClock().now_ms()
+    with _sessions(ctx)() as session:
+        d = dl.get(session, dl_id, tables=outbox.tables)
+    data = d.to_dict(now_ms=now)
+    if as_json:
+        _echo_json(data)
+        return
+    table = Table(show_header=False, title=f"dead letter {d.id}")
+    table.add_column("field")
+    table.add_column("value")
+    for key in ("source", "consumer", "message_id", "type", "attempts", "replayed_at_ms"):
+        table.add_row(key, str(data[key] if data[key] is not None else "-"))
+    table.add_row("age", _age(data["age_ms"]))
+    console = _console()
+    console.print(table)
+    console.print("[bold]error[/bold]")
+    console.print(d.error, markup=False)
+    console.print("[bold]payload[/bold]")
+    console.print(json.dumps(d.payload, indent=2, sort_keys=True, default=str), markup=False)
+    console.print("[bold]headers[/bold]")
+    console.print(json.dumps(d.headers, indent=2, sort_keys=True, default=str), markup=False)
+
+
+@dead_letters.command("replay")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "replay_all", is_flag=True, help="Replay every unreplayed dead letter.")
+@click.option("--consumer", default=None, help="With --all: only this consumer's dead letters.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@handle_errors
+def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consumer: str | None,
+               as_json: bool) -> None:
+    """Replay dead letters: outbox rows go back to the relay due now; consumer rows are re-sent to
+    their consumer's queue. Replaying twice has one effect (the inbox guards it)."""
+    if replay_all == bool(ids):
+        raise click.UsageError("give dead-letter ids or --all (not both)")
+    if consumer is not None and not replay_all:
+        raise click.UsageError("--consumer goes with --all")
+    outbox = get_outbox(ctx)
+    clock = SystemClock()
+    with _sessions(ctx)() as session:
+        if replay_all:
+            refs = [d.id for d in dl.list_dead_letters(session, tables=outbox.tables, consumer=consumer,
+                                                       known_consumers=outbox.known_consumers())]
+        else:
+            refs = dl.parse_ids(ids)
+        needs_broker = any(r.source == "consumer" for r in refs)
+        if needs_broker:
+            from celery_outbox.celery.sender import replay_sender
+
+            send: dl.Sender | None = replay_sender(outbox.app, outbox)
+        else:
+            send = None
+        results = dl.replay(session, refs, tables=outbox.tables, clock=clock, send=send,
+                            known_consumers=outbox.known_consumers()) \
+            if refs else []
+    if as_json:
+        _echo_json([{"id": str(r.id), "replayed": r.replayed, "detail": r.detail} for r in results])
+        return
+    if not results:
+        click.echo("nothing to replay")
+    for r in results:
+        click.echo(f"{r.id}: {'replayed' if r.replayed else 'skipped'}: {r.detail}")
+
+
+@dead_letters.command("purge")
+@click.argument("ids", nargs=-1, required=True)
+@click.option("--yes", is_flag=True, help="Confirm: the dead letters are deleted for good.")
+@click.pass_context
+@handle_errors
+def purge_cmd(ctx: click.Context, ids: tuple[str, ...], yes: bool) -> None:
+    """Delete dead letters for good (needs --yes)."""
+    refs = dl.parse_ids(ids)
+    if not yes:
+        raise click.UsageError("purge deletes for good; add --yes to confirm")
+    outbox = get_outbox(ctx)
+    with _sessions(ctx)() as session:
+        n = dl.purge(session, refs, tables=outbox.tables)
+    click.echo(f"purged {n} dead letter(s)")
+
+
+@click.command("prune")
+@click.option("--inbox-older-than", type=Duration(), default=None,
+              help="Delete inbox rows processed longer ago than this (>= the broker redelivery window).")
+@click.option("--published-older-than", type=Duration(), default=None,
+              help="Delete published outbox rows published longer ago than this.")
+@click.option("--batch", type=click.IntRange(min=1), default=retention.DEFAULT_BATCH, show_default=True,
+              help="Rows per DELETE (one short transaction each).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@handle_errors
+def prune(ctx: click.Context, inbox_older_than: int | None, published_older_than: int | None, batch: int,
+          as_json: bool) -> None:
+    """Retention: prune old inbox rows and published outbox rows in batches."""
+    if inbox_older_than is None and published_older_than is None:
+        raise click.UsageError("give --inbox-older-than and/or --published-older-than")
+    settings = get_settings(ctx)
+    if inbox_older_than is not None:
+        retention.check_inbox_retention(inbox_older_than, settings.broker_redelivery_window_ms)
+    report = retention.prune(_sessions(ctx), tables=get_outbox(ctx).tables, inbox_older_than_ms=inbox_older_than,
+                             published_older_than_ms=published_older_than, batch=batch, clock=SystemClock(),
+                             redelivery_window_ms=settings.broker_redelivery_window_ms)
+    if as_json:
+        _echo_json(report.to_dict())
+        return
+    click.echo(f"inbox: deleted {report.inbox_deleted} row(s) in {report.inbox_batches} batch(es)")
+    click.echo(f"outbox: deleted {report.outbox_deleted} published row(s) in {report.outbox_batches} batch(es)")
+
+
+@click.command("stats")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@handle_errors
+def stats(ctx: click.Context, as_json: bool) -> None:
+    """Pending count, oldest pending age, dead letters per source/consumer, inbox size, duplicates."""
+    outbox = get_outbox(ctx)
+    with _sessions(ctx)() as session:
+        st = ops_stats.collect(session, tables=outbox.tables, clock=SystemClock())
+    if as_json:
+        _echo_json(st.to_dict())
+        return
+    console = _console()
+    outbox_t = Table(title="outbox")
+    for col in ("pending", "due", "retrying", "oldest pending", "published (retained)"):
+        outbox_t.add_column(col)
+    outbox_t.add_row(str(st.pending), str(st.due), str(st.retrying), _age(st.oldest_pending_age_ms),
+                     str(st.published))
+    console.print(outbox_t)
+    dead_t = Table(title=f"dead letters: {st.dead_letter_total}")
+    for col in ("source", "consumer", "count", "oldest"):
+        dead_t.add_column(col)
+    for g in st.dead_letters:
+        dead_t.add_row(g.source, g.consumer or "-", str(g.count), _age(g.oldest_age_ms))
+    console.print(dead_t)
+    cons_t = Table(title="consumers")
+    for col in ("consumer", "inbox rows", "duplicates absorbed"):
+        cons_t.add_column(col)
+    for name in sorted(set(st.inbox) | set(st.duplicates_absorbed) | set(outbox.known_consumers())):
+        cons_t.add_row(name, str(st.inbox.get(name, 0)), str(st.duplicates_absorbed.get(name, 0)))
+    console.print(cons_t)

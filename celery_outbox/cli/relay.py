@@ -1,0 +1,51 @@
+"""``outbox relay``: the standalone relay loop (or ``--once``: drain and exit)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import click
+
+from celery_outbox.cli.common import get_outbox, handle_errors
+
+
+@click.command("relay")
+@click.option("--once", is_flag=True, help="Drain every due row, then exit (exit 1 if the broker is down).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Rows per batch (default OUTBOX_RELAY_BATCH_SIZE).")
+@click.option("--poll-interval", type=click.FloatRange(min=0.001), default=None,
+              help="Seconds between polls when no NOTIFY arrives (default OUTBOX_RELAY_POLL_INTERVAL_S).")
+@click.option("--no-listen", is_flag=True, help="Do not LISTEN for Postgres NOTIFY; poll only.")
+@click.option("--confirm-mode", type=click.Choice(["confirm", "tx", "none"]), default=None,
+              help="RabbitMQ durability per batch (default OUTBOX_RELAY_CONFIRM_MODE).")
+@click.pass_context
+@handle_errors
+def relay(ctx: click.Context, once: bool, batch_size: int | None, poll_interval: float | None,
+          no_listen: bool, confirm_mode: str | None) -> None:
+    """Publish pending outbox rows to the broker: publish first, mark after."""
+    outbox = get_outbox(ctx)
+    changes: dict[str, object] = {}
+    if batch_size is not None:
+        changes["relay_batch_size"] = batch_size
+    if poll_interval is not None:
+        changes["relay_poll_interval_s"] = poll_interval
+    if confirm_mode is not None:
+        changes["relay_confirm_mode"] = confirm_mode
+    if changes:
+        outbox.settings = dataclasses.replace(outbox.settings, **changes)  # type: ignore[arg-type]
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loop = outbox.relay_loop(listen=not no_listen)
+    try:
+        if once:
+            result = loop.drain_once()
+            click.echo(f"published {result.published}, failed {result.failed}, "
+                       f"dead-lettered {result.dead_lettered} in {result.batches} batch(es)")
+            if result.broker_unavailable:
+                raise click.ClickException(f"stopped early: {result.error}")
+        else:
+            loop.run()
+    finally:
+        loop.close()
+        loop.publisher.close()

@@ -1,0 +1,1 @@
+"""Framework integrations: ``contrib.flask`` (dead-letter page, /metrics) and ``contrib.django``."""

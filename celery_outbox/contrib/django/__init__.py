@@ -1,0 +1,24 @@
+"""Django support: write the outbox and consume idempotently on Django's own connection.
+
+Add ``"celery_outbox.contrib.django"`` to ``INSTALLED_APPS`` and run ``manage.py migrate``: the app's
+migrations create the library's tables (``outbox_*``, as ``celery_outbox.schema.define_tables()``
+defines them) and, on Postgres, the NOTIFY trigger of the standalone relay.
+
+    with transaction.atomic():
+        order = Order.objects.create(...)
+        celery_outbox.contrib.django.publish(Event(type="OrderPlaced", payload={...}))
+
+    @idempotent_consumer("OrderPlaced", name="fulfilment")
+    def fulfil(envelope): Shipment.objects.create(...)
+    outbox.include(fulfil)    # outbox = Outbox(app, settings=Settings(database_url=database_url()))
+
+This module imports no models, so it is safe to import before the app registry is ready.
+"""
+
+from __future__ import annotations
+
+from celery_outbox.contrib.django.conf import database_settings, database_url
+from celery_outbox.contrib.django.consumer import DjangoConsumerSpec, idempotent_consumer
+from celery_outbox.contrib.django.writer import publish
+
+__all__ = ["DjangoConsumerSpec", "database_settings", "database_url", "idempotent_consumer", "publish"]

@@ -1,0 +1,12 @@
+"""The Django app config: the library's tables as managed models (``manage.py migrate`` creates them)."""
+
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class OutboxDjangoConfig(AppConfig):  # type: ignore[misc]
+    name = "celery_outbox.contrib.django"
+    label = "celery_outbox"
+    verbose_name = "Transactional outbox"
+    default_auto_field = "django.db.models.BigAutoField"

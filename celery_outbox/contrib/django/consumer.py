@@ -1,0 +1,146 @@
+"""Idempotent consumers on Django's connection, driven by the SHARED delivery core.
+
+``@idempotent_consumer("OrderPlaced", name="fulfilment")`` turns ``handler(envelope)`` into a
+``DjangoConsumerSpec``; ``outbox.include(spec)`` makes it a Celery task whose deliveries
+``celery_outbox.delivery.deliver`` counts, retries and dead-letters exactly as for SQLAlchemy
+consumers (that bookkeeping goes through the SQLAlchemy session the core passes, on the same
+database). Only the inbox step differs: the claim (the ``outbox_inbox`` row) and the handler's
+effect commit in ONE ``transaction.atomic()`` on Django's connection.
+
+The inbox row is inserted FIRST inside that transaction, so a parallel second delivery of the same
+message blocks on the primary key until the first commits, then fails with a unique violation and
+returns ``Outcome.DUPLICATE`` without running the handler (its transaction rolls back). If the
+handler raises, the inbox row rolls back with the effect and the exception goes to the core.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
+from django.db import DatabaseError as DjangoDatabaseError
+from sqlalchemy.orm import Session
+
+from celery_outbox import counters
+from celery_outbox.clock import Clock
+from celery_outbox.consumer import ConsumerSpec, check_name
+from celery_outbox.crashpoints import DISARMED
+from celery_outbox.errors import ConfigError, DatabaseError, UnknownEventTypeError
+from celery_outbox.inbox.handle import DUPLICATES, CrashSite
+from celery_outbox.inbox.outcome import Outcome
+from celery_outbox.messages import Envelope
+from celery_outbox.policy import RetryPolicy
+from celery_outbox.schema import Tables
+
+if TYPE_CHECKING:
+    from celery_outbox.contrib.django.models import InboxEntry
+
+log = logging.getLogger(__name__)
+
+Effect = Callable[[Envelope], object]
+"""The handler: writes with Django's ORM, never commits (the inbox's ``atomic()`` does)."""
+
+
+class _AlreadyProcessed(Exception):
+    """Raised inside the atomic block so that leaving it rolls everything back."""
+
+
+def is_unique_violation(error: IntegrityError) -> bool:
+    """True for a primary-key/unique violation (psycopg2, psycopg 3 or SQLite), not FK/NOT NULL."""
+    cause = error.__cause__
+    code = getattr(cause, "pgcode", None) or getattr(cause, "sqlstate", None)
+    if code is not None:
+        return bool(code == "23505")
+    text = str(cause if cause is not None else error)
+    return "UNIQUE constraint failed" in text
+
+
+def already_processed(message_id: Any, consumer: str, *, using: str | None = None) -> bool:
+    """The fast path: has ``consumer`` committed ``message_id``? Never the guarantee on its own."""
+    from celery_outbox.contrib.django.models import InboxEntry
+
+    return bool(InboxEntry.objects.using(using or DEFAULT_DB_ALIAS)
+                .filter(message_id=message_id, consumer=consumer).exists())
+
+
+def _claim(envelope: Envelope, consumer: str, alias: str, now_ms: int) -> InboxEntry:
+    from celery_outbox.contrib.django.models import InboxEntry
+
+    try:
+        entry: InboxEntry = InboxEntry.objects.using(alias).create(
+            message_id=envelope.message_id, consumer=consumer, type=envelope.type, processed_at_ms=now_ms,
+        )
+    except IntegrityError as e:
+        if is_unique_violation(e):
+            raise _AlreadyProcessed from e
+        raise DatabaseError(f"inbox insert for {consumer} {envelope.message_id} failed: {e}") from e
+    except DjangoDatabaseError as e:
+        raise DatabaseError(f"inbox insert for {consumer} {envelope.message_id} failed: {e}") from e
+    return entry
+
+
+@dataclass(frozen=True, kw_only=True)
+class DjangoConsumerSpec(ConsumerSpec):
+    """A consumer whose inbox claim and effect run in one ``transaction.atomic(using=...)``."""
+
+    effect: Effect
+    using: str | None = None
+
+    def handle(self, session: Session, envelope: Envelope, *, tables: Tables, clock: Clock,
+               crash_points: CrashSite | None = None, fast_path: bool | None = None) -> Outcome:
+        """The inbox step for ``deliver``: PROCESSED, or DUPLICATE (counted); a handler error propagates."""
+        if not self.accepts(envelope.type):
+            raise UnknownEventTypeError(
+                f"consumer {self.name!r} does not handle event type {envelope.type!r} "
+                f"(it handles: {', '.join(sorted(self.events))})"
+            )
+        alias = self.using or DEFAULT_DB_ALIAS
+        crash = crash_points or DISARMED
+        if (self.fast_path if fast_path is None else fast_path) and \
+                already_processed(envelope.message_id, self.name, using=alias):
+            log.info("%s: %s %s already processed (fast path)", self.name, envelope.type, envelope.message_id)
+            counters.increment(session, self.name, DUPLICATES, tables=tables)
+            return Outcome.DUPLICATE
+        try:
+            with transaction.atomic(using=alias):
+                _claim(envelope, self.name, alias, clock.now_ms())
+                self.effect(envelope)
+                crash.reached("consumer_before_commit")
+        except _AlreadyProcessed:
+            log.info("%s: %s %s is a duplicate (inbox key), rolled back", self.name, envelope.type,
+                     envelope.message_id)
+            counters.increment(session, self.name, DUPLICATES, tables=tables)
+            return Outcome.DUPLICATE
+        crash.reached("consumer_after_commit_before_ack")
+        return Outcome.PROCESSED
+
+
+def idempotent_consumer(event: str | Iterable[str], *, name: str, using: str | None = None, fast_path: bool = True,
+                        ordering: bool = False, max_retries: int | None = None, retry_backoff: bool | float = True,
+                        retry_backoff_max: float | None = None, retry_jitter: bool = False,
+                        ) -> Callable[[Effect], DjangoConsumerSpec]:
+    """Declare ``handler(envelope)`` as consumer ``name`` of ``event`` on Django's database ``using``.
+
+    Returns a spec; ``outbox.include(spec)`` defines its Celery task. Retry options mean what they mean
+    on ``Outbox.consumer``. Per-entity ordering is not supported with Django consumers yet.
+    """
+    check_name(name)
+    events = frozenset([event] if isinstance(event, str) else event)
+    if not events or not all(isinstance(e, str) and e.strip() for e in events):
+        raise ConfigError(f"consumer {name!r} needs at least one non-empty event type")
+    if ordering:
+        raise ConfigError(f"consumer {name!r}: per-entity ordering is not supported with Django consumers yet")
+    policy = RetryPolicy(max_retries=max_retries, retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
+                         retry_jitter=retry_jitter)
+
+    def decorate(effect: Effect) -> DjangoConsumerSpec:
+        def handler(_session: Session, envelope: Envelope) -> None:
+            effect(envelope)
+
+        return DjangoConsumerSpec(name=name, events=events, handler=handler, fast_path=fast_path, policy=policy,
+                                  effect=effect, using=using)
+
+    return decorate

@@ -1,0 +1,258 @@
+"""The dead-letter admin page (``/admin/dead-letters``) and ``/metrics`` for the Flask app.
+
+Access: ``settings.admin_token`` as a bearer token (``Authorization: Bearer <token>``) or as the
+basic-auth password (any user name). With no token configured the page does not exist (404), so a
+forgotten setting never means an open admin page.
+
+CSRF: every form carries a random token that must equal the ``outbox_csrf`` cookie (double submit);
+the cookie is ``SameSite=Strict`` and HttpOnly, and a POST whose Origin is another site is refused.
+A cross-site form cannot read the cookie, so it cannot forge the field.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlparse
+
+from flask import Blueprint, Flask, Response, abort, current_app, g, redirect, render_template_string, request, url_for
+from markupsafe import Markup
+from sqlalchemy.orm import Session
+from werkzeug.wrappers import Response as WerkzeugResponse
+
+from celery_outbox.celery.sender import replay_sender
+from celery_outbox.clock import Clock
+from celery_outbox.errors import NotFoundError, OutboxError
+from celery_outbox.ops import dead_letters as dl
+from celery_outbox.ops import metrics as ops_metrics
+from celery_outbox.outbox import Outbox
+from celery_outbox.settings import Settings
+
+CSRF_COOKIE = "outbox_csrf"
+CSRF_FIELD = "csrf_token"
+EXT = "outbox_ops"
+
+_LAYOUT_HEAD = """<!doctype html><html><head><meta charset="utf-8"><title>{{ title }}</title>
+<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;
+padding:4px 8px;text-align:left;vertical-align:top}pre{background:#f4f4f4;padding:1em}
+.flash{background:#e8f4e8;padding:.5em}.error{background:#f8e0e0;padding:.5em}form{display:inline}</style>
+</head><body>"""
+
+LIST_TEMPLATE = _LAYOUT_HEAD + """
+<h1>Dead letters</h1>
+{% if flash %}<p class="flash" id="flash">{{ flash }}</p>{% endif %}
+{% if error %}<p class="error" id="error">{{ error }}</p>{% endif %}
+<p id="count">{{ items|length }} dead letter(s)</p>
+{% if items %}
+<table id="dead-letters">
+<tr><th>id</th><th>age</th><th>source</th><th>consumer</th><th>type</th><th>attempts</th><th>error</th><th></th></tr>
+{% for d in items %}
+<tr data-id="{{ d.id }}">
+<td><a href="{{ url_for('outbox_admin.show', dl_id=d.id|string) }}">{{ d.id }}</a></td>
+<td>{{ age(d) }}</td><td>{{ d.source }}</td><td>{{ d.consumer or "-" }}</td><td>{{ d.type or "?" }}</td>
+<td>{{ d.attempts }}</td><td>{{ d.error[:120] }}</td>
+<td>{{ buttons(d) }}</td>
+</tr>
+{% endfor %}
+</table>
+{% endif %}
+</body></html>"""
+
+SHOW_TEMPLATE = _LAYOUT_HEAD + """
+<p><a href="{{ url_for('outbox_admin.index') }}">&larr; all dead letters</a></p>
+<h1>Dead letter {{ d.id }}</h1>
+<table>
+<tr><th>source</th><td>{{ d.source }}</td></tr><tr><th>consumer</th><td>{{ d.consumer or "-" }}</td></tr>
+<tr><th>message id</th><td>{{ d.message_id }}</td></tr><tr><th>type</th><td>{{ d.type or "?" }}</td></tr>
+<tr><th>age</th><td>{{ age(d) }}</td></tr><tr><th>attempts</th><td>{{ d.attempts }}</td></tr>
+<tr><th>replayed at</th><td>{{ d.replayed_at_ms or "-" }}</td></tr>
+</table>
+<h2>Error</h2><pre id="error-text">{{ d.error }}</pre>
+<h2>Payload</h2><pre id="payload">{{ pretty(d.payload) }}</pre>
+<h2>Headers</h2><pre id="headers">{{ pretty(d.headers) }}</pre>
+{{ buttons(d) }}
+</body></html>"""
+
+BUTTONS_TEMPLATE = """<form method="post" action="{{ url_for('outbox_admin.replay', dl_id=d.id|string) }}">
+<input type="hidden" name="csrf_token" value="{{ csrf }}"><button type="submit" class="replay"
+ data-id="{{ d.id }}">Replay</button></form>
+<form method="post" action="{{ url_for('outbox_admin.purge', dl_id=d.id|string) }}"
+ onsubmit="return confirm('Delete {{ d.id }} for good?')">
+<input type="hidden" name="csrf_token" value="{{ csrf }}"><button type="submit" class="purge"
+ data-id="{{ d.id }}">Purge</button></form>"""
+
+
+def _human_age(ms: int) -> str:
+    """``3d 4h``, ``2h 5m``, ``7m 3s``, ``12s``: enough to see at a glance what is stale."""
+    s = ms // 1000
+    d, h, m = s // 86400, s % 86400 // 3600, s % 3600 // 60
+    if d:
+        return f"{d}d {h}h"
+    if h:
+        return f"{h}h {m}m"
+    if m:
+        return f"{m}m {s % 60}s"
+    return f"{s}s"
+
+
+def _ctx() -> dict[str, Any]:
+    ext: dict[str, Any] = current_app.extensions[EXT]
+    return ext
+
+
+def _outbox() -> Outbox:
+    o: Outbox = _ctx()["outbox"]
+    return o
+
+
+def _settings() -> Settings:
+    return _outbox().settings
+
+
+def _session() -> Session:
+    if "ops_db" not in g:
+        g.ops_db = _outbox().sessions()()
+    s: Session = g.ops_db
+    return s
+
+
+def _clock() -> Clock:
+    return _outbox().clock
+
+
+def _authorized(token: str) -> bool:
+    auth = request.authorization
+    if auth is not None:
+        if auth.type == "bearer" and auth.token is not None:
+            return hmac.compare_digest(auth.token.encode(), token.encode())
+        if auth.type == "basic" and auth.password is not None:
+            return hmac.compare_digest(auth.password.encode(), token.encode())
+    return False
+
+
+def _same_origin() -> bool:
+    origin = request.headers.get("Origin") or request.headers.get("Referer")
+    if not origin or origin == "null":
+        return origin is None
+    return urlparse(origin).netloc == request.host
+
+
+def _csrf_token() -> str:
+    tok = request.cookies.get(CSRF_COOKIE, "")
+    if len(tok) < 32:
+        tok = g.get("new_csrf") or secrets.token_urlsafe(32)
+        g.new_csrf = tok
+    return tok
+
+
+def _sender() -> dl.Sender:
+    ext = _ctx()
+    if ext.get("send") is None:
+        ext["send"] = replay_sender(_outbox().app, _outbox())
+    send: dl.Sender = ext["send"]
+    return send
+
+
+def _page(template: str, **kw: Any) -> str:
+    csrf = _csrf_token()
+    now = _clock().now_ms()
+
+    def buttons(d: dl.DeadLetter) -> str:
+        return render_template_string(BUTTONS_TEMPLATE, d=d, csrf=csrf)
+
+    return render_template_string(
+        template, age=lambda d: _human_age(d.age_ms(now)),
+        pretty=lambda v: json.dumps(v, indent=2, sort_keys=True, default=str),
+        buttons=lambda d: Markup(buttons(d)), **kw,
+    )
+
+
+def make_blueprint() -> Blueprint:
+    bp = Blueprint("outbox_admin", __name__, url_prefix="/admin/dead-letters")
+
+    @bp.before_request
+    def _guard() -> Response | None:
+        token = _settings().admin_token
+        if not token:
+            abort(404)
+        if not _authorized(token):
+            return Response("authentication required\n", 401,
+                            {"WWW-Authenticate": 'Basic realm="outbox admin", charset="UTF-8"'})
+        if request.method == "POST":
+            sent = request.form.get(CSRF_FIELD, "")
+            cookie = request.cookies.get(CSRF_COOKIE, "")
+            if not _same_origin() or not cookie or not hmac.compare_digest(sent.encode(), cookie.encode()):
+                return Response("CSRF check failed: reload the page and try again\n", 403)
+        return None
+
+    @bp.after_request
+    def _set_csrf(resp: Response) -> Response:
+        new = g.get("new_csrf")
+        if new:
+            resp.set_cookie(CSRF_COOKIE, new, httponly=True, samesite="Strict", secure=request.is_secure,
+                            path="/admin/")
+        resp.headers["Cache-Control"] = "no-store"
+        resp.headers["X-Frame-Options"] = "DENY"
+        return resp
+
+    @bp.teardown_request
+    def _close(_exc: BaseException | None) -> None:
+        s = g.pop("ops_db", None)
+        if s is not None:
+            s.close()
+
+    @bp.get("/")
+    def index() -> str:
+        items = dl.list_dead_letters(_session(), tables=_outbox().tables)
+        return _page(LIST_TEMPLATE, title="Dead letters", items=items, flash=request.args.get("done"),
+                     error=request.args.get("error"))
+
+    @bp.get("/<dl_id>")
+    def show(dl_id: str) -> str:
+        try:
+            d = dl.get(_session(), dl_id, tables=_outbox().tables)
+        except NotFoundError:
+            abort(404)
+        except OutboxError:
+            abort(400)
+        return _page(SHOW_TEMPLATE, title=f"Dead letter {d.id}", d=d)
+
+    def _act(dl_id: str, action: Callable[[Session, str], str]) -> WerkzeugResponse:
+        try:
+            message = action(_session(), dl_id)
+        except OutboxError as e:
+            return redirect(url_for("outbox_admin.index", error=str(e)), 303)
+        return redirect(url_for("outbox_admin.index", done=message), 303)
+
+    @bp.post("/<dl_id>/replay")
+    def replay(dl_id: str) -> WerkzeugResponse:
+        def run(session: Session, raw: str) -> str:
+            ref = dl.DeadLetterId.parse(raw)
+            send = _sender() if ref.source == "consumer" else None
+            (result,) = dl.replay(session, [ref], tables=_outbox().tables, clock=_clock(), send=send)
+            return f"{result.id}: {result.detail}"
+        return _act(dl_id, run)
+
+    @bp.post("/<dl_id>/purge")
+    def purge(dl_id: str) -> WerkzeugResponse:
+        def run(session: Session, raw: str) -> str:
+            n = dl.purge(session, [raw], tables=_outbox().tables)
+            return f"{raw}: purged ({n} row)"
+        return _act(dl_id, run)
+
+    return bp
+
+
+def init_app(app: Flask, outbox: Outbox, *, send: dl.Sender | None = None) -> None:
+    """Mount the dead-letter page (``/admin/dead-letters``, token from ``Settings.admin_token``) and
+    ``/metrics`` on any Flask app; ``send`` replaces the Celery sender for replays (tests)."""
+    registry = ops_metrics.make_registry(tables=outbox.tables, session_factory=outbox.sessions(), clock=outbox.clock)
+    app.extensions[EXT] = {"send": send, "registry": registry, "outbox": outbox}
+    app.register_blueprint(make_blueprint())
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(ops_metrics.render(registry), 200, {"Content-Type": ops_metrics.CONTENT_TYPE})

@@ -1,0 +1,202 @@
+"""One delivery of a message to a consumer, decided without Celery: count, run the inbox, retry or dead-letter.
+
+Returning ``Delivery`` with ``retry_in_s`` asks the caller (the Celery task in
+``celery_outbox.celery.consumer_tasks``) to redeliver; deliveries are counted in the database
+(``inbox.attempts``), so after the consumer's maximum deliveries of any kind (failures, killed
+workers) the message goes to the dead-letter store and is acked: a poison message stops blocking its
+queue. Malformed input (not JSON, missing fields, an unknown event type, over the size limit) takes
+the same bounded road, raw body kept. See docs/design.md, rule 7.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox.clock import Clock
+from celery_outbox.consumer import ConsumerSpec
+from celery_outbox.errors import DatabaseError, SerializationError, UnknownEventTypeError
+from celery_outbox.inbox import attempts, dead_letters, ordering
+from celery_outbox.inbox.handle import DUPLICATES, CrashSite, already_seen, increment_counter
+from celery_outbox.inbox.outcome import Outcome
+from celery_outbox.messages import TASK_ID_NAMESPACE, Envelope, check_size, encode_json
+from celery_outbox.policy import Backoff
+from celery_outbox.schema import AttemptRow, Tables
+from celery_outbox.settings import Settings
+
+
+@dataclass(frozen=True, kw_only=True)
+class Delivery:
+    """What one delivery came to. ``retry_in_s`` is set when the message must be redelivered."""
+
+    outcome: Outcome
+    deliveries: int
+    error: str | None = None
+    retry_in_s: float | None = None
+
+
+def backoff_s(deliveries: int, *, policy: Backoff) -> float:
+    return policy.delay_s(deliveries)
+
+
+def raw_text(body: Any) -> str:
+    """The delivered body as text, exactly as stored in a dead letter."""
+    if isinstance(body, str):
+        return body
+    if isinstance(body, bytes):
+        return body.decode("utf-8", errors="replace")
+    try:
+        return encode_json(body, what="delivered body")
+    except SerializationError:
+        return repr(body)
+
+
+def delivery_key(body: Any, request_id: str | None, raw: str) -> uuid.UUID:
+    """The envelope's message_id when it has one; else the task id; else a hash of the raw body."""
+    if isinstance(body, Mapping):
+        try:
+            return uuid.UUID(str(body.get("message_id")))
+        except ValueError:
+            pass
+    if request_id:
+        try:
+            return uuid.UUID(str(request_id))
+        except ValueError:
+            pass
+    return uuid.uuid5(TASK_ID_NAMESPACE, raw)
+
+
+def _parse(spec: ConsumerSpec, body: Any, raw: str, max_bytes: int) -> Envelope:
+    check_size(raw, limit=max_bytes, what=f"message for {spec.name}")
+    envelope = Envelope.from_dict(body)
+    if not spec.accepts(envelope.type):
+        raise UnknownEventTypeError(
+            f"consumer {spec.name!r} does not handle event type {envelope.type!r} "
+            f"(it handles: {', '.join(sorted(spec.events))})"
+        )
+    return envelope
+
+
+def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, tables: Tables, request_id: str | None,
+            settings: Settings, clock: Clock, crash_points: CrashSite | None = None,
+            first_delivery: bool = False, redelivered: bool = False) -> Delivery:
+    """Handle one delivery of ``body`` for ``spec``: count it, run the inbox, decide retry/dead letter.
+
+    ``first_delivery`` (no retry so far, no broker redelivery) takes the fast path: nothing is
+    counted up front and the happy path costs the effect's one commit; the delivery is counted if it
+    fails, and if its worker dies instead the redelivery arrives ``redelivered`` and is counted for
+    both. Any other delivery is counted at its start, which bounds a message that kills its worker.
+    """
+    raw = raw_text(body)
+    key = delivery_key(body, request_id, raw)
+    policy = spec.policy.resolve(settings)
+    name, limit = spec.name, policy.max_deliveries
+    btype, bheaders = _body_meta(body)
+    with sessions() as session:
+
+        def count() -> AttemptRow | Delivery:
+            try:
+                return attempts.begin(session, tables=tables, key=key, consumer=name, now_ms=clock.now_ms(),
+                                      uncounted=1 if redelivered else 0)
+            except DatabaseError as e:
+                # The database is down: nobody's fault but the system's; redeliver, do not count.
+                return Delivery(outcome=Outcome.RETRY, deliveries=0, error=str(e),
+                                retry_in_s=backoff_s(1, policy=policy))
+
+        row: AttemptRow | None = None
+        if redelivered or not first_delivery:
+            counted = count()
+            if isinstance(counted, Delivery):
+                return counted
+            row = counted
+            if row.deliveries > limit:
+                return _worker_lost(session, row, tables=tables, spec=spec, raw=raw, type_=btype, headers=bheaders, clock=clock,
+                                    limit=limit)
+        try:
+            envelope = _parse(spec, body, raw, settings.max_message_bytes)
+            outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=crash_points)
+        except Exception as e:
+            session.rollback()
+            error = f"{e.__class__.__name__}: {e}"
+            if row is None:  # a first delivery is counted only now that it failed
+                counted = count()
+                if isinstance(counted, Delivery):
+                    return counted
+                row = counted
+                if row.deliveries > limit:  # a dead-lettered copy came back
+                    return _worker_lost(session, row, tables=tables, spec=spec, raw=raw, type_=btype, headers=bheaders,
+                                        clock=clock, limit=limit)
+            return _failed(session, row, tables=tables, spec=spec, raw=raw, type_=btype, headers=bheaders, error=error,
+                           clock=clock, limit=limit,
+                           retry_in_s=backoff_s(row.deliveries, policy=policy))
+        deliveries = row.deliveries if row is not None else 1
+        try:
+            if row is not None:
+                attempts.forget(session, tables=tables, key=key, consumer=name)
+            if spec.ordering:
+                ordering.expire_parked(session, tables=tables, consumer=name, now_ms=clock.now_ms(),
+                                       timeout_ms=settings.consumer_park_timeout_ms)
+        except DatabaseError:
+            session.rollback()  # bookkeeping only; the effect is committed and the message must be acked
+        return Delivery(outcome=outcome, deliveries=deliveries)
+
+
+def _body_meta(body: Any) -> tuple[str | None, Mapping[str, Any]]:
+    """The type and headers of a body, as far as it has them (kept with a dead letter)."""
+    if not isinstance(body, Mapping):
+        return None, {}
+    btype = body.get("type") if isinstance(body.get("type"), str) else None
+    headers = body["headers"] if isinstance(body.get("headers"), Mapping) else {}
+    return btype, headers
+
+
+def _failed(session: Session, row: AttemptRow, *, tables: Tables, spec: ConsumerSpec, raw: str, type_: str | None,
+            headers: Mapping[str, Any], error: str, clock: Clock, limit: int, retry_in_s: float) -> Delivery:
+    now = clock.now_ms()
+    try:
+        attempts.fail(session, row, error=error, now_ms=now)
+        if row.deliveries >= limit:
+            dead_letters.record(
+                session, tables=tables, consumer=spec.name, message_id=str(row.message_id), type=type_, body=raw, headers=headers,
+                delivery_count=row.deliveries, last_error=error, first_failed_at_ms=row.first_failed_at_ms,
+                last_failed_at_ms=now,
+            )
+            session.commit()
+            return Delivery(outcome=Outcome.DEAD_LETTERED, deliveries=row.deliveries, error=error)
+        session.commit()
+    except Exception as e:  # the failure could not even be recorded: redeliver, counted at the next begin
+        session.rollback()
+        return Delivery(outcome=Outcome.RETRY, deliveries=row.deliveries, error=f"{error} (and {e})",
+                        retry_in_s=retry_in_s)
+    return Delivery(outcome=Outcome.RETRY, deliveries=row.deliveries, error=error, retry_in_s=retry_in_s)
+
+
+def _worker_lost(session: Session, row: AttemptRow, *, tables: Tables, spec: ConsumerSpec, raw: str, type_: str | None,
+                 headers: Mapping[str, Any], clock: Clock, limit: int) -> Delivery:
+    """More deliveries than allowed: earlier ones died without recording an outcome (killed worker),
+    or this message is already dead-lettered and came back (a crash before the ack), or it was
+    processed and the worker died between the inbox commit and the ack."""
+    if already_seen(session, row.message_id, spec.name, tables=tables):
+        session.rollback()
+        increment_counter(session, spec.name, DUPLICATES, tables=tables)
+        attempts.forget(session, tables=tables, key=row.message_id, consumer=spec.name)
+        return Delivery(outcome=Outcome.DUPLICATE, deliveries=row.deliveries)
+    if dead_letters.is_open(session, tables=tables, consumer=spec.name, message_id=str(row.message_id)):
+        session.rollback()
+        return Delivery(outcome=Outcome.DEAD_LETTERED, deliveries=row.deliveries - 1,
+                        error="already in the dead-letter store")
+    error = (f"delivered {row.deliveries - 1} times (max {limit}) without an outcome: the worker was lost "
+             f"(killed or crashed) during the delivery; last recorded error: {row.last_error or 'none'}")
+    now = clock.now_ms()
+    dead_letters.record(
+        session, tables=tables, consumer=spec.name, message_id=str(row.message_id), type=type_, body=raw, headers=headers,
+        delivery_count=row.deliveries - 1, last_error=error, first_failed_at_ms=row.first_failed_at_ms,
+        last_failed_at_ms=now,
+    )
+    attempts.fail(session, row, error=error, now_ms=now)
+    session.commit()
+    return Delivery(outcome=Outcome.DEAD_LETTERED, deliveries=row.deliveries - 1, error=error)

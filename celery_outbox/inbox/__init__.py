@@ -1,0 +1,1 @@
+"""The consumer side's core: inbox claim + effect in one transaction, delivery counts, dead letters, ordering."""

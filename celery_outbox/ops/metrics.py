@@ -1,0 +1,136 @@
+"""Prometheus metrics.
+
+Everything is read from the database at scrape time (``OutboxCollector``), gauges and counters alike:
+the same figures from every process (web app, relay, prefork worker children, which in-process
+counters could not sum without prometheus-client's multiprocess mode) and they survive restarts.
+The counters are kept by the work they count, in its own transaction (``outbox.counters``): the
+relay's mark, a consumer's dead letter, a retention batch; "processed" is derived (inbox rows plus
+pruned inbox rows) so the consumer's hot path writes nothing extra.
+
+Endpoints: ``GET /metrics`` on the Flask app (``ops.admin.init_app``), and ``start_worker_metrics_server``
+which a Celery ``worker_ready`` signal calls in the worker's main process on ``settings.metrics_port``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox import counters
+from celery_outbox.clock import Clock, SystemClock
+from celery_outbox.ops import stats as ops_stats
+from celery_outbox.schema import Tables
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    return {
+        "up": GaugeMetricFamily("outbox_stats_up", "1 if the last scrape could read the outbox database"),
+        "pending": GaugeMetricFamily("outbox_pending_messages", "Outbox rows not yet published (excl. dead)"),
+        "due": GaugeMetricFamily("outbox_due_messages", "Pending outbox rows whose backoff has passed"),
+        "retrying": GaugeMetricFamily("outbox_retrying_messages",
+                                      "Pending outbox rows that failed to publish at least once"),
+        "oldest": GaugeMetricFamily("outbox_oldest_pending_age_seconds",
+                                    "Age of the oldest pending outbox row (0 when none)"),
+        "published": GaugeMetricFamily("outbox_published_retained_messages",
+                                       "Published outbox rows not yet pruned by retention"),
+        "dead": GaugeMetricFamily("outbox_dead_letters", "Unreplayed dead letters",
+                                  labels=["source", "consumer"]),
+        "dead_age": GaugeMetricFamily("outbox_dead_letter_oldest_age_seconds",
+                                      "Age of the oldest unreplayed dead letter", labels=["source", "consumer"]),
+        "inbox": GaugeMetricFamily("outbox_inbox_entries", "Inbox rows (processed messages kept for dedup)",
+                                   labels=["consumer"]),
+        "dups": CounterMetricFamily("outbox_duplicates_absorbed", "Duplicate deliveries the inbox absorbed",
+                                    labels=["consumer"]),
+        "published_total": CounterMetricFamily("outbox_relay_published", "Outbox rows the relay published"),
+        "failures_total": CounterMetricFamily("outbox_relay_publish_failures",
+                                              "Failed publish attempts: a message the broker rejected (charged to "
+                                              "the row) or a batch the broker was unreachable for", labels=["kind"]),
+        "processed_total": CounterMetricFamily("outbox_consumer_processed",
+                                               "Deliveries processed (effect committed): inbox rows + pruned ones",
+                                               labels=["consumer"]),
+        "dead_total": CounterMetricFamily("outbox_dead_lettered", "Messages dead-lettered",
+                                          labels=["source", "consumer"]),
+    }
+
+
+class OutboxCollector(Collector):
+    """Reads the database on every scrape; a failed read yields ``outbox_stats_up 0`` instead of an error."""
+
+    def __init__(self, *, tables: Tables, session_factory: sessionmaker[Session], clock: Clock | None = None) -> None:
+        self._tables = tables
+        self._sessions = session_factory
+        self._clock = clock or SystemClock()
+
+    def describe(self) -> Iterator[Metric]:
+        # Names only: registering must not touch the database.
+        yield from _families().values()
+
+    def collect(self) -> Iterator[Metric]:
+        fam = _families()
+        try:
+            with self._sessions() as session:
+                st = ops_stats.collect(session, tables=self._tables, clock=self._clock)
+        except Exception:
+            log.exception("metrics: cannot read the outbox database")
+            fam["up"].add_metric([], 0)
+            yield fam["up"]
+            return
+        fam["up"].add_metric([], 1)
+        fam["pending"].add_metric([], st.pending)
+        fam["due"].add_metric([], st.due)
+        fam["retrying"].add_metric([], st.retrying)
+        fam["oldest"].add_metric([], (st.oldest_pending_age_ms or 0) / 1000)
+        fam["published"].add_metric([], st.published)
+        for g in st.dead_letters:
+            labels = [g.source, g.consumer or ""]
+            fam["dead"].add_metric(labels, g.count)
+            fam["dead_age"].add_metric(labels, g.oldest_age_ms / 1000)
+        for consumer, n in st.inbox.items():
+            fam["inbox"].add_metric([consumer], n)
+        for consumer, n in st.duplicates_absorbed.items():
+            fam["dups"].add_metric([consumer], n)
+        relay = st.counters.get(counters.RELAY, {})
+        fam["published_total"].add_metric([], relay.get(counters.PUBLISHED, 0))
+        fam["failures_total"].add_metric(["rejected"], relay.get(counters.PUBLISH_FAILURES, 0))
+        fam["failures_total"].add_metric(["broker_unavailable"], relay.get(counters.BROKER_UNAVAILABLE, 0))
+        fam["dead_total"].add_metric(["outbox", ""], relay.get(counters.DEAD_LETTERED, 0))
+        consumers = (set(st.inbox) | set(st.counters)) - {counters.RELAY}
+        for consumer in sorted(consumers):
+            kept = st.counters.get(consumer, {})
+            processed = st.inbox.get(consumer, 0) + kept.get(counters.INBOX_PRUNED, 0)
+            fam["processed_total"].add_metric([consumer], processed)
+            fam["dead_total"].add_metric(["consumer", consumer], kept.get(counters.DEAD_LETTERED, 0))
+        yield from fam.values()
+
+
+def make_registry(*, tables: Tables, session_factory: sessionmaker[Session], clock: Clock | None = None) -> CollectorRegistry:
+    """A fresh registry (never the global default) holding the DB collector."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(OutboxCollector(tables=tables, session_factory=session_factory, clock=clock))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
+
+
+def start_worker_metrics_server(*, port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> Any:
+    """Serve ``/metrics`` from a background thread; returns the server (``.shutdown()`` stops it), or
+    None when the port is taken (a second worker on one host must not crash over metrics)."""
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as e:
+        log.error("metrics: cannot listen on %s:%s (%s); this worker serves no /metrics", addr, port, e)
+        return None
+    log.info("metrics: serving /metrics on %s:%s", addr, port)
+    return server

@@ -1,0 +1,120 @@
+"""What an operator asks first: is the outbox draining, is anything dead, are duplicates being absorbed.
+
+Every figure is read from the database, so it is the same whichever process (web app, relay, worker)
+serves it, and it survives restarts. Queries use the partial indexes: the pending figures are O(pending),
+not O(history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from celery_outbox.clock import Clock
+from celery_outbox.schema import Tables
+
+DUPLICATES = "duplicates"  # tables.counters.name the inbox increments per duplicate absorbed
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadLetterGroup:
+    source: str
+    consumer: str | None
+    count: int
+    oldest_age_ms: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "consumer": self.consumer, "count": self.count,
+                "oldest_age_ms": self.oldest_age_ms}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stats:
+    now_ms: int
+    pending: int
+    due: int
+    retrying: int  # pending rows that have failed at least once (publish failures not yet dead)
+    oldest_pending_age_ms: int | None
+    published: int  # published rows still retained (retention shrinks this)
+    dead_letters: list[DeadLetterGroup] = field(default_factory=list)
+    inbox: dict[str, int] = field(default_factory=dict)
+    duplicates_absorbed: dict[str, int] = field(default_factory=dict)
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)  # consumer -> name -> value
+
+    @property
+    def dead_letter_total(self) -> int:
+        return sum(g.count for g in self.dead_letters)
+
+    @property
+    def oldest_dead_letter_age_ms(self) -> int | None:
+        return max((g.oldest_age_ms for g in self.dead_letters), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "now_ms": self.now_ms,
+            "outbox": {"pending": self.pending, "due": self.due, "retrying": self.retrying,
+                       "oldest_pending_age_ms": self.oldest_pending_age_ms, "published_retained": self.published},
+            "dead_letters": {"total": self.dead_letter_total, "oldest_age_ms": self.oldest_dead_letter_age_ms,
+                             "groups": [g.to_dict() for g in self.dead_letters]},
+            "inbox": {"total": sum(self.inbox.values()), "per_consumer": dict(self.inbox)},
+            "duplicates_absorbed": {"total": sum(self.duplicates_absorbed.values()),
+                                    "per_consumer": dict(self.duplicates_absorbed)},
+            "counters": {c: dict(v) for c, v in self.counters.items()},
+        }
+
+
+def _pending_where(tables: Tables) -> tuple[sa.ColumnElement[bool], ...]:
+    return (tables.outbox.published_at_ms.is_(None), tables.outbox.dead_lettered_at_ms.is_(None))
+
+
+def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
+    now = clock.now_ms()
+    pending_q = sa.select(
+        sa.func.count(),
+        sa.func.count().filter(tables.outbox.next_attempt_at_ms <= now),
+        sa.func.count().filter(tables.outbox.attempts > 0),
+    ).select_from(tables.outbox).where(*_pending_where(tables))
+    pending, due, retrying = session.execute(pending_q).one()
+    # The oldest pending row is the lowest seq: one index probe on ix_outbox_pending.
+    oldest_created = session.scalar(
+        sa.select(tables.outbox.created_at_ms).where(*_pending_where(tables)).order_by(tables.outbox.seq).limit(1)
+    )
+    published = session.scalar(
+        sa.select(sa.func.count()).select_from(tables.outbox).where(tables.outbox.published_at_ms.is_not(None))
+    ) or 0
+
+    groups: list[DeadLetterGroup] = []
+    o_count, o_oldest = session.execute(
+        sa.select(sa.func.count(), sa.func.min(tables.outbox.dead_lettered_at_ms))
+        .where(tables.outbox.dead_lettered_at_ms.is_not(None))
+    ).one()
+    if o_count:
+        groups.append(DeadLetterGroup(source="outbox", consumer=None, count=int(o_count),
+                                      oldest_age_ms=max(0, now - int(o_oldest or now))))
+    for consumer, count, oldest in session.execute(
+        sa.select(tables.dead_letters.consumer, sa.func.count(), sa.func.min(tables.dead_letters.last_failed_at_ms))
+        .where(tables.dead_letters.replayed_at_ms.is_(None))
+        .group_by(tables.dead_letters.consumer).order_by(tables.dead_letters.consumer)
+    ):
+        groups.append(DeadLetterGroup(source="consumer", consumer=consumer, count=int(count),
+                                      oldest_age_ms=max(0, now - int(oldest or now))))
+
+    inbox = {c: int(n) for c, n in session.execute(
+        sa.select(tables.inbox.consumer, sa.func.count()).group_by(tables.inbox.consumer).order_by(tables.inbox.consumer)
+    )}
+    counters: dict[str, dict[str, int]] = {}
+    for consumer, name, value in session.execute(
+        sa.select(tables.counters.consumer, tables.counters.name, tables.counters.value)
+        .order_by(tables.counters.consumer, tables.counters.name)
+    ):
+        counters.setdefault(consumer, {})[name] = int(value)
+    duplicates = {c: v[DUPLICATES] for c, v in counters.items() if DUPLICATES in v}
+    return Stats(
+        now_ms=now, pending=int(pending), due=int(due), retrying=int(retrying),
+        oldest_pending_age_ms=None if oldest_created is None else max(0, now - int(oldest_created)),
+        published=int(published), dead_letters=groups, inbox=inbox, duplicates_absorbed=duplicates,
+        counters=counters,
+    )

@@ -1,0 +1,211 @@
+"""``Outbox``: the one object an application builds; it binds the library to the application's Celery app.
+
+    app = Celery("shop")
+    outbox = Outbox(app, engine=engine)
+    outbox.define_tables(Base.metadata)
+    @outbox.consumer("OrderPlaced", name="notify")
+    def notify(session, event): ...
+    with Session.begin() as s:
+        s.add(order); outbox.publish(s, Event("OrderPlaced", {"order_id": order.id}))
+
+Routes are the consumers declared here plus ``route()`` for consumers in other services; a route in
+the settings (``OUTBOX_ROUTES``) may override them, but must name a known consumer (docs/adoption.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from celery import Celery, bootsteps
+from kombu import Exchange, Queue
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox.celery import consumer_tasks, ops_tasks, relay_tasks
+from celery_outbox.celery.config import add_task_routes
+from celery_outbox.clock import Clock, SystemClock
+from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, check_name, consumer
+from celery_outbox.crashpoints import CrashPoints
+from celery_outbox.db import SessionSource
+from celery_outbox.errors import ConfigError, UnknownEventTypeError
+from celery_outbox.inbox.handle import Handler, Prepare
+from celery_outbox.messages import task_name
+from celery_outbox.relay.loop import RelayLoop
+from celery_outbox.schema import OutboxRow, Tables, define_tables
+from celery_outbox.settings import Settings
+from celery_outbox.writer import Event, add
+
+
+class Outbox:
+    """The outbox, inbox and consumers of one application, on its own Celery app."""
+
+    def __init__(self, app: Celery, *, engine: sa.Engine | None = None,
+                 session_factory: sessionmaker[Session] | None = None, settings: Settings | None = None,
+                 clock: Clock | None = None) -> None:
+        self.app = app
+        self.settings = settings if settings is not None else Settings.from_env()
+        if engine is None and session_factory is None:
+            self.sessions = SessionSource(url=self.settings.effective_database_url)
+        else:
+            self.sessions = SessionSource(engine=engine, session_factory=session_factory)
+        self.clock: Clock = clock or SystemClock()
+        self.crash_points = CrashPoints(spec=self.settings.crash_points)
+        self.registry = ConsumerRegistry()
+        self._tables: Tables | None = None
+        self._remote: dict[str, list[str]] = {}
+        self._tasks: dict[str, Any] = {}
+        self._configure_app()
+        relay_tasks.register(app, self)
+        ops_tasks.register(app, self)
+        app.steps["worker"].add(self._boot_check_step())
+
+    # -- schema ----------------------------------------------------------------------------------
+    def define_tables(self, metadata: sa.MetaData) -> Tables:
+        """Put the library's tables into ``metadata`` (your Alembic autogenerate then sees them)."""
+        if self._tables is not None:
+            raise ConfigError("the outbox tables are already defined; call outbox.define_tables(metadata) once, "
+                              "before the first publish or task")
+        self._tables = define_tables(metadata, prefix=self.settings.table_prefix)
+        return self._tables
+
+    @property
+    def tables(self) -> Tables:
+        if self._tables is None:
+            self._tables = define_tables(sa.MetaData(), prefix=self.settings.table_prefix)
+        return self._tables
+
+    # -- consumers and routes --------------------------------------------------------------------
+    def consumer(self, event: str | Iterable[str], *, name: str, ordering: bool = False, fast_path: bool = True,
+                 prepare: Prepare | None = None, max_retries: int | None = None, retry_backoff: bool | float = True,
+                 retry_backoff_max: float | None = None, retry_jitter: bool = False,
+                 ) -> Callable[[Handler], ConsumerSpec]:
+        """Declare ``handler(session, envelope)`` as consumer ``name`` of ``event``: a Celery task on its own
+        queue whose effect commits with its inbox row. Retry options mean what they mean on ``@app.task``."""
+        make = consumer(name=name, event=event, ordering=ordering, fast_path=fast_path, prepare=prepare,
+                        max_retries=max_retries, retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
+                        retry_jitter=retry_jitter)
+
+        def decorate(handler: Handler) -> ConsumerSpec:
+            return self.include(make(handler))
+
+        return decorate
+
+    def include(self, spec: ConsumerSpec) -> ConsumerSpec:
+        """Add a consumer built elsewhere (a package of consumers shared by several apps) as its task."""
+        spec.policy.resolve(self.settings)  # a policy the settings cannot honour fails here, not at delivery
+        self.registry.add(spec)
+        self._add_queue(spec.name)
+        self._tasks[spec.name] = consumer_tasks.define(self.app, self, spec)
+        return spec
+
+    def route(self, event_type: str, *consumers: str) -> None:
+        """Route ``event_type`` to consumers that live in another service (declared there)."""
+        if not isinstance(event_type, str) or not event_type.strip():
+            raise ConfigError("route() needs a non-empty event type")
+        if not consumers:
+            raise ConfigError(f"route({event_type!r}) names no consumer")
+        names = self._remote.setdefault(event_type, [])
+        for c in consumers:
+            check_name(c)
+            if c not in names:
+                names.append(c)
+                self._add_queue(c)
+
+    def known_consumers(self) -> tuple[str, ...]:
+        names = dict.fromkeys(self.registry.names())
+        for cs in self._remote.values():
+            names.update(dict.fromkeys(cs))
+        return tuple(names)
+
+    def routes(self) -> Mapping[str, tuple[str, ...]]:
+        """Event type -> consumers: declared, plus ``route()``, then the settings' routes on top."""
+        merged: dict[str, list[str]] = {}
+        for spec in self.registry:
+            for ev in sorted(spec.events):
+                merged.setdefault(ev, []).append(spec.name)
+        for ev, cs in self._remote.items():
+            have = merged.setdefault(ev, [])
+            have.extend(c for c in cs if c not in have)
+        out = {ev: tuple(cs) for ev, cs in merged.items()}
+        known = set(self.known_consumers())
+        for ev, names in self.settings.routes.items():
+            unknown = [c for c in names if c not in known]
+            if unknown:
+                raise ConfigError(
+                    f"OUTBOX_ROUTES routes {ev!r} to {', '.join(map(repr, unknown))}, which no @outbox.consumer "
+                    f"declares here and no outbox.route() names: declare the consumer, or add "
+                    f"outbox.route({ev!r}, {', '.join(map(repr, unknown))}) if it lives in another service")
+            out[ev] = tuple(names)
+        return out
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` for a route that would skip a consumer; called when the app finalizes."""
+        self.routes()
+
+    # -- write side ------------------------------------------------------------------------------
+    def publish(self, session: Session, event: Event) -> OutboxRow:
+        """Stage ``event`` in ``session``'s transaction; it commits or rolls back with your data."""
+        routes = self.routes()
+        if event.type not in routes:
+            raise UnknownEventTypeError(
+                f"no consumer is routed for event type {event.type!r}: declare @outbox.consumer({event.type!r}, "
+                f"name=...) or call outbox.route({event.type!r}, 'consumer-name')")
+        return add(session, event, tables=self.tables, clock=self.clock,
+                   max_message_bytes=self.settings.max_message_bytes, known_types=routes)
+
+    # -- relay -----------------------------------------------------------------------------------
+    def broker_url(self) -> str:
+        url = self.settings.broker_url or self.app.conf.broker_url or ""
+        if not url:
+            raise ConfigError("no broker: set broker_url on the Celery app or OUTBOX_BROKER_URL")
+        return str(url)
+
+    def relay_loop(self, *, listen: bool = True) -> RelayLoop:
+        """A standalone relay (``outbox relay`` runs one); close it and its publisher when done."""
+        return relay_tasks.relay_loop(self, listen=listen)
+
+    def task(self, consumer_name: str) -> Any:
+        """The Celery task of a consumer declared here."""
+        return self._tasks[consumer_name]
+
+    # -- Celery wiring ---------------------------------------------------------------------------
+    def _configure_app(self) -> None:
+        conf = self.app.conf
+        accept = conf.accept_content or []
+        if any(a in ("pickle", "application/x-python-serialize", "yaml") for a in accept) or \
+                conf.task_serializer not in (None, "json"):
+            raise ConfigError("the outbox speaks JSON only: set accept_content=['json'] and task_serializer='json' "
+                              "on your Celery app (never pickle)")
+        self._add_queue(None)
+
+    def _add_queue(self, consumer: str | None) -> None:
+        """Declare ``<namespace>.<consumer>`` (or the relay's queue) on the app, bound to the events exchange."""
+        s = self.settings
+        conf = self.app.conf
+        if consumer is None:
+            name = f"{s.namespace}.relay"
+            queue = Queue(name, Exchange(name), routing_key=name, durable=True)
+        else:
+            name = s.queue_name(consumer)
+            queue = Queue(name, Exchange(s.exchange_name, type="direct", durable=True), routing_key=name, durable=True)
+            add_task_routes(self.app, {task_name(consumer): {"queue": name}})
+        queues = list(conf.task_queues or [])
+        if not queues:
+            default = conf.task_default_queue or "celery"
+            queues.append(Queue(default, Exchange(conf.task_default_exchange or default),
+                                routing_key=conf.task_default_routing_key or default))
+        if all(q.name != name for q in queues):
+            queues.append(queue)
+        conf.task_queues = queues
+
+    def _boot_check_step(self) -> type[bootsteps.Step]:
+        """A worker boot step: a worker whose routes name an unknown consumer refuses to start."""
+        outbox = self
+
+        class OutboxCheck(bootsteps.Step):
+            def __init__(self, parent: Any, **kwargs: Any) -> None:
+                outbox.check()
+                super().__init__(parent, **kwargs)  # type: ignore[no-untyped-call]
+
+        return OutboxCheck

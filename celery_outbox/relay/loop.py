@@ -1,0 +1,253 @@
+"""The standalone relay: drain until empty, then sleep until Postgres NOTIFY or the poll interval.
+
+``outbox relay`` runs this. A row inserted into the outbox fires the ``outbox_pending`` NOTIFY
+(trigger of migration 0001), which wakes the loop at once; polling is the fallback (SQLite, a lost
+LISTEN connection, rows whose backoff ends). The loop catches every ``Exception`` and logs it (one
+bad row or a database blip must not kill the relay, docs/design.md, rule 4); KeyboardInterrupt and other
+BaseExceptions pass. SIGTERM sets a flag and wakes the sleep: the current batch finishes (published
+rows get marked), then ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox.clock import Clock, SystemClock
+from celery_outbox.relay.breaker import CircuitBreaker
+from celery_outbox.relay.dispatch import BatchResult, CrashPointsLike, breaker_from_settings, dispatch_with_settings
+from celery_outbox.relay.publisher import Publisher
+from celery_outbox.relay.single_flight import single_flight, sqlite_lock_path
+from celery_outbox.schema import Tables
+from celery_outbox.settings import Settings
+
+log = logging.getLogger("celery_outbox.relay.loop")
+
+
+
+@dataclass(kw_only=True)
+class DrainResult:
+    """Totals of one ``drain_once``."""
+
+    batches: int = 0
+    claimed: int = 0
+    published: int = 0
+    failed: int = 0
+    dead_lettered: int = 0
+    already_published: int = 0
+    broker_unavailable: bool = False
+    error: str | None = None
+    dead_lettered_rows: list[tuple[str, str]] = field(default_factory=list)
+
+    def add(self, r: BatchResult) -> None:
+        self.batches += 1
+        self.dead_lettered_rows.extend(r.dead_lettered_rows)
+        self.claimed += r.claimed
+        self.published += r.published
+        self.failed += r.failed
+        self.dead_lettered += r.dead_lettered
+        self.already_published += r.already_published
+        if r.broker_unavailable:
+            self.broker_unavailable = True
+            self.error = r.error
+
+
+@dataclass(kw_only=True)
+class LoopStats:
+    """Counters a test or an operator can read while the loop runs."""
+
+    drains: int = 0
+    published: int = 0
+    errors: int = 0
+    waits: int = 0
+    notify_wakeups: int = 0
+    poll_wakeups: int = 0
+    kick_wakeups: int = 0
+    broker_unavailable: int = 0
+    skipped_busy: int = 0  # SQLite: another drain held the single-flight lock
+    listening: bool = False
+
+
+class _PgListener:
+    """A dedicated autocommit psycopg2 connection that LISTENs on ``outbox_pending``."""
+
+    def __init__(self, engine: Any, channel: str) -> None:
+        proxy = engine.raw_connection()
+        self.conn: Any = proxy.driver_connection
+        proxy.detach()  # never hand a LISTENing connection back to the pool
+        self._proxy = proxy
+        self.conn.rollback()
+        self.conn.autocommit = True
+        with self.conn.cursor() as cur:
+            cur.execute(f"LISTEN {channel}")
+
+    def fileno(self) -> int:
+        fd: int = self.conn.fileno()
+        return fd
+
+    def consume(self) -> int:
+        self.conn.poll()
+        n = len(self.conn.notifies)
+        self.conn.notifies.clear()
+        return n
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+class RelayLoop:
+    """Drains with ``dispatch_batch`` and waits for NOTIFY/poll; see the module docstring."""
+
+    def __init__(self, *, settings: Settings, tables: Tables, session_factory: sessionmaker[Session], publisher: Publisher,
+                 clock: Clock | None = None, breaker: CircuitBreaker | None = None,
+                 crash_points: CrashPointsLike | None = None, batch_size: int | None = None,
+                 poll_interval_s: float | None = None, listen: bool = True,
+                 max_batches_per_drain: int = 10_000,
+                 routes: Mapping[str, Sequence[str]] | None = None) -> None:
+        self.settings = settings
+        self.tables = tables
+        self.routes = settings.routes if routes is None else routes
+        self.session_factory = session_factory
+        self.publisher = publisher
+        self.clock = clock or SystemClock()
+        self.breaker = breaker or breaker_from_settings(settings)
+        self.crash_points = crash_points
+        self.batch_size = batch_size or settings.relay_batch_size
+        bind = session_factory.kw.get("bind")
+        self._lock_path = sqlite_lock_path(bind.url.render_as_string(hide_password=False) if bind is not None else "")
+        self.poll_interval_s = poll_interval_s or settings.relay_poll_interval_s
+        self.listen = listen
+        self.max_batches_per_drain = max_batches_per_drain
+        self.stats = LoopStats()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._listener: _PgListener | None = None
+
+    # -- control ---------------------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Ask ``run`` to return after the current batch (safe from signal handlers and threads)."""
+        self._stop.set()
+        self.kick()
+
+    def kick(self) -> None:
+        """Wake a waiting loop now."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    # -- work ------------------------------------------------------------------------------------
+    def drain_once(self) -> DrainResult:
+        """Publish due rows batch after batch until none is left or the broker is unreachable."""
+        total = DrainResult()
+        with single_flight(self._lock_path) as mine:
+            if not mine:
+                self.stats.skipped_busy += 1
+                return total
+            for _ in range(self.max_batches_per_drain):
+                with self.session_factory() as session:
+                    result = dispatch_with_settings(session, self.publisher, self.clock, self.settings, tables=self.tables,
+                                                    breaker=self.breaker, crash_points=self.crash_points,
+                                                    batch_size=self.batch_size, routes=self.routes)
+                total.add(result)
+                if result.broker_unavailable or result.claimed == 0 or self.stopping:
+                    break
+        self.stats.drains += 1
+        self.stats.published += total.published
+        if total.broker_unavailable:
+            self.stats.broker_unavailable += 1
+        return total
+
+    def run(self, *, handle_signals: bool = True) -> None:
+        """Loop until ``stop()`` or SIGTERM; exceptions are logged and the loop goes on."""
+        previous: Any = None
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        log.info("relay loop started (batch %s, poll %.3gs, listen %s)", self.batch_size,
+                 self.poll_interval_s, self.listen)
+        try:
+            while not self.stopping:
+                self._ensure_listener()
+                try:
+                    self.drain_once()
+                except Exception:
+                    self.stats.errors += 1
+                    log.exception("relay batch failed; retrying after the poll interval")
+                if self.stopping:
+                    break
+                try:
+                    self._wait()
+                except Exception:
+                    self.stats.errors += 1
+                    log.exception("waiting for outbox notifications failed; falling back to polling")
+                    self._close_listener()
+        finally:
+            self._close_listener()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            log.info("relay loop stopped")
+
+    def close(self) -> None:
+        self._close_listener()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        log.info("SIGTERM: finishing the current batch, then stopping")
+        self.stop()
+
+    def _ensure_listener(self) -> None:
+        if not self.listen or self._listener is not None:
+            return
+        engine = self.session_factory.kw.get("bind")
+        if engine is None or engine.dialect.name != "postgresql":
+            return
+        try:
+            self._listener = _PgListener(engine, self.tables.notify_channel)
+            self.stats.listening = True
+        except Exception:
+            log.exception("LISTEN %s failed; polling only until it works", self.tables.notify_channel)
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            self.stats.listening = False
+
+    def _wait(self) -> None:
+        timeout = self.poll_interval_s
+        breaker_wait = self.breaker.wait_ms(self.clock.now_ms()) / 1000
+        if breaker_wait > 0:
+            timeout = min(timeout, breaker_wait)
+        fds: list[Any] = [self._wake_r]
+        if self._listener is not None:
+            fds.append(self._listener)
+        self.stats.waits += 1
+        ready, _, _ = select.select(fds, [], [], timeout)
+        if not ready:
+            self.stats.poll_wakeups += 1
+            return
+        if self._wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_r, 512):
+                    pass
+            self.stats.kick_wakeups += 1
+        if self._listener is not None and self._listener in ready and self._listener.consume():
+            self.stats.notify_wakeups += 1

@@ -1,0 +1,200 @@
+"""The library's tables, defined into any ``MetaData`` under a name prefix (default ``outbox_``).
+
+``define_tables(metadata, prefix=...)`` maps fresh ORM classes onto the caller's metadata, so an
+application's own Alembic autogenerate sees them beside its models, and two prefixes can live in
+one database. The column sets are the mixins below (typed, shared by every prefix); every core
+function takes the resulting ``Tables`` instead of importing a fixed model. See docs/schema.md.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, registry
+
+from celery_outbox.errors import ConfigError
+
+JSONType = sa.JSON().with_variant(JSONB(), "postgresql")
+# seq is the relay's order: a bigint identity on Postgres, SQLite's rowid alias there.
+SeqType = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+PENDING_SQL = "published_at_ms IS NULL AND dead_lettered_at_ms IS NULL"
+DEFAULT_PREFIX = "outbox_"
+_PREFIX = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
+
+
+class _Row:
+    """Typing only: mapped classes take their columns as keyword arguments."""
+
+    if TYPE_CHECKING:
+        def __init__(self, **values: Any) -> None: ...
+
+
+class OutboxRow(_Row):
+    """One event waiting for (or past) the relay. ``published_at_ms IS NULL`` means pending."""
+
+    seq: Mapped[int] = mapped_column(SeqType, sa.Identity(), primary_key=True)
+    message_id: Mapped[uuid.UUID] = mapped_column(sa.Uuid, unique=True, default=uuid.uuid4)
+    type: Mapped[str] = mapped_column(sa.String(200))
+    payload: Mapped[Any] = mapped_column(JSONType)
+    headers: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
+    created_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+    published_at_ms: Mapped[int | None] = mapped_column(sa.BigInteger, nullable=True)
+    attempts: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    next_attempt_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+    dead_lettered_at_ms: Mapped[int | None] = mapped_column(sa.BigInteger, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(sa.Text, nullable=True)
+
+
+class InboxRow(_Row):
+    """(message_id, consumer) seen and committed with its effect. The primary key IS the guarantee."""
+
+    message_id: Mapped[uuid.UUID] = mapped_column(sa.Uuid, primary_key=True)
+    consumer: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    type: Mapped[str] = mapped_column(sa.String(200))
+    processed_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+class AttemptRow(_Row):
+    """Failed deliveries per (message, consumer), counted in the database so redeliveries after a
+    killed worker count too (Celery's ``request.retries`` only counts ``self.retry``)."""
+
+    message_id: Mapped[uuid.UUID] = mapped_column(sa.Uuid, primary_key=True)
+    consumer: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    deliveries: Mapped[int] = mapped_column(sa.Integer, default=0)
+    first_failed_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+    last_failed_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+    last_error: Mapped[str] = mapped_column(sa.Text)
+
+
+class DeadLetterRow(_Row):
+    """A message a consumer gave up on. Kept raw (``body``) so even malformed input is never lost."""
+
+    id: Mapped[int] = mapped_column(SeqType, sa.Identity(), primary_key=True)
+    consumer: Mapped[str] = mapped_column(sa.String(64))
+    message_id: Mapped[str] = mapped_column(sa.String(64))
+    type: Mapped[str | None] = mapped_column(sa.String(200), nullable=True)
+    body: Mapped[str] = mapped_column(sa.Text)
+    headers: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
+    delivery_count: Mapped[int] = mapped_column(sa.Integer)
+    last_error: Mapped[str] = mapped_column(sa.Text)
+    first_failed_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+    last_failed_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+    replayed_at_ms: Mapped[int | None] = mapped_column(sa.BigInteger, nullable=True)
+
+
+class ParkedRow(_Row):
+    """An event that arrived ahead of its entity's next version, waiting for the gap to fill."""
+
+    message_id: Mapped[uuid.UUID] = mapped_column(sa.Uuid, primary_key=True)
+    consumer: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    entity_key: Mapped[str] = mapped_column(sa.String(200))
+    entity_version: Mapped[int] = mapped_column(sa.BigInteger)
+    envelope: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    parked_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+class EntityVersionRow(_Row):
+    """The last version of an entity a consumer applied (per-entity ordering, opt-in)."""
+
+    consumer: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    entity_key: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    version: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+class CounterRow(_Row):
+    """Monotonic counters kept by the transaction that does the counted work (metrics, stats)."""
+
+    consumer: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    value: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tables:
+    """The mapped classes of one prefix. Pass it to core functions; ``names()`` lists the tables."""
+
+    prefix: str
+    metadata: sa.MetaData
+    outbox: type[OutboxRow]
+    inbox: type[InboxRow]
+    attempts: type[AttemptRow]
+    dead_letters: type[DeadLetterRow]
+    parked: type[ParkedRow]
+    entity_versions: type[EntityVersionRow]
+    counters: type[CounterRow]
+
+    @property
+    def notify_channel(self) -> str:
+        """The Postgres NOTIFY channel a new outbox row fires (the standalone relay LISTENs)."""
+        return f"{self.prefix}pending"
+
+    @property
+    def version_table(self) -> str:
+        """Alembic's version table for ``outbox db upgrade``: never the application's own."""
+        return f"{self.prefix}schema_version"
+
+    def table(self, cls: type[Any]) -> sa.Table:
+        return cast(sa.Table, cls.__table__)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.table(c).name for c in (self.outbox, self.inbox, self.attempts, self.dead_letters,
+                                                   self.parked, self.entity_versions, self.counters))
+
+
+T = TypeVar("T")
+
+
+def check_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not _PREFIX.match(prefix):
+        raise ConfigError(
+            f"table prefix {prefix!r} must be lower-case letters, digits and '_', start with a letter, "
+            "at most 30 characters (e.g. 'outbox_')"
+        )
+    return prefix
+
+
+def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_PREFIX) -> Tables:
+    """Map the outbox, inbox and dead-letter tables into ``metadata`` (a new one if None)."""
+    check_prefix(prefix)
+    md = metadata if metadata is not None else sa.MetaData()
+    taken = [n for n in (f"{prefix}messages", f"{prefix}inbox") if n in md.tables]
+    if taken:
+        raise ConfigError(f"tables {', '.join(taken)} are already defined in this MetaData; call define_tables "
+                          "once per metadata and prefix, and pass the Tables it returns around")
+
+    class Base(DeclarativeBase):
+        registry = registry(metadata=md)
+
+    def mapped(name: str, mixin: type[T], table: str, args: tuple[Any, ...] = ()) -> type[T]:
+        attrs: dict[str, Any] = {"__tablename__": f"{prefix}{table}"}
+        if args:
+            attrs["__table_args__"] = args
+        return cast(type[T], type(name, (mixin, Base), attrs))
+
+    pending = sa.text(PENDING_SQL)
+    published = sa.text("published_at_ms IS NOT NULL")
+    return Tables(
+        prefix=prefix, metadata=md,
+        outbox=mapped("OutboxMessage", OutboxRow, "messages", (
+            # Keeps the relay's query O(batch) however much published history the table holds.
+            sa.Index(f"ix_{prefix}pending", "seq", postgresql_where=pending, sqlite_where=pending),
+            # Retention prunes published rows oldest first without scanning pending ones.
+            sa.Index(f"ix_{prefix}published", "published_at_ms", postgresql_where=published,
+                     sqlite_where=published),
+        )),
+        inbox=mapped("InboxEntry", InboxRow, "inbox", (
+            sa.Index(f"ix_{prefix}inbox_processed", "processed_at_ms"),)),
+        attempts=mapped("DeliveryAttempt", AttemptRow, "attempts"),
+        dead_letters=mapped("ConsumerDeadLetter", DeadLetterRow, "dead_letters", (
+            sa.Index(f"ix_{prefix}dead_letters_consumer", "consumer"),)),
+        parked=mapped("ParkedMessage", ParkedRow, "parked", (
+            sa.Index(f"ix_{prefix}parked_entity", "consumer", "entity_key", "entity_version"),)),
+        entity_versions=mapped("EntityVersion", EntityVersionRow, "entity_versions"),
+        counters=mapped("ConsumerCounter", CounterRow, "counters"),
+    )

@@ -1,0 +1,137 @@
+"""An in-memory publisher with scriptable failures, for this project's tests and for users' own.
+
+It records every message "the broker got" in ``published`` and can be told to be unreachable N
+times, to reject given message ids (N times or forever), to take a batch and then die before
+answering (a relay crash after publish, before mark), or to take part of a batch and then lose the
+connection. It is thread-safe so several relays can share one.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from celery_outbox.errors import BrokerUnavailableError
+from celery_outbox.messages import TaskMessage
+from celery_outbox.relay.publisher import PublishReport
+
+
+class PublisherCrashed(BaseException):
+    """Raised after the broker got the batch, standing in for the relay process dying right there.
+
+    A ``BaseException`` on purpose: nothing in the relay catches it, like nothing survives SIGKILL.
+    """
+
+
+@dataclass
+class _Rejection:
+    error: str
+    times: int | None  # None: forever
+
+
+class InMemoryPublisher:
+    """Records published messages; see the module docstring for the failure scripts."""
+
+    def __init__(self, *, before_publish: Callable[[Sequence[TaskMessage]], None] | None = None) -> None:
+        self.published: list[TaskMessage] = []
+        self.calls = 0
+        self.unavailable_calls = 0
+        self.closed = False
+        self._before_publish = before_publish
+        self._lock = threading.Lock()
+        self._unavailable: list[str] = []
+        self._rejections: dict[str, _Rejection] = {}
+        self._crashes = 0
+        self._partial: list[int] = []
+
+    # -- scripting -------------------------------------------------------------------------------
+    def fail_unavailable(self, times: int = 1, *, error: str = "connection refused") -> None:
+        """The next ``times`` batches raise ``BrokerUnavailableError`` and deliver nothing."""
+        with self._lock:
+            self._unavailable.extend([error] * times)
+
+    def reject(self, message_id: uuid.UUID | str, *, times: int | None = None,
+               error: str = "broker nacked the message") -> None:
+        """Reject every message of this outbox ``message_id`` (``times`` batches, or forever)."""
+        with self._lock:
+            self._rejections[str(message_id)] = _Rejection(error=error, times=times)
+
+    def recover(self) -> None:
+        """Forget every scripted failure: the broker is healthy again."""
+        with self._lock:
+            self._unavailable.clear()
+            self._rejections.clear()
+            self._crashes = 0
+            self._partial.clear()
+
+    def crash_after_delivery(self, times: int = 1) -> None:
+        """The next ``times`` batches reach the broker, then ``PublisherCrashed`` is raised."""
+        with self._lock:
+            self._crashes += times
+
+    def unavailable_after(self, delivered: int) -> None:
+        """The next batch delivers its first ``delivered`` messages, then the connection is lost."""
+        with self._lock:
+            self._partial.append(delivered)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def message_ids(self) -> list[str]:
+        """Outbox message ids of every published message, one per (event, consumer), in order."""
+        with self._lock:
+            return [str(m.headers["outbox_message_id"]) for m in self.published]
+
+    def deliveries(self) -> Counter[tuple[str, str]]:
+        """How many times each (message_id, consumer) reached the broker: > 1 is a duplicate."""
+        with self._lock:
+            return Counter((str(m.headers["outbox_message_id"]), m.consumer) for m in self.published)
+
+    def duplicates(self) -> int:
+        return sum(n - 1 for n in self.deliveries().values() if n > 1)
+
+    # -- Publisher -------------------------------------------------------------------------------
+    def publish_batch(self, messages: Sequence[TaskMessage]) -> PublishReport:
+        if self._before_publish is not None:
+            self._before_publish(messages)
+        with self._lock:
+            self.calls += 1
+            if self.closed:
+                raise BrokerUnavailableError("publisher is closed")
+            if self._unavailable:
+                self.unavailable_calls += 1
+                raise BrokerUnavailableError(f"broker unavailable: {self._unavailable.pop(0)}")
+            if self._partial:
+                n = self._partial.pop(0)
+                self.published.extend(messages[:n])
+                self.unavailable_calls += 1
+                raise BrokerUnavailableError(f"broker unavailable: connection lost after {n} message(s)")
+            rejected: dict[int, str] = {}
+            for i, m in enumerate(messages):
+                rule = self._rejections.get(str(m.headers.get("outbox_message_id")))
+                if rule is not None:
+                    rejected[i] = rule.error
+                else:
+                    self.published.append(m)
+            for mid, rule in list(self._rejections.items()):
+                hit = any(str(messages[i].headers.get("outbox_message_id")) == mid for i in rejected)
+                if hit and rule.times is not None:
+                    rule.times -= 1
+                    if rule.times <= 0:
+                        del self._rejections[mid]
+            if self._crashes:
+                self._crashes -= 1
+                raise PublisherCrashed("the relay died after the broker got the batch")
+            return PublishReport(count=len(messages), rejected=rejected)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self) -> InMemoryPublisher:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,69 @@
+"""``python -m devtools chaos``: provoke every failure of the matrix against real Postgres and a real broker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from celery_outbox.cli.common import handle_errors
+
+
+@click.command("chaos")
+@click.option("--orders", type=click.IntRange(min=1), default=200, show_default=True, help="Orders to place.")
+@click.option("--kills", type=click.IntRange(min=0), default=12, show_default=True,
+              help="SIGKILLs of relay, worker and order-writer processes at named crash points.")
+@click.option("--broker", type=click.Choice(["redis", "rabbitmq"]), default="redis", show_default=True,
+              help="redis: an own redis-server, killed and restarted; rabbitmq: the shared server behind a "
+                   "loopback proxy that is cut and restored.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Reproduces the run's plan.")
+@click.option("--pg-admin-url", default=None, help="Postgres URL allowed to CREATE/DROP DATABASE "
+              "(default OUTBOX_TEST_PG_ADMIN_URL or postgresql://postgres@127.0.0.1:5432/postgres).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where logs go (default: a new temporary directory).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=10), default=240.0, show_default=True,
+              help="Seconds the run may take before it is reported as not quiescent.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+@handle_errors
+def chaos(orders: int, kills: int, broker: str, seed: int, pg_admin_url: str | None, workdir: Path | None,
+          timeout_s: float, as_json: bool) -> None:
+    """Kill processes at crash points, cut the broker, inject poison and duplicates; check invariants.
+
+    Exits 1 if any invariant is violated (or the run never became quiescent).
+    """
+    from rich.console import Console
+
+    from chaos.environment import PG_ADMIN_URL
+    from chaos.harness import run_chaos
+    from chaos.matrix import render
+
+    console = Console(stderr=as_json)
+    if not console.is_terminal:
+        console = Console(stderr=as_json, width=160)
+    report = run_chaos(orders=orders, kills=kills, broker=broker, seed=seed, workdir=workdir,
+                       pg_admin_url=pg_admin_url or PG_ADMIN_URL, timeout_s=timeout_s,
+                       progress=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
+    assert report.invariants is not None
+    if as_json:
+        click.echo(json.dumps({
+            "ok": report.ok, "broker": report.broker, "seed": report.seed, "orders": report.orders,
+            "kills": dict(report.kills), "armed_not_reached": report.armed_not_reached,
+            "unexpected_exits": report.unexpected_exits, "duration_s": round(report.duration_s, 1),
+            "violations": [{"invariant": v.invariant, "detail": v.detail} for v in report.invariants.violations],
+            "matrix": [row.__dict__ for row in report.matrix], "workdir": report.workdir,
+        }, indent=2))
+    else:
+        console.print(render(report.matrix, title=f"failure matrix: {broker}, seed {seed}, {orders} orders, "
+                                                  f"{sum(report.kills.values())}/{kills} kills"))
+        if report.armed_not_reached:
+            console.print(f"armed but never reached (no traffic left): {', '.join(report.armed_not_reached)}")
+        for exit_ in report.unexpected_exits:
+            console.print(f"[red]unexpected: {exit_}[/red]")
+        for v in report.invariants.violations:
+            console.print(f"[red]violated: {v.invariant}: {v.detail}[/red]")
+        console.print(f"logs: {report.workdir}/logs; {report.duration_s:.1f}s")
+    if not report.ok:
+        raise SystemExit(1)
+    if not as_json:
+        console.print("[green]all invariants hold[/green]")

@@ -1,0 +1,15 @@
+"""The team's OWN Alembic environment: its tables, its default version table (alembic_version)."""
+
+from alembic import context
+from shop.app import Base, create
+from sqlalchemy import create_engine
+
+create(context.config.get_main_option("sqlalchemy.url") or "", "memory://")  # define the outbox tables into Base.metadata
+target_metadata = Base.metadata
+
+engine = create_engine(context.config.get_main_option("sqlalchemy.url") or "")
+with engine.connect() as connection:
+    context.configure(connection=connection, target_metadata=target_metadata,
+                      include_name=lambda name, type_, parent: type_ != "table" or not str(name).startswith("outbox_"))
+    with context.begin_transaction():
+        context.run_migrations()

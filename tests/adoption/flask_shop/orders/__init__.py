@@ -1,0 +1,1 @@
+"""The adopting team's OWN orders package (a name the library must never shadow)."""

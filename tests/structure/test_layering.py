@@ -1,0 +1,89 @@
+"""The package layout is the architecture: these tests fail when an import runs the wrong way.
+
+- the library imports nothing of the reference deployment or the dev tools;
+- the core (everything but ``celery/``, ``cli/``, ``contrib/``, ``testing/``, the ``Outbox`` facade and
+  the package ``__init__``) imports neither celery nor kombu;
+- the reference deployment uses only ``celery_outbox``'s public names (``__all__``) and its contrib modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import celery_outbox
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY = ROOT / "celery_outbox"
+DEPLOYMENT_TOP = ("orders", "relay", "consumers", "celeryconfig", "devtools", "chaos")
+BINDING_DIRS = ("celery", "cli", "contrib", "testing")
+BINDING_FILES = ("outbox.py", "__init__.py")
+
+
+def imports(path: Path) -> Iterator[tuple[int, str, tuple[str, ...]]]:
+    """(line, module, names) for every import statement, including ones inside functions."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, ()
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module, tuple(a.name for a in node.names)
+
+
+def library_files() -> list[Path]:
+    return sorted(LIBRARY.rglob("*.py"))
+
+
+def is_core(path: Path) -> bool:
+    rel = path.relative_to(LIBRARY)
+    return rel.parts[0] not in BINDING_DIRS and str(rel) not in BINDING_FILES
+
+
+def test_the_library_never_imports_the_deployment_or_dev_tools() -> None:
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in library_files() for line, mod, _ in imports(p)
+           if mod.split(".")[0] in DEPLOYMENT_TOP]
+    assert bad == []
+
+
+def test_the_core_imports_neither_celery_nor_kombu() -> None:
+    core = [p for p in library_files() if is_core(p)]
+    assert any(p.name == "dispatch.py" for p in core) and any(p.name == "handle.py" for p in core)
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in core for line, mod, _ in imports(p)
+           if mod.split(".")[0] in ("celery", "kombu", "amqp", "redis")]
+    assert bad == []
+
+
+def test_lower_layers_never_import_the_facade_or_the_cli() -> None:
+    core = [p for p in library_files() if is_core(p)]
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in core for line, mod, _ in imports(p)
+           if mod in ("celery_outbox.outbox", "celery_outbox.cli") or mod.startswith(("celery_outbox.cli.",
+                                                                                      "celery_outbox.contrib"))]
+    assert bad == []
+
+
+def deployment_files() -> list[Path]:
+    files = [ROOT / "celeryconfig.py"]
+    for top in ("orders", "relay", "consumers"):
+        files += sorted((ROOT / top).rglob("*.py"))
+    return files
+
+
+def test_the_deployment_uses_only_the_public_api() -> None:
+    public = set(celery_outbox.__all__)
+    bad = []
+    for p in deployment_files():
+        for line, mod, names in imports(p):
+            where = f"{p.relative_to(ROOT)}:{line}"
+            if mod == "celery_outbox":
+                bad += [f"{where} imports non-public {n}" for n in names if n not in public]
+            elif mod.startswith("celery_outbox.") and not mod.startswith("celery_outbox.contrib."):
+                bad.append(f"{where} imports {mod}")
+    assert bad == []
+
+
+def test_every_public_name_exists() -> None:
+    missing = [n for n in celery_outbox.__all__ if not hasattr(celery_outbox, n)]
+    assert missing == []
+    assert len(set(celery_outbox.__all__)) == len(celery_outbox.__all__)

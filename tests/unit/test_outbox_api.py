@@ -1,0 +1,136 @@
+"""The public ``Outbox`` facade: routes from declared consumers, nothing skipped silently, JSON only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from flask import Flask
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+
+from celery_outbox import (
+    ConfigError,
+    Envelope,
+    Event,
+    ManualClock,
+    Outbox,
+    Outcome,
+    Settings,
+    UnknownEventTypeError,
+    migrate_database,
+)
+from celery_outbox.testing import InMemoryPublisher, drain, run_pending
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> sa.Engine:
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrate_database(url)
+    return sa.create_engine(url)
+
+
+def make(engine: sa.Engine, **settings: object) -> Outbox:
+    return Outbox(Celery("t", broker="memory://", set_as_current=False), engine=engine,
+                  settings=Settings(**settings), clock=ManualClock())  # type: ignore[arg-type]
+
+
+def test_declared_consumers_make_the_routes_and_their_tasks(engine: sa.Engine) -> None:
+    outbox = make(engine)
+
+    @outbox.consumer(["OrderPlaced", "OrderCancelled"], name="billing", max_retries=4)
+    def billing(session: Session, event: Envelope) -> None: ...
+
+    outbox.route("OrderPlaced", "search")  # lives in another service
+    assert outbox.routes() == {"OrderCancelled": ("billing",), "OrderPlaced": ("billing", "search")}
+    assert outbox.task("billing").name == "consumers.billing"
+    assert outbox.app.conf.task_routes["consumers.billing"] == {"queue": "outbox.billing"}
+    assert {q.name for q in outbox.app.conf.task_queues} >= {"outbox.billing", "outbox.search", "outbox.relay"}
+    assert billing.policy.resolve(outbox.settings).max_deliveries == 5
+    assert {"celery_outbox.drain", "celery_outbox.reconcile", "celery_outbox.prune"} <= set(outbox.app.tasks)
+
+
+def test_an_event_type_nobody_consumes_is_refused_at_publish(engine: sa.Engine) -> None:
+    outbox = make(engine)
+    with Session(engine) as s, pytest.raises(UnknownEventTypeError, match=r"outbox.route\('Nobody'"):
+        outbox.publish(s, Event("Nobody", {}))
+
+
+def test_a_settings_route_to_an_unknown_consumer_fails_at_start_up(engine: sa.Engine) -> None:
+    outbox = make(engine, routes={"OrderPlaced": ("ghost",)})
+    with pytest.raises(ConfigError, match=r"'ghost'.*outbox\.route"):
+        outbox.check()
+    # a worker runs the same check as a boot step, so it refuses to start instead of skipping the consumer
+    step = next(s for s in outbox.app.steps["worker"] if s.__name__ == "OutboxCheck")
+    with pytest.raises(ConfigError, match="'ghost'"):
+        step(object())
+
+
+def test_pickle_is_refused(engine: sa.Engine) -> None:
+    app = Celery("t", broker="memory://", set_as_current=False)
+    app.conf.accept_content = ["json", "pickle"]
+    with pytest.raises(ConfigError, match="JSON only"):
+        Outbox(app, engine=engine, settings=Settings())
+
+
+def test_tables_go_into_my_metadata_under_my_prefix(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    engine = sa.create_engine(url)
+    outbox = make(engine, table_prefix="shop_outbox_")
+    tables = outbox.define_tables(Base.metadata)
+    assert {"shop_outbox_messages", "shop_outbox_inbox"} <= set(Base.metadata.tables)
+    with pytest.raises(ConfigError, match="already defined"):
+        outbox.define_tables(Base.metadata)
+    migrate_database(url, prefix="shop_outbox_")
+
+    @outbox.consumer("Ping", name="pong")
+    def pong(session: Session, event: Envelope) -> None: ...
+
+    with sessionmaker(engine).begin() as s:
+        outbox.publish(s, Event("Ping", {"n": 1}))
+    assert run_pending(outbox) == {"pong": [Outcome.PROCESSED]}
+    with engine.connect() as c:
+        assert c.execute(sa.select(sa.func.count()).select_from(tables.table(tables.inbox))).scalar_one() == 1
+        assert "outbox_messages" not in sa.inspect(c).get_table_names()
+
+
+def test_testing_helpers_run_the_pipeline_and_absorb_a_duplicate(engine: sa.Engine) -> None:
+    outbox = make(engine)
+    seen: list[object] = []
+
+    @outbox.consumer("Ping", name="pong")
+    def pong(session: Session, event: Envelope) -> None:
+        seen.append(event.payload)
+
+    with sessionmaker(engine).begin() as s:
+        outbox.publish(s, Event("Ping", {"n": 1}))
+    publisher = drain(outbox, InMemoryPublisher())
+    assert len(publisher.published) == 1
+    from celery_outbox.testing import deliver_message
+
+    assert deliver_message(outbox, publisher.published[0]) is Outcome.PROCESSED
+    assert deliver_message(outbox, publisher.published[0], redelivered=True) is Outcome.DUPLICATE
+    assert seen == [{"n": 1}]
+
+
+def test_the_flask_extension_mounts_metrics_on_any_app(engine: sa.Engine) -> None:
+    from celery_outbox.contrib.flask import init_app
+
+    web = Flask("mine")
+    init_app(web, make(engine, admin_token="s3cret-token"))
+    resp = web.test_client().get("/metrics")
+    assert resp.status_code == 200 and b"outbox_pending" in resp.data
+    assert web.test_client().get("/admin/dead-letters/").status_code == 401
+    ok = web.test_client().get("/admin/dead-letters/", headers={"Authorization": "Bearer s3cret-token"})
+    assert ok.status_code == 200 and b"s3cret" not in ok.data
+
+
+def test_a_plain_postgresql_url_has_a_driver() -> None:
+    # SQLAlchemy picks its default driver for postgresql:// (psycopg2 on 2.0, psycopg 3 on 2.1): both ship in [postgres]
+    engine = sa.create_engine("postgresql://nobody@127.0.0.1:1/none")
+    assert engine.dialect.driver in ("psycopg2", "psycopg")
