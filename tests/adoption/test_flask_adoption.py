@@ -18,18 +18,17 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from tests.adoption import support
 from tests.services import require_service
 
 HERE = Path(__file__).resolve().parent / "flask_shop"
-BIN = Path(sys.executable).parent
+BIN = support.BIN
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
 
 
 def run(argv: list[str], env: dict[str, str], timeout: float = 120) -> str:
-    out = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, f"{argv}: {out.stdout[-2000:]}\n{out.stderr[-4000:]}"
-    return out.stdout
+    return support.run(argv, cwd=HERE, env=env, timeout=timeout)
 
 
 def python(code: str, env: dict[str, str]) -> str:
@@ -46,18 +45,8 @@ def shop_env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def worker(shop_env: dict[str, str], tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([str(BIN / "celery"), "-A", "shop.worker", "worker", "-P", "solo", "-l", "INFO",
-                             "--without-gossip", "--without-mingle", "--without-heartbeat"],
-                            cwd=HERE, env=shop_env, stdout=log, stderr=subprocess.STDOUT)
-    yield proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    with support.celery_worker("shop.worker", cwd=HERE, env=shop_env, log_path=tmp_path / "worker.log") as proc:
+        yield proc
 
 
 def wait_for(engine: sa.Engine, sql: str, expected: int, timeout_s: float = 60) -> int:

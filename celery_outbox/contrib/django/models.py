@@ -8,6 +8,8 @@ creates. Use one or the other on a database, never both.
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import models
 from django.db.models import Q
 
@@ -98,6 +100,12 @@ class ConsumerDeadLetter(models.Model):  # type: ignore[misc]
 
     def __str__(self) -> str:
         return f"{self.consumer} {self.message_id}"
+
+    @classmethod
+    def check(cls, **kwargs: Any) -> list[Any]:
+        """Django's E034 (index names <= 30 characters) is for Oracle; this index's name must equal the
+        Alembic schema's, and PostgreSQL/SQLite allow it. Without this, ``manage.py migrate`` refuses to run."""
+        return [e for e in super().check(**kwargs) if e.id != "models.E034"]
 
 
 class ParkedMessage(models.Model):  # type: ignore[misc]

@@ -1,0 +1,1 @@
+"""The adopting team's OWN orders app (a name the library must never shadow)."""

@@ -1,0 +1,130 @@
+"""Adoption by a Django project that has its own ``orders`` app and its own migrations, using only the public
+API (``celery_outbox`` and ``celery_outbox.contrib.django``): ``manage.py migrate`` creates the library's
+tables beside the project's, a real ``celery worker`` applies the event once, and a re-published duplicate
+is absorbed by the inbox.
+
+The project (tests/adoption/django_project) runs from its own directory with only itself and the installed
+library on the path, so ``import orders`` must find the project's app and ``celery_outbox`` the library's.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, closing
+from pathlib import Path
+
+import pytest
+
+from tests.adoption import support
+from tests.services import require_service
+
+HERE = Path(__file__).resolve().parent / "django_project"
+BIN = support.BIN
+
+pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
+
+OUTBOX_TABLES = {"outbox_messages", "outbox_inbox", "outbox_attempts", "outbox_dead_letters", "outbox_parked",
+                 "outbox_entity_versions", "outbox_counters"}
+
+
+def run(argv: list[str], env: dict[str, str], timeout: float = 120) -> str:
+    return support.run(argv, cwd=HERE, env=env, timeout=timeout)
+
+
+def manage(env: dict[str, str], *args: str) -> str:
+    return run([sys.executable, "manage.py", *args], env)
+
+
+def relay_once(env: dict[str, str]) -> str:
+    return run([str(BIN / "outbox"), "-A", "proj.celery", "relay", "--once"], env)
+
+
+def query(db: Path, sql: str) -> list[tuple[object, ...]]:
+    with closing(sqlite3.connect(db, timeout=10)) as c:
+        return c.execute(sql).fetchall()
+
+
+def execute(db: Path, sql: str) -> None:
+    with closing(sqlite3.connect(db, timeout=10)) as c, c:
+        c.execute(sql)
+
+
+def wait_for(db: Path, sql: str, expected: int, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    value = -1
+    while time.monotonic() < deadline:
+        try:
+            value = int(query(db, sql)[0][0])  # type: ignore[call-overload]
+        except sqlite3.OperationalError:  # the worker holds the write lock for a moment
+            value = -1
+        if value == expected:
+            return value
+        time.sleep(0.2)
+    return value
+
+
+@pytest.fixture
+def project_env(tmp_path: Path) -> dict[str, str]:
+    require_service("Redis", "127.0.0.1", 6379)
+    return {"PATH": f"{BIN}:/usr/bin:/bin", "PYTHONPATH": str(HERE), "HOME": str(tmp_path),
+            "SHOP_DB_PATH": str(tmp_path / "shop.sqlite3"), "SHOP_BROKER_URL": "redis://127.0.0.1:6379/4",
+            "SHOP_NAMESPACE": f"djshop{uuid.uuid4().hex[:8]}"}
+
+
+@pytest.fixture
+def start_worker(project_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
+    with ExitStack() as stack:
+        yield lambda: stack.enter_context(support.celery_worker("proj", cwd=HERE, env=project_env,
+                                                                 log_path=tmp_path / "worker.log"))
+
+
+def test_a_django_project_with_its_own_orders_app_adopts_the_outbox(
+        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[[], subprocess.Popen[bytes]]) -> None:
+    db = Path(project_env["SHOP_DB_PATH"])
+    # Given the project migrated by Django's own `migrate`: its tables and the library's, from their migrations
+    manage(project_env, "migrate", "--no-input")
+    tables = {name for (name,) in query(db, "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"orders_order", "orders_notification"} <= tables
+    assert tables >= OUTBOX_TABLES, sorted(OUTBOX_TABLES - tables)
+    applied = {app for (app,) in query(db, "SELECT app FROM django_migrations")}
+    assert {"orders", "celery_outbox"} <= applied
+    # and the models agree with the migrations (the project's and the library's)
+    manage(project_env, "makemigrations", "--check", "--dry-run")
+    # and the project's orders app is its own, the library the installed one
+    paths = run([sys.executable, "-c", "import orders, celery_outbox; print(orders.__file__); "
+                 "print(celery_outbox.__file__)"], project_env).split()
+    assert paths[0] == str(HERE / "orders" / "__init__.py") and not paths[1].startswith(str(HERE))
+    app_path = manage(project_env, "shell", "-c", "from django.apps import apps; "
+                                                  "print(apps.get_app_config('orders').path)").splitlines()[-1]
+    assert app_path == str(HERE / "orders")
+
+    worker = start_worker()
+    # When an order is placed through the project's view (order and event in one transaction.atomic())
+    manage(project_env, "shell", "-c", "from django.test import Client; "
+                                       "r = Client().post('/orders', {'id': 'o-1'}, content_type='application/json'); "
+                                       "assert r.status_code == 201, r.content")
+    assert query(db, "SELECT id FROM orders_order") == [("o-1",)]
+    assert query(db, "SELECT type FROM outbox_messages WHERE published_at_ms IS NULL") == [("OrderPlaced",)]
+    # and the relay runs
+    relay_once(project_env)
+
+    # Then the real worker applies the effect once and records it in the inbox
+    assert wait_for(db, "SELECT count(*) FROM outbox_inbox", 1) == 1, (tmp_path / "worker.log").read_text()[-3000:]
+    assert wait_for(db, "SELECT count(*) FROM orders_notification", 1) == 1
+    assert query(db, "SELECT consumer, type FROM outbox_inbox") == [("notify", "OrderPlaced")]
+
+    # When the same event is published again (a relay that died after publishing, before marking)
+    execute(db, "UPDATE outbox_messages SET published_at_ms = NULL")
+    relay_once(project_env)
+
+    # Then the inbox absorbs the duplicate: still one effect, one duplicate counted
+    duplicates = "SELECT coalesce(sum(value), 0) FROM outbox_counters WHERE name = 'duplicates'"
+    assert wait_for(db, duplicates, 1) == 1, (tmp_path / "worker.log").read_text()[-3000:]
+    assert query(db, "SELECT order_id FROM orders_notification") == [("o-1",)]
+    assert query(db, "SELECT count(*) FROM outbox_inbox") == [(1,)]
+    assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
