@@ -70,6 +70,19 @@ class Settings:
     # else a waiting retry is delivered twice (absorbed by the inbox, but wasted work).
     broker_visibility_timeout_s: int = 300
 
+    # Untrusted JSON (delivered bodies, HTTP input, stored payloads) nested deeper than this is refused.
+    max_json_depth: int = 64
+    # A database that stops answering without closing the connection must not freeze anyone:
+    # connect timeout, TCP keepalives, and (Postgres) statement and idle-in-transaction timeouts.
+    db_connect_timeout_s: int = 10
+    db_statement_timeout_ms: int = 30_000
+    db_idle_in_transaction_timeout_ms: int = 60_000
+    db_keepalives_idle_s: int = 30
+    db_keepalives_interval_s: int = 10
+    db_keepalives_count: int = 3
+    # A consumer delivery that runs longer is killed (and redelivered, counted): no hang for ever.
+    consumer_time_limit_s: int = 120  # below broker_visibility_timeout_s (Redis redelivers a longer one)
+
     metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
     admin_token: str = ""
     crash_points: str = ""  # comma separated names armed for chaos tests
