@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from celery_outbox import IntRule, PathRule
 from celery_outbox import Settings as OutboxSettings
 
 DEFAULT_ROUTES: dict[str, tuple[str, ...]] = {
@@ -26,17 +27,13 @@ EMBEDDED = "embedded"
 class Settings(OutboxSettings):
     """The library's knobs plus this deployment's, with the embedded defaults (SQLite + embedded Redis)."""
 
+    # The library's rules plus this deployment's fields (one rule per field, checked by the library).
+    RULES = {**OutboxSettings.RULES, "home": PathRule(), "worker_concurrency": IntRule(1, 256)}
+
     home: Path = Path("var")
     broker_url: str = EMBEDDED  # "embedded": the embedded Redis under ``home`` (started by the demo)
     routes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_ROUTES))
     worker_concurrency: int = 2
-
-    def validate(self) -> None:
-        super().validate()
-        if self.worker_concurrency <= 0:
-            from celery_outbox import ConfigError
-
-            raise ConfigError(f"OUTBOX_WORKER_CONCURRENCY must be > 0, got {self.worker_concurrency!r}")
 
     def allows_broker_alias(self, url: str) -> bool:
         return url == EMBEDDED

@@ -35,7 +35,7 @@ from celery_outbox.outbox import Outbox
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.relay.publisher import Publisher, PublishReport
 from celery_outbox.schema import Tables, define_tables
-from celery_outbox.settings import Settings
+from celery_outbox.settings import IntRule, PathRule, Settings, exit_on_config_error
 from celery_outbox.sql import upsert
 from celery_outbox.writer import Event
 
@@ -49,6 +49,7 @@ __all__ = [
     "DatabaseError",
     "Envelope",
     "Event",
+    "IntRule",
     "MalformedMessageError",
     "ManualClock",
     "MessageRejectedError",
@@ -57,6 +58,7 @@ __all__ = [
     "Outbox",
     "OutboxError",
     "Outcome",
+    "PathRule",
     "PublishError",
     "PublishReport",
     "Publisher",
@@ -72,6 +74,7 @@ __all__ = [
     "consumer",
     "define_tables",
     "effect_now_ms",
+    "exit_on_config_error",
     "is_unique_violation",
     "make_engine",
     "migrate_database",

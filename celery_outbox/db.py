@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,9 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.errors import ConfigError, DatabaseError
+from celery_outbox.settings import Settings
+
+_LIBPQ_DRIVERS = ("psycopg2", "psycopg")  # drivers that hand connect_args to libpq as connection parameters
 
 
 def normalize_url(url: str) -> str:
@@ -24,19 +27,77 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str, *, echo: bool = False, **kwargs: Any) -> Engine:
-    """An engine with the settings this system relies on.
+def _libpq_version(driver: str) -> int:
+    """The libpq the driver runs on (e.g. 160004), 0 when unknown."""
+    try:
+        if driver == "psycopg2":
+            import psycopg2.extensions
+
+            return int(psycopg2.extensions.libpq_version())
+        import psycopg
+
+        return int(psycopg.pq.version())
+    except Exception:  # a driver we cannot ask: keep to parameters every libpq has
+        return 0
+
+
+def postgres_connect_args(settings: Settings | None = None, *, driver: str = "psycopg2",
+                          url_query: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The libpq parameters that keep a silent database from freezing a process.
+
+    ``connect_timeout`` bounds connecting (the whole start-up exchange, not only the TCP handshake);
+    TCP keepalives find a dead peer under an idle connection; ``tcp_user_timeout`` (libpq >= 12)
+    finds it under a query that was sent and never acknowledged (a firewall drop, a failover without
+    RST), where keepalives never start; ``statement_timeout`` and
+    ``idle_in_transaction_session_timeout`` (sent as ``options=-c ...`` at connect, so every
+    connection, pooled, raw or LISTEN, has them) make the *server* end a stuck statement and release
+    the locks of a transaction whose client went silent. A value set in the URL's query string
+    (``?connect_timeout=3``, ``?options=...``) wins.
+    Behind PgBouncer in transaction mode, add ``options`` to its ``ignore_startup_parameters`` and
+    set the two server timeouts on the role instead (``ALTER ROLE ... SET statement_timeout``).
+    """
+    s = settings if settings is not None else Settings()
+    query = url_query or {}
+    args: dict[str, Any] = {
+        "connect_timeout": s.db_connect_timeout_s,
+        "keepalives": 1,
+        "keepalives_idle": s.db_keepalives_idle_s,
+        "keepalives_interval": s.db_keepalives_interval_s,
+        "keepalives_count": s.db_keepalives_count,
+    }
+    if _libpq_version(driver) >= 120000:
+        # The dead-peer time keepalives give an idle connection, for unacknowledged data too.
+        args["tcp_user_timeout"] = 1000 * (s.db_keepalives_idle_s + s.db_keepalives_interval_s * s.db_keepalives_count)
+    args["options"] = (f"-c statement_timeout={s.db_statement_timeout_ms} "
+                       f"-c idle_in_transaction_session_timeout={s.db_idle_in_transaction_timeout_ms}")
+    for key in list(args):
+        if key in query:
+            if key == "options":  # both: libpq applies them in order, so the URL's own -c wins
+                given = query[key]
+                args[key] = " ".join([args[key], *([given] if isinstance(given, str) else given)])
+            else:
+                del args[key]
+    return args
+
+
+def make_engine(url: str, *, settings: Settings | None = None, echo: bool = False, **kwargs: Any) -> Engine:
+    """An engine with the settings this system relies on (public: build your own engine with it).
 
     SQLite gets WAL, a long busy timeout and foreign keys, because the demo runs a web app, a relay
     and a worker against one file at once. Postgres gets pre-ping so a restarted server is a blip,
-    not a dead relay.
+    not a dead relay, and the timeouts and keepalives of ``postgres_connect_args`` from ``settings``
+    (the defaults of ``Settings`` when none is given), so a database that stops answering without
+    closing the connection makes calls fail instead of hang. ``connect_args=`` you pass win key by
+    key. ``Outbox`` builds its engine with this; an engine you pass to ``Outbox`` is used as it is,
+    so build it with ``make_engine(url, settings=settings)`` (or give it the same parameters).
     """
     url = normalize_url(url)
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = sa.create_engine(url, echo=echo, connect_args={"timeout": 30}, **kwargs)
+        engine = sa.create_engine(url, echo=echo, connect_args={"timeout": 30, **kwargs.pop("connect_args", {})},
+                                  **kwargs)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -56,6 +117,10 @@ def make_engine(url: str, *, echo: bool = False, **kwargs: Any) -> Engine:
 
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    parsed = sa.engine.make_url(url)
+    if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in _LIBPQ_DRIVERS:
+        ours = postgres_connect_args(settings, driver=parsed.get_driver_name(), url_query=parsed.query)
+        kwargs["connect_args"] = {**ours, **kwargs.get("connect_args", {})}
     return sa.create_engine(url, echo=echo, **kwargs)
 
 
@@ -88,13 +153,18 @@ def wrap_driver_errors(what: str) -> Iterator[None]:
 
 
 class SessionSource:
-    """One engine per worker process, created lazily after the fork (never shared across processes)."""
+    """One engine per worker process, created lazily after the fork (never shared across processes).
+
+    From a URL it builds the engine with ``make_engine(url, settings=settings)`` (timeouts and
+    keepalives from ``settings``); a given engine or session factory is used as it is.
+    """
 
     def __init__(self, *, url: str | None = None, engine: Engine | None = None,
-                 session_factory: sessionmaker[Session] | None = None) -> None:
+                 session_factory: sessionmaker[Session] | None = None, settings: Settings | None = None) -> None:
         if sum(x is not None for x in (url, engine, session_factory)) != 1:
             raise ConfigError("give exactly one of database_url, engine or session_factory")
         self._url = url
+        self._settings = settings
         self._engine = engine
         self._given = session_factory
         self._pid: int | None = None
@@ -121,7 +191,7 @@ class SessionSource:
                     if bind is not None:
                         bind.dispose(close=False)  # the parent's pool: forget it, never close its sockets
                 if self._url is not None:
-                    self._factory = make_session_factory(make_engine(self._url))
+                    self._factory = make_session_factory(make_engine(self._url, settings=self._settings))
                 elif self._engine is not None:
                     if self._pid is not None:
                         self._engine.dispose(close=False)

@@ -4,8 +4,11 @@ Returning ``Delivery`` with ``retry_in_s`` asks the caller (the Celery task in
 ``celery_outbox.celery.consumer_tasks``) to redeliver; deliveries are counted in the database
 (``inbox.attempts``), so after the consumer's maximum deliveries of any kind (failures, killed
 workers) the message goes to the dead-letter store and is acked: a poison message stops blocking its
-queue. Malformed input (not JSON, missing fields, an unknown event type, over the size limit) takes
-the same bounded road, raw body kept. See docs/design.md, rule 7.
+queue. Malformed input (not JSON, missing fields, an unknown event type, over the size limit, nested
+deeper than ``Settings.max_json_depth``, or a broker message the worker's strategy found not to be an
+outbox task message at all: ``messages.MalformedDelivery``) takes the same bounded road, raw body
+kept. No content can make the dead letter itself unwritable (``inbox.dead_letters.record``), and
+every error text is made storable before it is written. See docs/design.md, rule 7.
 """
 
 from __future__ import annotations
@@ -19,11 +22,19 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec
-from celery_outbox.errors import DatabaseError, SerializationError, UnknownEventTypeError
+from celery_outbox.errors import DatabaseError, MalformedMessageError, SerializationError, UnknownEventTypeError
 from celery_outbox.inbox import attempts, dead_letters, ordering
 from celery_outbox.inbox.handle import DUPLICATES, CrashSite, already_seen, increment_counter
 from celery_outbox.inbox.outcome import Outcome
-from celery_outbox.messages import TASK_ID_NAMESPACE, Envelope, check_size, encode_json
+from celery_outbox.messages import (
+    TASK_ID_NAMESPACE,
+    Envelope,
+    MalformedDelivery,
+    check_size,
+    decode_json,
+    encode_json,
+    storable_text,
+)
 from celery_outbox.policy import Backoff
 from celery_outbox.schema import AttemptRow, Tables
 from celery_outbox.settings import Settings
@@ -43,6 +54,9 @@ def backoff_s(deliveries: int, *, policy: Backoff) -> float:
     return policy.delay_s(deliveries)
 
 
+ERROR_MAX_CHARS = dead_letters.ERROR_MAX_CHARS
+
+
 def raw_text(body: Any) -> str:
     """The delivered body as text, exactly as stored in a dead letter."""
     if isinstance(body, str):
@@ -51,34 +65,67 @@ def raw_text(body: Any) -> str:
         return body.decode("utf-8", errors="replace")
     try:
         return encode_json(body, what="delivered body")
-    except SerializationError:
-        return repr(body)
+    except (SerializationError, RecursionError):
+        try:
+            return repr(body)
+        except RecursionError:
+            return f"<{type(body).__name__} nested too deep to show>"
+
+
+def _error_text(e: BaseException) -> str:
+    """``Class: message`` of an exception, storable and bounded, whatever the message holds."""
+    try:
+        text = f"{e.__class__.__name__}: {e}"
+    except Exception:  # a __str__ that raises
+        text = f"{e.__class__.__name__}: <unprintable>"
+    return storable_text(text, limit=ERROR_MAX_CHARS)
 
 
 def delivery_key(body: Any, request_id: str | None, raw: str) -> uuid.UUID:
     """The envelope's message_id when it has one; else the task id; else a hash of the raw body."""
     if isinstance(body, Mapping):
         try:
-            return uuid.UUID(str(body.get("message_id")))
-        except ValueError:
+            return uuid.UUID(str(body.get("message_id"))[:100])
+        except (ValueError, RecursionError):
             pass
     if request_id:
         try:
             return uuid.UUID(str(request_id))
         except ValueError:
             pass
-    return uuid.uuid5(TASK_ID_NAMESPACE, raw)
+    try:
+        return uuid.uuid5(TASK_ID_NAMESPACE, raw)
+    except UnicodeEncodeError:  # lone surrogates: hash their exact code units instead
+        return uuid.uuid5(TASK_ID_NAMESPACE, "surrogates:" + raw.encode("utf-8", "surrogatepass").hex())
 
 
-def _parse(spec: ConsumerSpec, body: Any, raw: str, max_bytes: int) -> Envelope:
-    check_size(raw, limit=max_bytes, what=f"message for {spec.name}")
-    envelope = Envelope.from_dict(body)
+def _parse(spec: ConsumerSpec, body: Any, raw: str | bytes, settings: Settings,
+           malformed: MalformedDelivery | None) -> Envelope:
+    if malformed is not None:
+        raise MalformedMessageError(malformed.error)
+    check_size(raw, limit=settings.max_message_bytes, what=f"message for {spec.name}")
+    envelope = Envelope.from_dict(body, max_depth=settings.max_json_depth)
     if not spec.accepts(envelope.type):
         raise UnknownEventTypeError(
-            f"consumer {spec.name!r} does not handle event type {envelope.type!r} "
+            f"consumer {spec.name!r} does not handle event type {storable_text(repr(envelope.type), limit=220)} "
             f"(it handles: {', '.join(sorted(spec.events))})"
         )
     return envelope
+
+
+def _as_mapping(body: Any, malformed: MalformedDelivery | None, max_depth: int) -> Mapping[str, Any] | None:
+    """The body as an object, for its message_id, type and headers (None when it is not one)."""
+    if malformed is not None:
+        return None
+    if isinstance(body, Mapping):
+        return body
+    if isinstance(body, (str, bytes)):
+        try:
+            decoded = decode_json(body, max_depth=max_depth)
+        except MalformedMessageError:
+            return None
+        return decoded if isinstance(decoded, Mapping) else None
+    return None
 
 
 def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, tables: Tables, request_id: str | None,
@@ -91,11 +138,17 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
     fails, and if its worker dies instead the redelivery arrives ``redelivered`` and is counted for
     both. Any other delivery is counted at its start, which bounds a message that kills its worker.
     """
-    raw = raw_text(body)
-    key = delivery_key(body, request_id, raw)
+    malformed = MalformedDelivery.decode(body) if isinstance(body, str) else None
+    raw: str | bytes = malformed.body if malformed is not None else (body if isinstance(body, bytes) else raw_text(body))
+    as_text = raw if isinstance(raw, str) else raw.decode("utf-8", "backslashreplace")
+    mapping = _as_mapping(body, malformed, settings.max_json_depth)
+    key = delivery_key(mapping if mapping is not None else body, request_id, as_text)
     policy = spec.policy.resolve(settings)
     name, limit = spec.name, policy.max_deliveries
-    btype, bheaders = _body_meta(body)
+    btype, bheaders = _body_meta(mapping)
+    if malformed is not None:
+        bheaders = {"broker_headers": malformed.headers, "content_type": malformed.content_type,
+                    "content_encoding": malformed.content_encoding}
     with sessions() as session:
 
         def count() -> AttemptRow | Delivery:
@@ -104,7 +157,7 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
                                       uncounted=1 if redelivered else 0)
             except DatabaseError as e:
                 # The database is down: nobody's fault but the system's; redeliver, do not count.
-                return Delivery(outcome=Outcome.RETRY, deliveries=0, error=str(e),
+                return Delivery(outcome=Outcome.RETRY, deliveries=0, error=_error_text(e),
                                 retry_in_s=backoff_s(1, policy=policy))
 
         row: AttemptRow | None = None
@@ -117,11 +170,11 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
                 return _worker_lost(session, row, tables=tables, spec=spec, raw=raw, type_=btype, headers=bheaders, clock=clock,
                                     limit=limit)
         try:
-            envelope = _parse(spec, body, raw, settings.max_message_bytes)
+            envelope = _parse(spec, body, raw, settings, malformed)
             outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=crash_points)
         except Exception as e:
             session.rollback()
-            error = f"{e.__class__.__name__}: {e}"
+            error = _error_text(e)
             if row is None:  # a first delivery is counted only now that it failed
                 counted = count()
                 if isinstance(counted, Delivery):
@@ -145,16 +198,16 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
         return Delivery(outcome=outcome, deliveries=deliveries)
 
 
-def _body_meta(body: Any) -> tuple[str | None, Mapping[str, Any]]:
-    """The type and headers of a body, as far as it has them (kept with a dead letter)."""
-    if not isinstance(body, Mapping):
+def _body_meta(body: Mapping[str, Any] | None) -> tuple[str | None, Mapping[str, Any]]:
+    """The type and headers of a body, as far as it has them (kept with a dead letter, made storable there)."""
+    if body is None:
         return None, {}
     btype = body.get("type") if isinstance(body.get("type"), str) else None
     headers = body["headers"] if isinstance(body.get("headers"), Mapping) else {}
     return btype, headers
 
 
-def _failed(session: Session, row: AttemptRow, *, tables: Tables, spec: ConsumerSpec, raw: str, type_: str | None,
+def _failed(session: Session, row: AttemptRow, *, tables: Tables, spec: ConsumerSpec, raw: str | bytes, type_: str | None,
             headers: Mapping[str, Any], error: str, clock: Clock, limit: int, retry_in_s: float) -> Delivery:
     now = clock.now_ms()
     try:
@@ -170,12 +223,13 @@ def _failed(session: Session, row: AttemptRow, *, tables: Tables, spec: Consumer
         session.commit()
     except Exception as e:  # the failure could not even be recorded: redeliver, counted at the next begin
         session.rollback()
-        return Delivery(outcome=Outcome.RETRY, deliveries=row.deliveries, error=f"{error} (and {e})",
+        return Delivery(outcome=Outcome.RETRY, deliveries=row.deliveries,
+                        error=storable_text(f"{error} (and {_error_text(e)})", limit=ERROR_MAX_CHARS),
                         retry_in_s=retry_in_s)
     return Delivery(outcome=Outcome.RETRY, deliveries=row.deliveries, error=error, retry_in_s=retry_in_s)
 
 
-def _worker_lost(session: Session, row: AttemptRow, *, tables: Tables, spec: ConsumerSpec, raw: str, type_: str | None,
+def _worker_lost(session: Session, row: AttemptRow, *, tables: Tables, spec: ConsumerSpec, raw: str | bytes, type_: str | None,
                  headers: Mapping[str, Any], clock: Clock, limit: int) -> Delivery:
     """More deliveries than allowed: earlier ones died without recording an outcome (killed worker),
     or this message is already dead-lettered and came back (a crash before the ack), or it was
@@ -189,8 +243,9 @@ def _worker_lost(session: Session, row: AttemptRow, *, tables: Tables, spec: Con
         session.rollback()
         return Delivery(outcome=Outcome.DEAD_LETTERED, deliveries=row.deliveries - 1,
                         error="already in the dead-letter store")
-    error = (f"delivered {row.deliveries - 1} times (max {limit}) without an outcome: the worker was lost "
-             f"(killed or crashed) during the delivery; last recorded error: {row.last_error or 'none'}")
+    error = storable_text(f"delivered {row.deliveries - 1} times (max {limit}) without an outcome: the worker was lost "
+                          f"(killed or crashed) during the delivery; last recorded error: {row.last_error or 'none'}",
+                          limit=ERROR_MAX_CHARS)
     now = clock.now_ms()
     dead_letters.record(
         session, tables=tables, consumer=spec.name, message_id=str(row.message_id), type=type_, body=raw, headers=headers,

@@ -8,7 +8,10 @@ the same id and the inbox key travels in the body.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +21,130 @@ from celery_outbox.errors import MalformedMessageError, MessageTooLargeError, Se
 
 TASK_ID_NAMESPACE = uuid.UUID("7d1b1c6e-0c1e-4f0a-9a53-5a3f0c2d8e11")
 REQUIRED_FIELDS = ("message_id", "type", "payload")
+DEFAULT_MAX_JSON_DEPTH = 64  # Settings.max_json_depth; the default for callers that have no settings
+TYPE_MAX_CHARS = 200  # the width of every ``type`` column
+_MAX_CREATED_AT_MS = 2**63 - 1
+
+# Untrusted JSON: the nesting is measured before ``json.loads`` runs, so a document nested past the
+# interpreter's recursion limit is refused with a MalformedMessageError instead of a RecursionError
+# (which Celery turns into a dropped message). Strings are skipped by the scanner; only brackets count.
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)  # an unclosed one runs to the end: linear
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def json_depth_exceeds(text: str, max_depth: int) -> bool:
+    """True when the JSON ``text`` nests arrays/objects deeper than ``max_depth`` (no recursion)."""
+    depth = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub("", text)):
+        if bracket in "[{":
+            depth += 1
+            if depth > max_depth:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def check_depth(obj: Any, *, max_depth: int, what: str = "message") -> None:
+    """Refuse an already decoded value nested deeper than ``max_depth`` (iterative, never recurses)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (Mapping, list, tuple)):
+            if depth > max_depth:
+                raise MalformedMessageError(f"{what} is nested deeper than {max_depth} levels")
+            children = value.values() if isinstance(value, Mapping) else value
+            stack.extend((child, depth + 1) for child in children)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def decode_json(raw: str | bytes | bytearray, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH, what: str = "message") -> Any:
+    """Decode untrusted JSON: strict UTF-8, no NaN/Infinity, nesting at most ``max_depth``.
+
+    Every way it can fail is a ``MalformedMessageError`` saying what was wrong.
+    """
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        try:
+            text = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise MalformedMessageError(f"{what} is not UTF-8: {e}") from None
+    elif isinstance(raw, str):
+        text = raw
+    else:
+        raise MalformedMessageError(f"{what} must be JSON text, got {type(raw).__name__}")
+    if json_depth_exceeds(text, max_depth):
+        raise MalformedMessageError(f"{what} is nested deeper than {max_depth} levels")
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as e:
+        raise MalformedMessageError(f"{what} is not JSON: {storable_text(str(e), limit=500)}") from None
+
+
+def storable_text(text: str, *, limit: int | None = None) -> str:
+    """``text`` as any database can store it: NUL and lone surrogates escaped (``\\x00``,
+    ``\\ud800``), then cut to ``limit`` characters (with a marker) when given."""
+    if _UNSTORABLE.search(text):
+        text = _UNSTORABLE.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii")
+                               if m.group() == "\x00" else f"\\u{ord(m.group()):04x}", text)
+    if limit is not None and len(text) > limit:
+        marker = f"... [{len(text) - limit} more characters]"
+        text = text[: max(0, limit - len(marker))] + marker
+        text = text[:limit]
+    return text
+
+
+def is_storable(text: str) -> bool:
+    return _UNSTORABLE.search(text) is None
+
+
+# A delivery the worker found malformed before Celery could unpack it travels to the consumer task
+# as this one string: a prefix then base64 of a JSON object {"error", "body_b64", ...}. It is not
+# JSON, so it can never be mistaken for an envelope, and it survives any transport unchanged.
+MALFORMED_PREFIX = "outbox-malformed:v1:"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MalformedDelivery:
+    """A broker message that is not an outbox task message, as the consumer task receives it."""
+
+    error: str
+    body: bytes
+    content_type: str | None = None
+    content_encoding: str | None = None
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    task_id: str | None = None
+
+    def encode(self) -> str:
+        doc = {"error": self.error, "body_b64": base64.b64encode(self.body).decode("ascii"),
+               "content_type": self.content_type, "content_encoding": self.content_encoding,
+               "headers": dict(self.headers), "task_id": self.task_id}
+        return MALFORMED_PREFIX + base64.b64encode(encode_json(doc, what="malformed delivery").encode()).decode("ascii")
+
+    @classmethod
+    def decode(cls, text: str) -> MalformedDelivery | None:
+        """The malformed delivery ``text`` carries, or None when it is not one (or is damaged)."""
+        if not isinstance(text, str) or not text.startswith(MALFORMED_PREFIX):
+            return None
+        try:
+            doc = json.loads(base64.b64decode(text[len(MALFORMED_PREFIX):], validate=True))
+            body = base64.b64decode(doc["body_b64"], validate=True)
+        except (ValueError, TypeError, KeyError, binascii.Error, RecursionError):
+            return None
+        if not isinstance(doc, dict):
+            return None
+
+        def text_or_none(v: Any) -> str | None:
+            return storable_text(v, limit=200) if isinstance(v, str) else None
+
+        headers = doc.get("headers")
+        return cls(error=storable_text(str(doc.get("error") or "malformed message"), limit=2000), body=body,
+                   content_type=text_or_none(doc.get("content_type")),
+                   content_encoding=text_or_none(doc.get("content_encoding")),
+                   headers=headers if isinstance(headers, dict) else {}, task_id=text_or_none(doc.get("task_id")))
 
 
 def task_name(consumer: str) -> str:
@@ -49,40 +176,50 @@ class Envelope:
         }
 
     @classmethod
-    def from_dict(cls, raw: Any) -> Envelope:
-        """Validate a delivered body. Anything off raises ``MalformedMessageError`` saying what."""
-        if isinstance(raw, (str, bytes)):
-            try:
-                raw = json.loads(raw)
-            except ValueError as e:
-                raise MalformedMessageError(f"envelope is not JSON: {e}") from None
+    def from_dict(cls, raw: Any, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> Envelope:
+        """Validate a delivered body (a mapping, or JSON text). Anything off raises
+        ``MalformedMessageError`` saying what: wrong types, a type the ``type`` columns cannot hold,
+        JSON nested deeper than ``max_depth`` (in the body or in a payload sent as a string)."""
+        if isinstance(raw, (str, bytes, bytearray)):
+            raw = decode_json(raw, max_depth=max_depth, what="envelope")
+        else:
+            check_depth(raw, max_depth=max_depth, what="envelope")
         if not isinstance(raw, Mapping):
             raise MalformedMessageError(f"envelope must be a JSON object, got {type(raw).__name__}")
         missing = [f for f in REQUIRED_FIELDS if f not in raw]
         if missing:
             raise MalformedMessageError(f"envelope is missing field(s): {', '.join(missing)}")
+        raw_id = raw["message_id"]
+        if not isinstance(raw_id, (str, uuid.UUID)) or len(str(raw_id)) > 64:
+            raise MalformedMessageError(f"message_id must be a UUID string, got {_short(raw_id)}")
         try:
-            message_id = uuid.UUID(str(raw["message_id"]))
+            message_id = uuid.UUID(str(raw_id))
         except ValueError:
-            raise MalformedMessageError(f"message_id {raw['message_id']!r} is not a UUID") from None
+            raise MalformedMessageError(f"message_id {_short(raw_id)} is not a UUID") from None
         type_ = raw["type"]
         if not isinstance(type_, str) or not type_:
-            raise MalformedMessageError(f"type must be a non-empty string, got {type_!r}")
+            raise MalformedMessageError(f"type must be a non-empty string, got {_short(type_)}")
+        if len(type_) > TYPE_MAX_CHARS or not is_storable(type_) or not type_.isprintable():
+            raise MalformedMessageError(
+                f"type must be at most {TYPE_MAX_CHARS} printable characters, got {_short(type_)}")
         payload = raw["payload"]
         if isinstance(payload, str):
             # A payload that arrives as a string must itself be JSON; "not json" is poison.
-            try:
-                payload = json.loads(payload)
-            except ValueError as e:
-                raise MalformedMessageError(f"payload is not JSON: {e}") from None
+            payload = decode_json(payload, max_depth=max_depth, what="payload")
         headers = raw.get("headers") or {}
-        if not isinstance(headers, Mapping):
+        if not isinstance(headers, Mapping) or not all(isinstance(k, str) for k in headers):
             raise MalformedMessageError("headers must be a JSON object")
         created = raw.get("created_at_ms", 0)
-        if not isinstance(created, int):
-            raise MalformedMessageError("created_at_ms must be an integer")
+        if isinstance(created, bool) or not isinstance(created, int) or not 0 <= created <= _MAX_CREATED_AT_MS:
+            raise MalformedMessageError("created_at_ms must be an integer between 0 and 2**63-1")
         return cls(message_id=message_id, type=type_, payload=payload, headers=dict(headers),
                    created_at_ms=created)
+
+
+def _short(value: Any) -> str:
+    """A bounded, storable description of an untrusted value for an error message."""
+    text = repr(value) if isinstance(value, (str, int, float, bool)) or value is None else f"a {type(value).__name__}"
+    return storable_text(text, limit=120)
 
 
 def encode_json(obj: Any, *, what: str = "message") -> str:

@@ -46,7 +46,7 @@ class Outbox:
         self.app = app
         self.settings = settings if settings is not None else Settings.from_env()
         if engine is None and session_factory is None:
-            self.sessions = SessionSource(url=self.settings.effective_database_url)
+            self.sessions = SessionSource(url=self.settings.effective_database_url, settings=self.settings)
         else:
             self.sessions = SessionSource(engine=engine, session_factory=session_factory)
         self.clock: Clock = clock or SystemClock()

@@ -2,41 +2,455 @@
 
 ``Settings.from_env()`` is the one place that reads the environment, called at the edge (the CLI, a
 deployment's config module), never on import.
+
+Every field has exactly one rule in ``Settings.RULES`` (a deployment's subclass extends the table):
+how its variable is read, which values it may take (numbers finite and in range for where they go,
+text printable and of the right form) and whether it is a secret (masked in ``repr``/``str`` and in
+every error). Rules between fields are in ``Settings.RELATIONS``. A field without a rule is a
+programming error caught the first time the class is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from collections.abc import Mapping
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, NoReturn, Self
 
 from celery_outbox.errors import ConfigError
 from celery_outbox.schema import DEFAULT_PREFIX, check_prefix
 
+SECOND_MS = 1000
+MINUTE_MS = 60 * SECOND_MS
+HOUR_MS = 60 * MINUTE_MS
+DAY_MS = 24 * HOUR_MS
+MAX_EVENT_TYPE_LENGTH = 200  # the ``type`` columns are String(200)
+MASK = "***"
 
-def _parse_routes(raw: str) -> dict[str, tuple[str, ...]]:
-    """``"OrderPlaced=shipping,billing;OrderCancelled=billing"`` -> mapping of event type to consumers."""
-    routes: dict[str, tuple[str, ...]] = {}
-    for part in filter(None, (p.strip() for p in raw.split(";"))):
-        event, sep, consumers = part.partition("=")
-        names = tuple(filter(None, (c.strip() for c in consumers.split(","))))
-        if not sep or not event.strip() or not names:
-            raise ConfigError(
-                f"OUTBOX_ROUTES: {part!r} is not 'EventType=consumer[,consumer...]' "
-                "(separate events with ';')"
-            )
-        routes[event.strip()] = names
-    if not routes:
-        raise ConfigError("OUTBOX_ROUTES is set but names no route; unset it to use the defaults")
-    return routes
 
+# -- secrets -------------------------------------------------------------------------------------
+
+_SECRET_QUERY = re.compile(r"(?i)([?&;](?:password|passwd|pwd|pass|secret|token|api_key|apikey|sslpassword|"
+                           r"sslkey|access_key|secret_key)=)[^&;#]*")
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password (and any password-like query parameter) replaced by ``***``.
+
+    Conservative: everything between the user name and the last ``@`` before the path is hidden, so
+    a password with an unescaped ``@`` or ``/`` is hidden too; several URLs separated by ``;``
+    (kombu failover) are masked one by one.
+    """
+    if ";" in url and "://" in url.split(";", 1)[1]:
+        return ";".join(mask_url(part) for part in url.split(";"))
+    scheme, sep, rest = url.partition("://")
+    if not sep:  # not a URL: hide whatever could be user info
+        at = url.rfind("@")
+        return _SECRET_QUERY.sub(rf"\1{MASK}", url if at < 0 else MASK + url[at:])
+    at = rest.rfind("@")
+    if at >= 0:
+        userinfo, host = rest[:at], rest[at + 1:]
+        user, colon, _password = userinfo.partition(":")
+        if "/" in user:  # an unescaped '/' in the user info: hide all of it
+            user, colon = MASK, ""
+        rest = f"{user}:{MASK}@{host}" if colon else f"{user}@{host}"
+    return _SECRET_QUERY.sub(rf"\1{MASK}", f"{scheme}://{rest}")
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """One line, bounded: a value as an error message shows it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...(truncated)"
+
+
+class _Invalid(Exception):
+    """A rule's complaint, without the variable name (the caller adds it)."""
+
+
+# -- rules ---------------------------------------------------------------------------------------
+
+class Rule:
+    """How one field is read from ``OUTBOX_<FIELD>`` and which values it may take."""
+
+    secret = False  # a value never shown whole (repr, errors)
+
+    def parse(self, raw: str) -> Any:
+        return raw
+
+    def normalize(self, value: Any) -> Any:
+        """The canonical form of a value given in code (before ``problem`` sees it)."""
+        return value
+
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        """What is wrong with ``value`` (a phrase like ``must be ...``), or None."""
+        raise NotImplementedError
+
+    def masked(self, value: Any) -> Any:
+        return value
+
+    def shown(self, value: Any) -> str:
+        """``value`` as an error message shows it: one line, bounded, secrets masked."""
+        return _show(self.masked(value))
+
+
+_INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*", re.ASCII)
+_FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+
+
+@dataclass(frozen=True)
+class IntRule(Rule):
+    """An integer in ``[low, high]``; ``zero`` says what 0 means when ``low`` is 0."""
+
+    low: int
+    high: int
+    zero: str = ""
+
+    def range_text(self) -> str:
+        if self.low == 0:
+            return f">= 0 ({self.zero}) and <= {self.high}"
+        if self.low == 1:
+            return f"> 0 and <= {self.high}"
+        return f">= {self.low} and <= {self.high}"
+
+    def parse(self, raw: str) -> int:
+        text = raw.strip()
+        if len(text) > 40 or not _INT_TEXT.fullmatch(text):
+            raise _Invalid(f"must be int ({self.range_text()}, ASCII digits)")
+        return int(text)
+
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be int ({self.range_text()})"
+        if not self.low <= value <= self.high:
+            return f"must be {self.range_text()}"
+        return None
+
+
+@dataclass(frozen=True)
+class FloatRule(Rule):
+    """A finite number of seconds in ``[low, high]`` (``low`` > 0)."""
+
+    low: float
+    high: float
+
+    def range_text(self) -> str:
+        return f"> 0 (at least {self.low}) and <= {self.high:g}"
+
+    def parse(self, raw: str) -> float:
+        text = raw.strip()
+        if len(text) > 40 or not _FLOAT_TEXT.fullmatch(text):
+            raise _Invalid(f"must be a finite number {self.range_text()}")
+        return float(text)
+
+    def normalize(self, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and self.low <= value <= self.high:
+            return float(value)
+        return value
+
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number {self.range_text()}"
+        if (isinstance(value, float) and not math.isfinite(value)) or not self.low <= value <= self.high:
+            return f"must be a finite number {self.range_text()}"
+        return None
+
+
+def _text_problem(value: Any, max_length: int) -> str | None:
+    if not isinstance(value, str):
+        return "must be text"
+    if len(value) > max_length:
+        return f"must be at most {max_length} characters"
+    if not value.isprintable():
+        return "must be printable text (no control characters, NUL or lone surrogates)"
+    return None
+
+
+@dataclass(frozen=True)
+class ChoiceRule(Rule):
+    options: tuple[str, ...]
+
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        return None if value in self.options else f"must be {', '.join(self.options[:-1])} or {self.options[-1]}"
+
+
+@dataclass(frozen=True)
+class PatternRule(Rule):
+    """Text matching ``regex`` (ASCII), explained by ``text``."""
+
+    regex: str
+    text: str
+
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        if not isinstance(value, str) or not re.fullmatch(self.regex, value, re.ASCII):
+            return f"must be {self.text}"
+        return None
+
+
+class PrefixRule(Rule):
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        try:
+            check_prefix(value)
+        except ConfigError as e:
+            return f"is not a valid table prefix: {e}"
+        return None
+
+
+class TokenRule(Rule):
+    """A secret: empty (off) or printable text, never shown."""
+
+    secret = True
+
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        trouble = _text_problem(value, 4096)
+        if trouble is None and value != value.strip():
+            trouble = "must not start or end with whitespace"
+        return trouble
+
+    def masked(self, value: Any) -> Any:
+        return MASK if value else value
+
+    def shown(self, value: Any) -> str:
+        return "a secret value (not shown)"
+
+
+@dataclass(frozen=True)
+class UrlRule(Rule):
+    """Empty (the documented default) or a URL of one of ``schemes``; its password is never shown."""
+
+    schemes: tuple[str, ...]
+    text: str
+    broker: bool = False  # a kombu URL: ';'-separated failover URLs, aliases the owner allows
+    secret = True
+
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        trouble = _text_problem(value, 4096)
+        if trouble is not None or not value:
+            return trouble
+        if self.broker and owner.allows_broker_alias(value):
+            return None
+        for url in value.split(";") if self.broker else [value]:
+            trouble = self._one(url)
+            if trouble is not None:
+                return trouble
+        return None
+
+    def _one(self, url: str) -> str | None:
+        scheme = url.partition("://")[0].lower()
+        if "://" not in url or scheme.split("+", 1)[0] not in self.schemes:
+            return f"must be {self.text}"
+        if any(c.isspace() for c in url):
+            return f"must be {self.text}, without whitespace"
+        if self.broker:
+            from urllib.parse import urlsplit
+
+            try:
+                port = urlsplit(url).port  # raises for a port out of range or not a number
+            except ValueError:
+                port = 0
+            return f"must be {self.text} with a port in 1-65535" if port == 0 else None
+        from sqlalchemy.engine import make_url
+
+        try:
+            parsed = make_url(url)
+        except Exception:  # any parse failure is a bad URL (and its text may hold a password)
+            return f"must be {self.text} (this one cannot be parsed)"
+        if parsed.port is not None and not 1 <= parsed.port <= 65535:
+            return f"must be {self.text} with a port in 1-65535"
+        return None
+
+    def masked(self, value: Any) -> Any:
+        return mask_url(value) if isinstance(value, str) else value
+
+    def shown(self, value: Any) -> str:
+        if isinstance(value, str) and value and "://" not in value:
+            return "a value that is not a URL (not shown: it may be a password)"
+        return _show(self.masked(value))
+
+
+class RoutesRule(Rule):
+    """Event type -> consumer names: ``"A=x,y;B=z"``. Names are checked exactly like ``@consumer`` names."""
+
+    def parse(self, raw: str) -> dict[str, tuple[str, ...]]:
+        routes: dict[str, tuple[str, ...]] = {}
+        if not raw.strip():  # set and empty: no routes from the settings (what ``to_env`` writes for none)
+            return routes
+        for part in filter(None, (p.strip() for p in raw.split(";"))):
+            event, sep, consumers = part.partition("=")
+            names = tuple(filter(None, (c.strip() for c in consumers.split(","))))
+            if not sep or not event.strip() or not names:
+                raise _Invalid(f"must be 'EventType=consumer[,consumer...]' separated by ';' ({_show(part)} is not)")
+            routes[event.strip()] = names
+        if not routes:
+            raise _Invalid("is set but names no route; unset it to use the defaults")
+        return routes
+
+    def normalize(self, value: Any) -> Any:
+        if isinstance(value, Mapping) and all(isinstance(v, (tuple, list)) for v in value.values()):
+            return {k: tuple(v) for k, v in value.items()}
+        return value
+
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        from celery_outbox.consumer import check_name  # not at import: consumer -> policy -> settings
+
+        if not isinstance(value, Mapping):
+            return "must map event types to consumer names"
+        for event, names in value.items():
+            trouble = _text_problem(event, MAX_EVENT_TYPE_LENGTH)
+            if trouble is None and (not event.strip() or event != event.strip() or any(c in event for c in ";=,")):
+                trouble = "must be non-empty, without surrounding spaces or ';', '=' or ','"
+            if trouble is not None:
+                return f"event type {_show(event)} {trouble}"
+            if isinstance(names, str) or not isinstance(names, (tuple, list)) or not names:
+                return f"must route {_show(event)} to a non-empty tuple of consumer names"
+            for name in names:
+                try:
+                    check_name(name)
+                except ConfigError as e:
+                    return f"routes {_show(event)} to a bad consumer: {e}"
+        return None
+
+
+class CrashPointsRule(Rule):
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        from celery_outbox.crashpoints import CrashPoints
+
+        trouble = _text_problem(value, 1000)
+        if trouble is not None:
+            return trouble
+        try:
+            CrashPoints(spec=value)
+        except ConfigError as e:
+            return f"names {e}"
+        return None
+
+
+class PathRule(Rule):
+    """A filesystem path (a deployment's home): non-empty, printable."""
+
+    def parse(self, raw: str) -> Path:
+        if not raw.strip():
+            raise _Invalid("must be a non-empty path")
+        return Path(raw)
+
+    def normalize(self, value: Any) -> Any:
+        return Path(value) if isinstance(value, str) and value.strip() and "\x00" not in value else value
+
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        if not isinstance(value, (str, Path)):
+            return "must be a path"
+        text = str(value)
+        if not text.strip():
+            return "must be a non-empty path"
+        return _text_problem(text, 4096)
+
+
+@dataclass(frozen=True)
+class Relation:
+    """A rule between fields, checked once each of them passed its own rule."""
+
+    fields: tuple[str, ...]
+    holds: Callable[[Any], bool]
+    explain: Callable[[Any], str]
+
+
+LIBRARY_RULES: Mapping[str, Rule] = {
+    "database_url": UrlRule(("sqlite", "postgresql"), "sqlite:// or postgresql://"),
+    "broker_url": UrlRule(("redis", "rediss", "redis+socket", "amqp", "pyamqp", "amqps", "memory"),
+                      "redis://... or amqp://...", broker=True),
+    "namespace": PatternRule(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
+                         "non-empty, without ' /#*': 1-64 letters, digits, '_', '-' or '.', starting with a "
+                         "letter or digit"),
+    "table_prefix": PrefixRule(),
+    "routes": RoutesRule(),
+    "relay_batch_size": IntRule(1, 10_000),  # rows per claim / publish / mark (one IN list)
+    "relay_poll_interval_s": FloatRule(0.01, 86_400.0),
+    "relay_max_attempts": IntRule(1, 1_000),  # the attempts column is a 32-bit integer
+    "relay_base_delay_ms": IntRule(1, DAY_MS),
+    "relay_max_delay_ms": IntRule(1, DAY_MS),
+    "relay_breaker_base_ms": IntRule(1, HOUR_MS),
+    "relay_breaker_max_ms": IntRule(1, HOUR_MS),
+    "relay_publish_timeout_s": FloatRule(0.01, 3_600.0),
+    "relay_confirm_mode": ChoiceRule(("confirm", "tx", "none")),
+    "max_message_bytes": IntRule(1, 128 * 1024 * 1024),  # RabbitMQ's own maximum message size
+    "relay_reconcile_after_ms": IntRule(1, 30 * DAY_MS),
+    "relay_reconcile_interval_s": FloatRule(1.0, 86_400.0),
+    "consumer_max_deliveries": IntRule(1, 1_000),  # Celery max_retries; delivery counts are 32-bit columns
+    "consumer_retry_backoff_s": IntRule(1, 86_400),
+    "consumer_retry_backoff_max_s": IntRule(1, 86_400),
+    "consumer_park_timeout_ms": IntRule(1, 30 * DAY_MS),
+    "broker_redelivery_window_ms": IntRule(1, 365 * DAY_MS),  # > 0: the inbox-prune guard cannot be turned off
+    "broker_visibility_timeout_s": IntRule(1, 7 * 86_400),
+    "max_json_depth": IntRule(1, 500),  # below Python's recursion limit (1000), which the JSON decoder uses
+    "db_connect_timeout_s": IntRule(1, 600),  # libpq: 0 would mean wait for ever
+    "db_statement_timeout_ms": IntRule(1, DAY_MS),  # Postgres: 0 would turn it off; int32 milliseconds
+    "db_idle_in_transaction_timeout_ms": IntRule(1, DAY_MS),
+    "db_keepalives_idle_s": IntRule(1, 32_767),  # Linux TCP_KEEPIDLE maximum
+    "db_keepalives_interval_s": IntRule(1, 32_767),  # Linux TCP_KEEPINTVL maximum
+    "db_keepalives_count": IntRule(1, 127),  # Linux TCP_KEEPCNT maximum
+    "consumer_time_limit_s": IntRule(1, 86_400),
+    "metrics_port": IntRule(0, 65_535, zero="0 = off"),
+    "admin_token": TokenRule(),
+    "crash_points": CrashPointsRule(),
+}
+
+LIBRARY_RELATIONS: tuple[Relation, ...] = (
+    Relation(
+        ("consumer_retry_backoff_max_s", "broker_visibility_timeout_s"),
+        lambda s: s.consumer_retry_backoff_max_s < s.broker_visibility_timeout_s,
+        lambda s: f"OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S ({s.consumer_retry_backoff_max_s}) must be below "
+                  f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({s.broker_visibility_timeout_s}): on Redis a retry "
+                  "waiting longer than the visibility timeout is delivered twice",
+    ),
+    Relation(
+        ("consumer_time_limit_s", "broker_visibility_timeout_s"),
+        lambda s: s.consumer_time_limit_s < s.broker_visibility_timeout_s,
+        lambda s: f"OUTBOX_CONSUMER_TIME_LIMIT_S ({s.consumer_time_limit_s}) must be below "
+                  f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({s.broker_visibility_timeout_s}): on Redis a delivery "
+                  "still running after the visibility timeout is delivered again",
+    ),
+    Relation(
+        ("relay_reconcile_after_ms", "broker_visibility_timeout_s"),
+        lambda s: s.relay_reconcile_after_ms > s.broker_visibility_timeout_s * SECOND_MS,
+        lambda s: f"OUTBOX_RELAY_RECONCILE_AFTER_MS ({s.relay_reconcile_after_ms}) must exceed "
+                  f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({s.broker_visibility_timeout_s} s): the broker's own "
+                  "redelivery comes first, the reconciler only catches what is really lost",
+    ),
+    Relation(
+        ("broker_redelivery_window_ms", "relay_reconcile_after_ms"),
+        lambda s: s.broker_redelivery_window_ms > s.relay_reconcile_after_ms,
+        lambda s: f"OUTBOX_BROKER_REDELIVERY_WINDOW_MS ({s.broker_redelivery_window_ms}) must exceed "
+                  f"OUTBOX_RELAY_RECONCILE_AFTER_MS ({s.relay_reconcile_after_ms}): the inbox must outlive every "
+                  "redelivery and re-send, or one takes effect twice",
+    ),
+    Relation(
+        ("relay_base_delay_ms", "relay_max_delay_ms"),
+        lambda s: s.relay_base_delay_ms <= s.relay_max_delay_ms,
+        lambda s: f"OUTBOX_RELAY_BASE_DELAY_MS ({s.relay_base_delay_ms}) must not exceed "
+                  f"OUTBOX_RELAY_MAX_DELAY_MS ({s.relay_max_delay_ms})",
+    ),
+    Relation(
+        ("relay_breaker_base_ms", "relay_breaker_max_ms"),
+        lambda s: s.relay_breaker_base_ms <= s.relay_breaker_max_ms,
+        lambda s: f"OUTBOX_RELAY_BREAKER_BASE_MS ({s.relay_breaker_base_ms}) must not exceed "
+                  f"OUTBOX_RELAY_BREAKER_MAX_MS ({s.relay_breaker_max_ms})",
+    ),
+)
+
+
+# -- settings ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     """Every knob of the library. Pass one to ``Outbox``; ``from_env`` is the fallback at the edge."""
+
+    RULES: ClassVar[Mapping[str, Rule]] = LIBRARY_RULES
+    RELATIONS: ClassVar[tuple[Relation, ...]] = LIBRARY_RELATIONS
 
     database_url: str = ""  # empty: the engine or session factory given to ``Outbox``
     broker_url: str = ""  # empty: the Celery app's own broker_url
@@ -84,8 +498,27 @@ class Settings:
     consumer_time_limit_s: int = 120  # below broker_visibility_timeout_s (Redis redelivers a longer one)
 
     metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
-    admin_token: str = ""
+    admin_token: str = ""  # a secret: masked in repr/str and errors
     crash_points: str = ""  # comma separated names armed for chaos tests
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # ``@dataclass`` on a subclass would generate a repr showing every value, passwords included;
+        # it keeps a ``__repr__`` the class itself defines, so every subclass gets the masking one.
+        super().__init_subclass__(**kwargs)
+        for name in ("__repr__", "__str__"):
+            if name not in cls.__dict__:
+                setattr(cls, name, Settings.__dict__[name])
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={self._shown(f.name)}" for f in dataclasses.fields(self) if f.repr)
+        return f"{type(self).__qualname__}({shown})"
+
+    __str__ = __repr__
+
+    def _shown(self, name: str) -> str:
+        value = getattr(self, name)
+        rule = self.RULES.get(name)
+        return repr(rule.masked(value) if rule is not None else value)
 
     @property
     def effective_database_url(self) -> str:
@@ -109,6 +542,12 @@ class Settings:
         return tuple(seen)
 
     def __post_init__(self) -> None:
+        rules = self._rules()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            normal = rules[f.name].normalize(value)
+            if normal is not value:
+                object.__setattr__(self, f.name, normal)  # frozen: the canonical form, once, before validation
         self.validate()
 
     def allows_broker_alias(self, url: str) -> bool:
@@ -119,7 +558,7 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
     def to_env(self) -> dict[str, str]:
-        """The ``OUTBOX_*`` variables that make a child process build these same settings."""
+        """The ``OUTBOX_*`` variables that make a child process build these same settings (secrets included)."""
         env: dict[str, str] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -132,74 +571,82 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Self:
-        """Build settings from ``OUTBOX_<FIELD>`` variables; a malformed value raises ``ConfigError``."""
+        """Build settings from ``OUTBOX_<FIELD>`` variables.
+
+        Any bad value raises one ``ConfigError`` whose message is one line: a clause per bad variable,
+        naming it, separated by ``; `` (a secret's value is never repeated).
+        """
         env = os.environ if environ is None else environ
+        rules = cls._rules()
         values: dict[str, Any] = {}
+        errors: list[str] = []
         for f in dataclasses.fields(cls):
             key = f"OUTBOX_{f.name.upper()}"
-            if key not in env:
+            if key not in env or f.name in overrides:
                 continue
             raw = env[key]
-            values[f.name] = _coerce(key, raw, f.type)
+            rule = rules[f.name]
+            try:
+                values[f.name] = rule.parse(raw)
+            except _Invalid as e:
+                errors.append(_clause(key, str(e), raw, rule))
+        if errors:
+            raise ConfigError("; ".join(errors))
         values.update(overrides)
         return cls(**values)
 
+    @classmethod
+    def _rules(cls) -> Mapping[str, Rule]:
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in cls.RULES]
+        if missing:  # a programming error: every field states its rule
+            raise TypeError(f"{cls.__qualname__}: no rule in RULES for {', '.join(missing)}")
+        return cls.RULES
+
     def validate(self) -> None:
-        positive = (
-            "relay_batch_size", "relay_max_attempts", "relay_base_delay_ms", "relay_max_delay_ms",
-            "relay_breaker_base_ms", "relay_breaker_max_ms", "max_message_bytes", "relay_reconcile_after_ms",
-            "relay_reconcile_interval_s",
-            "consumer_max_deliveries", "broker_visibility_timeout_s",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"OUTBOX_{name.upper()} must be > 0, got {getattr(self, name)!r}")
-        if self.relay_poll_interval_s <= 0:
-            raise ConfigError("OUTBOX_RELAY_POLL_INTERVAL_S must be > 0")
-        if self.relay_confirm_mode not in ("confirm", "tx", "none"):
-            raise ConfigError(
-                f"OUTBOX_RELAY_CONFIRM_MODE must be confirm, tx or none, got {self.relay_confirm_mode!r}"
-            )
-        if not self.namespace or any(c in self.namespace for c in " /#*"):
-            raise ConfigError(f"OUTBOX_NAMESPACE {self.namespace!r} must be non-empty, without ' /#*'")
-        if self.consumer_retry_backoff_max_s >= self.broker_visibility_timeout_s:
-            raise ConfigError(
-                f"OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S ({self.consumer_retry_backoff_max_s}) must be below "
-                f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({self.broker_visibility_timeout_s}): on Redis a retry "
-                "waiting longer than the visibility timeout is delivered twice"
-            )
-        if self.relay_reconcile_after_ms <= self.broker_visibility_timeout_s * 1000:
-            raise ConfigError(
-                f"OUTBOX_RELAY_RECONCILE_AFTER_MS ({self.relay_reconcile_after_ms}) must exceed "
-                f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({self.broker_visibility_timeout_s} s): the broker's own "
-                "redelivery comes first, the reconciler only catches what is really lost"
-            )
-        check_prefix(self.table_prefix)
-        url = self.database_url
-        if url and not (url.startswith("sqlite") or url.startswith("postgresql")):
-            raise ConfigError(f"OUTBOX_DATABASE_URL must be sqlite:// or postgresql://, got {url!r}")
-        b = self.broker_url
-        if b and not self.allows_broker_alias(b) and not b.startswith(("redis://", "rediss://", "redis+socket://", "amqp://",
-                                               "pyamqp://", "amqps://", "memory://")):
-            raise ConfigError(
-                f"OUTBOX_BROKER_URL must be redis://... or amqp://..., got {b!r}"
-            )
+        """Raise one ``ConfigError`` naming every bad field (one line); see ``RULES`` and ``RELATIONS``."""
+        rules = self._rules()
+        errors: list[str] = []
+        bad: set[str] = set()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            rule = rules[f.name]
+            trouble = rule.problem(value, self)
+            if trouble is not None:
+                bad.add(f.name)
+                errors.append(_clause(f"OUTBOX_{f.name.upper()}", trouble, value, rule))
+        for relation in self.RELATIONS:
+            if not bad.intersection(relation.fields) and not relation.holds(self):
+                errors.append(relation.explain(self))
+        if errors:
+            raise ConfigError("; ".join(errors))
 
 
-_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+def _clause(key: str, trouble: str, value: Any, rule: Rule) -> str:
+    return f"{key} {trouble}, got {rule.shown(value)}"
 
 
-def _coerce(key: str, raw: str, annotation: Any) -> Any:
-    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    if name == "Path":
-        return Path(raw)
-    if name.startswith("Mapping"):
-        return _parse_routes(raw)
-    typ = _TYPES.get(name, str)
+@contextmanager
+def exit_on_config_error(code: int = 2) -> Iterator[None]:
+    """At an entry point (a Celery ``-A`` module, a WSGI module): a ``ConfigError`` becomes one line
+    ``bad configuration: ...`` on stderr and exit status ``code`` (2, like the ``outbox`` CLI), never
+    a traceback. Under gunicorn pass ``code=4``: its master stops on a worker that exits 4 ("App
+    failed to load") instead of starting workers again for ever.
+    """
     try:
-        return typ(raw)
-    except ValueError:
-        raise ConfigError(f"{key} must be {typ.__name__}, got {raw!r}") from None
+        yield
+    except ConfigError as e:
+        _exit(e, code)
+
+
+_URL_PASSWORD = re.compile(r"""([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@'"]*):[^\s@'"]*@""")
+
+
+def _exit(error: ConfigError, code: int) -> NoReturn:
+    # one line whatever the message holds, and no URL password even from an error raised elsewhere
+    message = _URL_PASSWORD.sub(rf"\1:{MASK}@", " ".join(str(error).split()))
+    sys.stderr.write(f"bad configuration: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code) from None
 
 
 def broker_is_rabbitmq(url: str) -> bool:

@@ -43,7 +43,8 @@ CHAOS_ENV: dict[str, str] = {
     "OUTBOX_CONSUMER_MAX_DELIVERIES": "3",
     "OUTBOX_CONSUMER_RETRY_BACKOFF_S": "1",
     "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "2",
-    "OUTBOX_BROKER_VISIBILITY_TIMEOUT_S": "3",  # see celery_outbox.celery.config.redis_transport_options
+    "OUTBOX_BROKER_VISIBILITY_TIMEOUT_S": "10",  # see celery_outbox.celery.config.redis_transport_options
+    "OUTBOX_CONSUMER_TIME_LIMIT_S": "8",  # below the visibility timeout (Settings enforces it)
 }
 
 

@@ -8,6 +8,12 @@ from celery_outbox import ConfigError
 from celeryconfig import Settings
 
 
+class BadConfiguration(click.ClickException):
+    """``Error: bad configuration: ...``: one line on stderr, exit status 2 (like the ``outbox`` CLI)."""
+
+    exit_code = 2
+
+
 def deployment_settings(ctx: click.Context) -> Settings:
     root = ctx.find_root()
     root.ensure_object(dict)
@@ -15,6 +21,6 @@ def deployment_settings(ctx: click.Context) -> Settings:
         try:
             root.obj["settings"] = Settings.from_env()
         except ConfigError as e:
-            raise click.UsageError(f"bad configuration: {e}") from None
+            raise BadConfiguration(f"bad configuration: {' '.join(str(e).split())}") from None
     settings: Settings = root.obj["settings"]
     return settings

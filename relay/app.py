@@ -2,14 +2,18 @@
 
 Built only on ``celery_outbox``'s public API from this deployment's settings (celeryconfig.py). The
 embedded Redis is never started here: the demo (or ``python -m devtools embedded-redis start``) starts
-it, and this module finds it through its port file.
+it, and this module finds it through its port file. A bad configuration (``OUTBOX_*``, routes naming
+an unknown consumer) exits here with one line ``bad configuration: ...`` and status 2, no traceback.
 """
 
 from __future__ import annotations
 
+from celery_outbox import exit_on_config_error
 from relay.factory import create_celery_app, create_outbox
 
-outbox = create_outbox()
+with exit_on_config_error():
+    outbox = create_outbox()
+    outbox.check()
 app = outbox.app
 
 __all__ = ["app", "create_celery_app", "create_outbox", "outbox"]

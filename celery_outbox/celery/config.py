@@ -30,16 +30,47 @@ def add_task_routes(app: Any, routes: Mapping[str, Mapping[str, str]]) -> None:
 def redis_transport_options(settings: Settings) -> dict[str, Any]:
     """Redelivery of unacked messages on Redis, sized from one setting.
 
-    kombu restores a dead worker's unacked messages after ``visibility_timeout``, under a mutex kept
-    in Redis; a worker SIGKILLed while holding it blocks every restore until the mutex expires (300 s
-    by default), so the mutex expiry follows the timeout instead of staying fixed.
+    kombu keeps a message a worker took in an "unacked" set with the time it took it; every live
+    worker scans that set and puts back what is older than ``visibility_timeout``. By default it
+    scans every ``unacked_restore_interval`` (10 s) x ``unacked_restore_throttle`` (10) = 100 s,
+    so a message of a worker killed whole came back up to 100 s after the timeout; the throttle is
+    1 here and the interval a tenth of the timeout (1 to 30 s), so it comes back within
+    ``visibility_timeout + interval``. The scan runs under a mutex kept in Redis; a worker killed
+    while holding it would block every scan until it expires (300 s by default), so it expires after
+    one interval too (two workers scanning at once cannot restore a message twice: each restore is a
+    WATCH/MULTI transaction). Worst case: ``visibility_timeout + 2 x interval`` after the dead
+    worker took the message (``tests/hostile/test_redis_redelivery.py``). Needs kombu >= 5.7, the
+    first release that reads the interval and the throttle.
     """
     vt = settings.broker_visibility_timeout_s
+    interval = max(1, min(30, vt // 10))  # seconds between two scans
     return {
         "visibility_timeout": vt,
-        "unacked_restore_interval": max(1, min(60, vt // 3)),
-        "unacked_mutex_expire": max(5, min(300, vt * 2)),
+        "unacked_restore_interval": interval,
+        "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": interval,
     }
+
+
+def consumer_time_limits(settings: Settings) -> tuple[float, float]:
+    """``(soft, hard)`` time limits of a consumer task, from ``consumer_time_limit_s`` (the hard one).
+
+    A delivery that blocks for ever (a database that stopped answering without closing the
+    connection, a handler stuck on a network call) must end. The soft limit raises
+    ``SoftTimeLimitExceeded`` in the task, which the delivery records as a failure (counted, retried
+    with backoff) when the handler is running Python code; a call blocked inside the database driver
+    never sees it, so the hard limit kills the pool process. The consumer task sets
+    ``acks_on_timeout=False`` (Celery >= 5.7), so the message of a hard kill is rejected with
+    requeue, comes back marked redelivered, and ``delivery.deliver`` counts the lost delivery: a
+    message that always hangs ends in the dead-letter store after the consumer's maximum deliveries.
+    Not set app-wide (``task_acks_on_timeout``): your own tasks with a time limit keep Celery's
+    default. Time limits need the prefork pool (``-P prefork``, the default); solo and threads
+    ignore the hard limit.
+    """
+    hard = float(settings.consumer_time_limit_s)
+    gap = min(30.0, max(1.0, hard / 10))
+    soft = hard - gap if hard > 2 * gap else hard / 2
+    return soft, hard
 
 
 def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename: str | None = None,

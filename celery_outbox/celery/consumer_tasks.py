@@ -3,6 +3,11 @@
 Returning acks the message (acks_late: only after the inbox commit). A delivery that must be
 redelivered becomes ``self.retry`` with the consumer's backoff; Celery's retry is the redelivery loop,
 the count in the database decides when it ends in the dead-letter store.
+
+Every message for these tasks passes ``celery_outbox.celery.strategy.guarded`` (the task's
+``Strategy``) first: in a worker the task receives the envelope as JSON text, or a
+``MalformedDelivery`` for a broker message that was not a valid task message, never anything Celery
+could choke on. Called eagerly (tests, ``apply``) it also takes the envelope as a dict.
 """
 
 from __future__ import annotations
@@ -13,20 +18,29 @@ from typing import Any
 from celery import Celery
 
 from celery_outbox.celery import events
+from celery_outbox.celery.config import consumer_time_limits
+from celery_outbox.celery.strategy import STRATEGY
 from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.delivery import Delivery, backoff_s, deliver
+from celery_outbox.errors import MalformedMessageError
 from celery_outbox.inbox.outcome import Outcome
-from celery_outbox.messages import task_name
+from celery_outbox.messages import MALFORMED_PREFIX, decode_json, storable_text, task_name
 from celery_outbox.runtime import Context
 
 
-def _announce(app: Celery, consumer: str, body: Any, result: Delivery) -> None:
+def _announce(app: Celery, consumer: str, body: Any, result: Delivery, max_depth: int) -> None:
     """Custom Celery events for the two outcomes an operator watches in Flower (best effort)."""
     if result.outcome not in (Outcome.DUPLICATE, Outcome.DEAD_LETTERED):
         return
+    if isinstance(body, str) and not body.startswith(MALFORMED_PREFIX):
+        try:
+            body = decode_json(body, max_depth=max_depth)
+        except MalformedMessageError:
+            body = None
     raw = body.get("message_id") if isinstance(body, Mapping) else None
-    message_id = str(raw) if raw is not None else ""
-    event_type = body.get("type") if isinstance(body, Mapping) else None
+    message_id = storable_text(raw, limit=64) if isinstance(raw, str) else ""
+    kind = body.get("type") if isinstance(body, Mapping) else None
+    event_type = storable_text(kind, limit=200) if isinstance(kind, str) else None
     if result.outcome is Outcome.DUPLICATE:
         events.duplicate_absorbed(app, consumer=consumer, message_id=message_id, event_type=event_type)
     else:
@@ -37,25 +51,31 @@ def _announce(app: Celery, consumer: str, body: Any, result: Delivery) -> None:
 def define(app: Celery, ctx: Context, spec: ConsumerSpec) -> Any:
     """Define the task ``task_name(spec.name)`` on ``app`` and return it."""
     settings = ctx.settings
+    soft_limit, hard_limit = consumer_time_limits(settings)  # a hard kill is requeued and counted (config.py)
+    policy = spec.policy.resolve(settings)
 
     @app.task(  # type: ignore[untyped-decorator]
         name=task_name(spec.name), bind=True, acks_late=True,
         reject_on_worker_lost=True, ignore_result=True, max_retries=None, shared=False,
+        time_limit=hard_limit, soft_time_limit=soft_limit, acks_on_timeout=False,
+        Strategy=STRATEGY,  # every broker message is checked before Celery unpacks it (strategy.py)
+        outbox_settings=settings, outbox_queue=settings.queue_name(spec.name),  # read by the strategy
+        outbox_max_eta_s=float(policy.max_s) + 60.0,
     )
     def run(self: Any, body: Any) -> str:
-        policy = spec.policy.resolve(settings)
         try:
             info = self.request.delivery_info or {}
             result = deliver(ctx.sessions(), spec, body, tables=ctx.tables, request_id=self.request.id,
                              settings=settings, clock=ctx.clock, crash_points=ctx.crash_points,
                              first_delivery=not self.request.retries, redelivered=bool(info.get("redelivered")))
         except Exception as e:  # never let a failure escape: acks_late would ack (and drop) the message
-            result = Delivery(outcome=Outcome.RETRY, deliveries=0, error=f"{e.__class__.__name__}: {e}",
+            result = Delivery(outcome=Outcome.RETRY, deliveries=0,
+                              error=storable_text(f"{e.__class__.__name__}: {e}", limit=2000),
                               retry_in_s=backoff_s(1, policy=policy))
         if result.retry_in_s is not None:
             raise self.retry(countdown=result.retry_in_s, max_retries=None,
                              exc=RedeliveryError(result.error or "failed"))
-        _announce(app, spec.name, body, result)
+        _announce(app, spec.name, body, result, settings.max_json_depth)
         return result.outcome.value
 
     return run

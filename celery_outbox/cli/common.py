@@ -7,13 +7,14 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import click
 from sqlalchemy import exc as sa_exc
 
-from celery_outbox.errors import ConfigError, OutboxError
+from celery_outbox.errors import ConfigError, DatabaseError, OutboxError
 from celery_outbox.outbox import Outbox
 from celery_outbox.settings import Settings
 
@@ -23,8 +24,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_APP = "relay.app"  # the reference deployment, when neither -A nor OUTBOX_APP names one
 
 
+class OutboxGroup(click.Group):
+    """The root group: every command under it, present and future, runs inside ``cli_errors()``, so no
+    error reaches the user as a traceback or with a password in it."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with cli_errors():
+            return super().invoke(ctx)
+
+
 def settings_group(fn: Callable[..., None]) -> click.Group:
-    @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+    @click.group(cls=OutboxGroup, context_settings={"help_option_names": ["-h", "--help"]})
     @click.option("-A", "--app", "app_spec", envvar="OUTBOX_APP", default=None, metavar="MODULE[:ATTR]",
                   help="Where your Outbox lives, like celery -A (env OUTBOX_APP; default: the reference "
                        "deployment's relay.app).")
@@ -74,9 +84,9 @@ def get_outbox(ctx: click.Context) -> Outbox:
             outbox = load_outbox(root.obj.get("app_spec") or DEFAULT_APP)
             outbox.check()
         except ConfigError as e:
-            raise click.UsageError(f"bad configuration: {e}") from None
+            raise click.UsageError(f"bad configuration: {one_line(str(e))}") from None
         except OutboxError as e:
-            raise click.ClickException(str(e)) from None
+            raise click.ClickException(one_line(str(e))) from None
         root.obj["outbox"] = outbox
     found: Outbox = root.obj["outbox"]
     return found
@@ -86,22 +96,71 @@ def get_settings(ctx: click.Context) -> Settings:
     return get_outbox(ctx).settings
 
 
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/?#@\s]*:)[^\s/]*@")
+_MISSING_TABLE = re.compile(r'no such table|relation "[^"]*" does not exist|undefinedtable', re.IGNORECASE)
+UPGRADE_HINT = "the outbox tables are missing: run `outbox db upgrade`"
+TRACEBACK_ENV = "OUTBOX_TRACEBACK"
+
+
+def mask_secrets(text: str) -> str:
+    """``scheme://user:password@host`` -> ``scheme://user:***@host`` anywhere in ``text``."""
+    return _URL_PASSWORD.sub(lambda m: f"{m.group('head')}***@", text)
+
+
+def one_line(text: str, *, limit: int = 1000) -> str:
+    """The first non-empty line of ``text``, masked and cut to ``limit`` characters."""
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    first = mask_secrets(first)
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+def database_message(orig: BaseException) -> str:
+    """One line for a driver error: what happened and what to do, never SQL, parameters or a password."""
+    name = orig.__class__.__name__
+    first = one_line(str(orig)) or name
+    lowered = f"{name} {first}".lower()
+    if _MISSING_TABLE.search(lowered):
+        return f"database error: {first} ({UPGRADE_HINT})"
+    return f"database error: {name}: {first}"
+
+
+@contextmanager
+def cli_errors() -> Iterator[None]:
+    """Our errors, driver errors and anything unexpected as one line on stderr and exit 1 (bad
+    configuration exit 2); click's own exceptions pass through. ``OUTBOX_TRACEBACK=1`` re-raises."""
+    try:
+        yield
+    except (click.ClickException, click.exceptions.Exit, click.Abort):
+        raise
+    except ConfigError as e:
+        raise click.UsageError(f"bad configuration: {one_line(str(e))}") from None
+    except DatabaseError as e:  # the core's wrapped driver error: its message, plus what to do
+        cause = e.__cause__
+        hint = ""
+        if isinstance(cause, sa_exc.DBAPIError) and _MISSING_TABLE.search(f"{type(cause.orig).__name__} {cause.orig}"):
+            hint = f" ({UPGRADE_HINT})"
+        raise click.ClickException(f"{one_line(str(e)) or 'database error'}{hint}") from None
+    except OutboxError as e:
+        raise click.ClickException(one_line(str(e)) or e.__class__.__name__) from None
+    except sa_exc.DBAPIError as e:  # a driver error the core did not wrap: one line, no SQL, no URL
+        raise click.ClickException(database_message(e.orig if e.orig is not None else e)) from None
+    except sa_exc.SQLAlchemyError as e:  # a bad URL, a missing driver: SQLAlchemy's text can carry the URL
+        raise click.ClickException(f"database error: {e.__class__.__name__}: {one_line(str(e))}") from None
+    except Exception as e:
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        raise click.ClickException(
+            f"unexpected {e.__class__.__name__}: {one_line(str(e))} (set {TRACEBACK_ENV}=1 for the traceback)"
+        ) from None
+
+
 def handle_errors(fn: F) -> F:
-    """Turn our own errors into a one-line message and exit code 1 (bad input stays exit 2)."""
+    """Turn errors into a one-line message and exit code 1 (bad input stays exit 2)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
+        with cli_errors():
             return fn(*args, **kwargs)
-        except ConfigError as e:
-            raise click.UsageError(f"bad configuration: {e}") from None
-        except OutboxError as e:
-            raise click.ClickException(str(e)) from None
-        except sa_exc.DBAPIError as e:  # a driver error the core did not wrap: one line, no SQL, no URL
-            first = str(e.orig).strip().splitlines()[0] if str(e.orig).strip() else e.orig.__class__.__name__
-            hint = " (is the schema migrated? run 'outbox db upgrade')" if "no such table" in first or \
-                "does not exist" in first else ""
-            raise click.ClickException(f"database error: {e.orig.__class__.__name__}: {first}{hint}") from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import click
+from sqlalchemy.engine import make_url
 
 from celery_outbox import migrate
-from celery_outbox.cli.common import get_outbox, handle_errors
+from celery_outbox.cli.common import UPGRADE_HINT, get_outbox, handle_errors
+
+
+def _where(url: str) -> str:
+    """The database for humans: driver, host and name, never the password."""
+    return make_url(url).render_as_string(hide_password=True)
 
 
 @click.group()
@@ -22,7 +28,7 @@ def upgrade(ctx: click.Context, revision: str) -> None:
     outbox = get_outbox(ctx)
     url, prefix = outbox.sessions.url, outbox.settings.table_prefix
     migrate.upgrade(url, revision, prefix=prefix)
-    click.echo(f"outbox tables at {migrate.current(url, prefix=prefix)} ({url.split('@')[-1]})")
+    click.echo(f"outbox tables at {migrate.current(url, prefix=prefix)} ({_where(url)})")
 
 
 @db.command()
@@ -31,7 +37,8 @@ def upgrade(ctx: click.Context, revision: str) -> None:
 def current(ctx: click.Context) -> None:
     """Print the current schema revision."""
     outbox = get_outbox(ctx)
-    click.echo(migrate.current(outbox.sessions.url, prefix=outbox.settings.table_prefix) or "empty")
+    revision = migrate.current(outbox.sessions.url, prefix=outbox.settings.table_prefix)
+    click.echo(revision or f"empty ({UPGRADE_HINT})")
 
 
 @db.command()
@@ -40,6 +47,8 @@ def current(ctx: click.Context) -> None:
 def check(ctx: click.Context) -> None:
     """Exit 1 unless the live schema matches this version of the library (for CI and readiness probes)."""
     outbox = get_outbox(ctx)
+    if migrate.current(outbox.sessions.url, prefix=outbox.settings.table_prefix) is None:
+        raise click.ClickException(UPGRADE_HINT)  # one line, not a diff of every table
     problems = migrate.check(outbox.sessions.url, prefix=outbox.settings.table_prefix)
     for p in problems:
         click.echo(p, err=True)

@@ -5,12 +5,21 @@ basic-auth password (any user name). With no token configured the page does not 
 forgotten setting never means an open admin page.
 
 CSRF: every form carries a random token that must equal the ``outbox_csrf`` cookie (double submit);
-the cookie is ``SameSite=Strict`` and HttpOnly, and a POST whose Origin is another site is refused.
+the cookie is ``SameSite=Strict`` and HttpOnly, and a POST that the browser marks as not same-origin
+(``Sec-Fetch-Site``), or whose Origin is another site or ``null``, is refused.
 A cross-site form cannot read the cookie, so it cannot forge the field.
+
+Headers: every answer of the page (and ``/metrics``) carries a strict Content-Security-Policy (nothing
+loads but the page's own inline style and confirm script, pinned by their SHA-256; forms post only to
+this origin; no framing), ``X-Content-Type-Options: nosniff``, ``Referrer-Policy: no-referrer`` and,
+when the request came over https, ``Strict-Transport-Security`` (behind a TLS-terminating proxy, wrap
+the app in werkzeug's ``ProxyFix`` so Flask sees the scheme).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import json
 import secrets
@@ -20,12 +29,13 @@ from urllib.parse import urlparse
 
 from flask import Blueprint, Flask, Response, abort, current_app, g, redirect, render_template_string, request, url_for
 from markupsafe import Markup
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 from werkzeug.wrappers import Response as WerkzeugResponse
 
 from celery_outbox.celery.sender import replay_sender
 from celery_outbox.clock import Clock
-from celery_outbox.errors import NotFoundError, OutboxError
+from celery_outbox.errors import DatabaseError, NotFoundError, OutboxError
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import metrics as ops_metrics
 from celery_outbox.outbox import Outbox
@@ -35,11 +45,27 @@ CSRF_COOKIE = "outbox_csrf"
 CSRF_FIELD = "csrf_token"
 EXT = "outbox_ops"
 
-_LAYOUT_HEAD = """<!doctype html><html><head><meta charset="utf-8"><title>{{ title }}</title>
-<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;
+_STYLE = """body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;
 padding:4px 8px;text-align:left;vertical-align:top}pre{background:#f4f4f4;padding:1em}
-.flash{background:#e8f4e8;padding:.5em}.error{background:#f8e0e0;padding:.5em}form{display:inline}</style>
-</head><body>"""
+.flash{background:#e8f4e8;padding:.5em}.error{background:#f8e0e0;padding:.5em}form{display:inline}"""
+# The purge confirmation, as a script the CSP pins by hash (inline event handlers would need 'unsafe-hashes').
+_SCRIPT = """document.addEventListener("submit",function(e){var f=e.target;
+if(f.classList&&f.classList.contains("purge-form")&&!confirm("Delete "+f.dataset.id+" for good?")){e.preventDefault();}});"""
+
+
+def _sha256_source(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+CONTENT_SECURITY_POLICY = (
+    f"default-src 'none'; style-src {_sha256_source(_STYLE)}; script-src {_sha256_source(_SCRIPT)}; "
+    "img-src 'none'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+HSTS = "max-age=31536000"
+
+_LAYOUT_HEAD = ("""<!doctype html><html><head><meta charset="utf-8"><title>{{ title }}</title>
+<style>""" + _STYLE + "</style><script>" + _SCRIPT + """</script>
+</head><body>""")
 
 LIST_TEMPLATE = _LAYOUT_HEAD + """
 <h1>Dead letters</h1>
@@ -79,10 +105,21 @@ SHOW_TEMPLATE = _LAYOUT_HEAD + """
 BUTTONS_TEMPLATE = """<form method="post" action="{{ url_for('outbox_admin.replay', dl_id=d.id|string) }}">
 <input type="hidden" name="csrf_token" value="{{ csrf }}"><button type="submit" class="replay"
  data-id="{{ d.id }}">Replay</button></form>
-<form method="post" action="{{ url_for('outbox_admin.purge', dl_id=d.id|string) }}"
- onsubmit="return confirm('Delete {{ d.id }} for good?')">
+<form method="post" action="{{ url_for('outbox_admin.purge', dl_id=d.id|string) }}" class="purge-form"
+ data-id="{{ d.id }}">
 <input type="hidden" name="csrf_token" value="{{ csrf }}"><button type="submit" class="purge"
  data-id="{{ d.id }}">Purge</button></form>"""
+
+
+def security_headers(resp: WerkzeugResponse, *, csp: str = CONTENT_SECURITY_POLICY) -> WerkzeugResponse:
+    """The headers every admin answer carries; a header the host app already set is kept."""
+    resp.headers.setdefault("Content-Security-Policy", csp)
+    resp.headers.setdefault("X-Content-Type-Options", "nosniff")
+    resp.headers.setdefault("Referrer-Policy", "no-referrer")
+    resp.headers.setdefault("X-Frame-Options", "DENY")
+    if request.is_secure:
+        resp.headers.setdefault("Strict-Transport-Security", HSTS)
+    return resp
 
 
 def _human_age(ms: int) -> str:
@@ -134,6 +171,12 @@ def _authorized(token: str) -> bool:
 
 
 def _same_origin() -> bool:
+    """A browser's ``Sec-Fetch-Site`` (a header no page can set) must say same-origin. Without it, the
+    Origin (or Referer) must be this host. The page's ``Referrer-Policy: no-referrer`` makes browsers send
+    ``Origin: null`` on its own forms, which is why Fetch Metadata is asked first; a bare ``null`` is refused."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None:
+        return site == "same-origin"
     origin = request.headers.get("Origin") or request.headers.get("Referer")
     if not origin or origin == "null":
         return origin is None
@@ -156,6 +199,13 @@ def _sender() -> dl.Sender:
     return send
 
 
+def _pretty(value: Any) -> str:
+    try:
+        return json.dumps(value, indent=2, sort_keys=True, default=str)
+    except (RecursionError, ValueError):
+        return "(nested too deep to show)"
+
+
 def _page(template: str, **kw: Any) -> str:
     csrf = _csrf_token()
     now = _clock().now_ms()
@@ -165,7 +215,7 @@ def _page(template: str, **kw: Any) -> str:
 
     return render_template_string(
         template, age=lambda d: _human_age(d.age_ms(now)),
-        pretty=lambda v: json.dumps(v, indent=2, sort_keys=True, default=str),
+        pretty=_pretty,
         buttons=lambda d: Markup(buttons(d)), **kw,
     )
 
@@ -195,8 +245,17 @@ def make_blueprint() -> Blueprint:
             resp.set_cookie(CSRF_COOKIE, new, httponly=True, samesite="Strict", secure=request.is_secure,
                             path="/admin/")
         resp.headers["Cache-Control"] = "no-store"
-        resp.headers["X-Frame-Options"] = "DENY"
+        resp.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY  # the page's own, whatever the host set
+        security_headers(resp)
         return resp
+
+    @bp.errorhandler(DatabaseError)
+    @bp.errorhandler(sa_exc.SQLAlchemyError)
+    def _database_down(_e: Exception) -> Response:
+        # the database's text (host, port, SQL) stays in the server log, never in the answer
+        current_app.logger.warning("admin page: database error", exc_info=True)
+        return Response("the database is unavailable; try again shortly\n", 503,
+                        {"Retry-After": "5", "Content-Type": "text/plain; charset=utf-8"})
 
     @bp.teardown_request
     def _close(_exc: BaseException | None) -> None:
@@ -223,6 +282,8 @@ def make_blueprint() -> Blueprint:
     def _act(dl_id: str, action: Callable[[Session, str], str]) -> WerkzeugResponse:
         try:
             message = action(_session(), dl_id)
+        except DatabaseError:
+            raise  # 503 without the database's text, not a redirect that shows it
         except OutboxError as e:
             return redirect(url_for("outbox_admin.index", error=str(e)), 303)
         return redirect(url_for("outbox_admin.index", done=message), 303)
@@ -255,4 +316,6 @@ def init_app(app: Flask, outbox: Outbox, *, send: dl.Sender | None = None) -> No
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(ops_metrics.render(registry), 200, {"Content-Type": ops_metrics.CONTENT_TYPE})
+        resp = Response(ops_metrics.render(registry), 200, {"Content-Type": ops_metrics.CONTENT_TYPE})
+        security_headers(resp, csp="default-src 'none'; frame-ancestors 'none'")
+        return resp

@@ -4,11 +4,24 @@ replay or purge.
 The raw body text is kept, so even a message that was never valid JSON is not lost. Replay sends the
 stored envelope back to its consumer's queue; the inbox still guards it (rule 8), so replaying a
 message that did get processed after all is a harmless DUPLICATE.
+
+Writing a dead letter must never fail on its content, or the poison it records would be redelivered
+for ever. So ``record`` stores everything in a form both SQLite and Postgres accept:
+
+* ``body``: the raw text as-is when it is text the database can hold (UTF-8, no NUL, no lone
+  surrogate); anything else (raw bytes, NUL, surrogates, or a text that happens to start with the
+  marker) as ``BODY_B64_PREFIX`` + base64 of its exact bytes. ``body_of`` gives the original back.
+* ``type``, ``message_id``, ``last_error``: NUL and surrogates escaped, cut to the column width.
+* ``headers``: a JSON object of storable strings, numbers, booleans and nulls, at most
+  ``HEADERS_MAX_DEPTH`` deep and ``HEADERS_MAX_CHARS`` encoded; what does not fit is summarised.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -19,20 +32,112 @@ from sqlalchemy.orm import Session
 from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.db import wrap_driver_errors
-from celery_outbox.errors import NotFoundError, ValidationError
+from celery_outbox.errors import MalformedMessageError, NotFoundError, ValidationError
+from celery_outbox.messages import DEFAULT_MAX_JSON_DEPTH, TYPE_MAX_CHARS, decode_json, is_storable, storable_text
 from celery_outbox.schema import DeadLetterRow, Tables
 
 Send = Callable[[str, dict[str, Any]], None]
 """``send(consumer, envelope_dict)``: enqueue the envelope on that consumer's queue."""
 
 
-def record(session: Session, *, tables: Tables, consumer: str, message_id: str, type: str | None, body: str,
-           headers: Mapping[str, Any], delivery_count: int, last_error: str, first_failed_at_ms: int,
+BODY_B64_PREFIX = "outbox-b64:"
+ERROR_MAX_CHARS = 8000
+HEADERS_MAX_DEPTH = 8
+HEADERS_MAX_CHARS = 16_000
+_HEADER_KEYS_MAX = 200
+_HEADER_TEXT_MAX = 2000
+
+
+def storable_body(body: str | bytes) -> str:
+    """The body as the ``body`` column stores it (see the module docstring); ``body_of`` reverses it."""
+    if isinstance(body, str):
+        if is_storable(body) and not body.startswith(BODY_B64_PREFIX):
+            return body
+        raw = body.encode("utf-8", "surrogatepass")
+    else:
+        raw = bytes(body)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is not None and is_storable(text) and not text.startswith(BODY_B64_PREFIX):
+            return text
+    return BODY_B64_PREFIX + base64.b64encode(raw).decode("ascii")
+
+
+def body_bytes(row_body: str) -> bytes:
+    """The exact bytes of a stored body (undoing ``storable_body``)."""
+    if row_body.startswith(BODY_B64_PREFIX):
+        try:
+            return base64.b64decode(row_body[len(BODY_B64_PREFIX):], validate=True)
+        except (ValueError, binascii.Error):
+            pass
+    return row_body.encode("utf-8", "surrogatepass")
+
+
+def body_of(row_body: str) -> str:
+    """The stored body as text (undoing ``storable_body``): the original string, lone surrogates
+    included; bytes that were not UTF-8 come back with surrogate escapes."""
+    if not row_body.startswith(BODY_B64_PREFIX):
+        return row_body
+    raw = body_bytes(row_body)
+    for errors in ("strict", "surrogatepass"):
+        try:
+            return raw.decode("utf-8", errors)
+        except UnicodeDecodeError:
+            continue
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def storable_headers(headers: Any) -> dict[str, Any]:
+    """``headers`` reduced to a JSON object any database stores (never raises; see module docstring)."""
+    if not isinstance(headers, Mapping):
+        return {} if headers is None else {"_unreadable": storable_text(repr(type(headers).__name__), limit=200)}
+    clean = _clean_value(headers, 1)
+    try:
+        encoded = json.dumps(clean, allow_nan=False)
+    except (TypeError, ValueError):  # pragma: no cover - _clean_value only yields JSON
+        return {"_unreadable": "headers could not be encoded"}
+    if len(encoded) > HEADERS_MAX_CHARS:
+        return {"_truncated": storable_text(encoded, limit=HEADERS_MAX_CHARS // 2)}
+    return clean if isinstance(clean, dict) else {}
+
+
+def _clean_value(value: Any, depth: int) -> Any:
+    """One header value made storable. Iterates at most ``HEADERS_MAX_DEPTH`` levels (bounded)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value if -(2**63) <= value < 2**63 else str(value)[:40]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        return storable_text(value, limit=_HEADER_TEXT_MAX)
+    if isinstance(value, (bytes, bytearray)):
+        return storable_text(bytes(value)[:_HEADER_TEXT_MAX].decode("utf-8", "backslashreplace"), limit=_HEADER_TEXT_MAX)
+    if isinstance(value, (Mapping, list, tuple)):
+        if depth >= HEADERS_MAX_DEPTH:
+            return f"<{type(value).__name__} nested deeper than {HEADERS_MAX_DEPTH}>"
+        if isinstance(value, Mapping):
+            items = list(value.items())[:_HEADER_KEYS_MAX]
+            return {storable_text(str(k) if isinstance(k, (str, int, float, bool)) or k is None else repr(type(k)),
+                                  limit=200): _clean_value(v, depth + 1) for k, v in items}
+        return [_clean_value(v, depth + 1) for v in list(value)[:_HEADER_KEYS_MAX]]
+    return storable_text(f"<{type(value).__name__}>", limit=200)
+
+
+def record(session: Session, *, tables: Tables, consumer: str, message_id: str, type: str | None, body: str | bytes,
+           headers: Any, delivery_count: int, last_error: str, first_failed_at_ms: int,
            last_failed_at_ms: int) -> DeadLetterRow:
-    """Stage a dead letter in ``session`` (the caller commits, together with whatever gave up)."""
+    """Stage a dead letter in ``session`` (the caller commits, together with whatever gave up).
+
+    Every text is made storable first (module docstring), so this fails only when the database does.
+    """
+    type_ = storable_text(type, limit=TYPE_MAX_CHARS) if isinstance(type, str) and type else None
     row = tables.dead_letters(
-        consumer=consumer, message_id=message_id[:64], type=(type or None) and type[:200], body=body,
-        headers=dict(headers), delivery_count=delivery_count, last_error=last_error,
+        consumer=storable_text(consumer, limit=64), message_id=storable_text(str(message_id), limit=64), type=type_,
+        body=storable_body(body), headers=storable_headers(headers), delivery_count=delivery_count,
+        last_error=storable_text(str(last_error), limit=ERROR_MAX_CHARS),
         first_failed_at_ms=first_failed_at_ms, last_failed_at_ms=last_failed_at_ms, replayed_at_ms=None,
     )
     session.add(row)
@@ -80,11 +185,12 @@ def is_open(session: Session, *, tables: Tables, consumer: str, message_id: str)
     return session.execute(stmt).first() is not None
 
 
-def envelope_of(row: DeadLetterRow) -> dict[str, Any]:
-    """The stored body as the dict to send again; a body that never was an object cannot be replayed."""
+def envelope_of(row: DeadLetterRow, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
+    """The stored body as the dict to send again; a body that never was an object (or is nested
+    deeper than ``max_depth``) cannot be replayed."""
     try:
-        body = json.loads(row.body)
-    except ValueError:
+        body = decode_json(body_of(row.body), max_depth=max_depth, what=f"dead letter {row.id}")
+    except MalformedMessageError:
         body = None
     if not isinstance(body, dict):
         raise ValidationError(
@@ -104,7 +210,7 @@ def _forget_attempts(session: Session, *, tables: Tables, consumer: str, message
 
 
 def replay(session: Session, id: int, *, tables: Tables, send: Send, clock: Clock,
-           known_consumers: Iterable[str] | None = None) -> DeadLetterRow:
+           known_consumers: Iterable[str] | None = None, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> DeadLetterRow:
     """Send dead letter ``id`` back to its consumer and mark it replayed; commits.
 
     The delivery count starts afresh (the replayed message gets the full number of deliveries).
@@ -113,7 +219,7 @@ def replay(session: Session, id: int, *, tables: Tables, send: Send, clock: Cloc
     """
     row = get(session, id, tables=tables)
     check_consumer(row.consumer, known_consumers)
-    envelope = envelope_of(row)
+    envelope = envelope_of(row, max_depth=max_depth)
     with wrap_driver_errors(f"replaying dead letter {id}"):
         _forget_attempts(session, tables=tables, consumer=row.consumer, message_id=row.message_id)
         session.commit()

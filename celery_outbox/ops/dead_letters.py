@@ -8,6 +8,7 @@ third id leaves the first two untouched.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -22,6 +23,10 @@ from celery_outbox.schema import DeadLetterRow, OutboxRow, Tables
 Source = Literal["outbox", "consumer"]
 SOURCES: tuple[Source, ...] = ("outbox", "consumer")
 Sender = Callable[[str, dict[str, Any]], None]
+# ASCII digits only, no sign, no leading zero, at most a BigInteger: ``str.isdigit`` and ``int`` also take
+# superscript, circled and Arabic-Indic digits (read as another id, or a crash), so the pattern is the whole rule.
+_ID = re.compile(r"\A(outbox|consumer):([1-9][0-9]{0,18})\Z", re.ASCII)
+MAX_ROW_ID = 2**63 - 1
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -35,13 +40,17 @@ class DeadLetterId:
         return f"{self.source}:{self.row_id}"
 
     @classmethod
-    def parse(cls, raw: str) -> DeadLetterId:
-        src, sep, num = raw.strip().partition(":")
-        if not sep or src not in SOURCES or not num.isdigit() or int(num) <= 0:
+    def parse(cls, raw: object) -> DeadLetterId:
+        """``outbox:<seq>`` / ``consumer:<id>`` with ASCII digits; anything else is a ``ValidationError``."""
+        m = _ID.match(raw.strip(" \t\r\n")) if isinstance(raw, str) else None  # ASCII blanks only
+        if m is None or int(m.group(2)) > MAX_ROW_ID:
+            shown = repr(raw)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise ValidationError(
-                f"{raw!r} is not a dead-letter id; use outbox:<seq> or consumer:<id> (see 'outbox dead-letters list')"
+                f"{shown} is not a dead-letter id; use outbox:<seq> or consumer:<id> (see 'outbox dead-letters list')"
             )
-        return cls(source=src, row_id=int(num))
+        source: Source = "outbox" if m.group(1) == "outbox" else "consumer"
+        return cls(source=source, row_id=int(m.group(2)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +115,7 @@ def _decode_body(body: str) -> Any:
     """The consumer store keeps the raw body; show the envelope's payload when it parses."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the decoder's limit: show it raw
         return body
     if isinstance(data, dict) and "payload" in data:
         return data["payload"]

@@ -27,6 +27,7 @@ from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.relay.breaker import CircuitBreaker
 from celery_outbox.relay.dispatch import BatchResult, CrashPointsLike, breaker_from_settings, dispatch_with_settings
 from celery_outbox.relay.publisher import Publisher
+from celery_outbox.relay.reconcile import ReconcileResult, reconcile
 from celery_outbox.relay.single_flight import single_flight, sqlite_lock_path
 from celery_outbox.schema import Tables
 from celery_outbox.settings import Settings
@@ -75,11 +76,21 @@ class LoopStats:
     kick_wakeups: int = 0
     broker_unavailable: int = 0
     skipped_busy: int = 0  # SQLite: another drain held the single-flight lock
+    reconciles: int = 0  # reconcile passes run (``reconcile_if_due``)
+    reconciled: int = 0  # (message, consumer) pairs those passes sent again
     listening: bool = False
 
 
 class _PgListener:
-    """A dedicated autocommit psycopg2 connection that LISTENs on ``outbox_pending``."""
+    """A dedicated autocommit psycopg2 connection that LISTENs on ``outbox_pending``.
+
+    Taken raw from the relay's engine, so it carries the engine's libpq parameters (``make_engine``):
+    opening it gives up after the connect timeout, and a peer that vanished without closing is found
+    by TCP keepalives (idle socket) or ``tcp_user_timeout`` (unacknowledged data), which makes
+    ``consume`` raise; ``RelayLoop.run`` then drops it and LISTENs again. Waiting on it never blocks
+    past the poll interval (``select`` with a timeout; ``consume`` only reads what has arrived), and
+    polling goes on meanwhile, so a listener that hears nothing delays nothing.
+    """
 
     def __init__(self, engine: Any, channel: str) -> None:
         proxy = engine.raw_connection()
@@ -190,6 +201,7 @@ class RelayLoop:
                     log.exception("relay batch failed; retrying after the poll interval")
                 if self.stopping:
                     break
+                self.reconcile_if_due()
                 try:
                     self._wait()
                 except Exception:
@@ -201,6 +213,35 @@ class RelayLoop:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             log.info("relay loop stopped")
+
+    # -- reconciliation --------------------------------------------------------------------------
+    _reconcile_due_ms: int | None = None  # None: the first pass runs at once
+
+    def reconcile_if_due(self) -> ReconcileResult | None:
+        """One reconcile pass (relay/reconcile.py) when ``relay_reconcile_interval_s`` has passed.
+
+        Under beat the ``celery_outbox.reconcile`` task does this on the same interval; the standalone
+        relay does it here, checked after every drain, so at most one poll interval late. The next
+        pass is due one interval after this one started, whatever happened: a failing pass is logged
+        (never raised) and retried an interval later, and it loses nothing, because the watermark only
+        moves once the pass has published. Returns None when not due or when the pass failed.
+        """
+        now = self.clock.now_ms()
+        if self._reconcile_due_ms is not None and now < self._reconcile_due_ms:
+            return None
+        self._reconcile_due_ms = now + max(1, round(self.settings.relay_reconcile_interval_s * 1000))
+        try:
+            with self.session_factory() as session:
+                result = reconcile(session, self.publisher, self.clock, tables=self.tables, routes=self.routes,
+                                   namespace=self.settings.namespace, max_message_bytes=self.settings.max_message_bytes,
+                                   older_than_ms=self.settings.relay_reconcile_after_ms)
+        except Exception:
+            self.stats.errors += 1
+            log.exception("reconcile pass failed; retrying after the reconcile interval")
+            return None
+        self.stats.reconciles += 1
+        self.stats.reconciled += result.republished
+        return result
 
     def close(self) -> None:
         self._close_listener()

@@ -142,3 +142,72 @@ def test_bad_ids(client: FlaskClient, sqlite_sessions: sessionmaker[Session]) ->
     r = client.post("/admin/dead-letters/outbox:999/replay", headers=BEARER, data={"csrf_token": token.value})
     assert r.status_code == 303 and "error=" in r.headers["Location"]
     assert "no such dead letter" in client.get(r.headers["Location"], headers=BEARER).get_data(as_text=True)
+
+
+def _csp_hash(text: str) -> str:
+    import hashlib
+
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def test_every_admin_answer_carries_the_security_headers(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
+                                                         tables: Tables, settings: Settings, clock: ManualClock) -> None:
+    with sqlite_sessions() as s:
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10)
+    page = client.get("/admin/dead-letters/", headers=BEARER)
+    html = page.get_data(as_text=True)
+    token = csrf_of(client, html)
+    no_page = create_app(settings=settings.replace(admin_token=""), session_factory=sqlite_sessions,
+                         clock=clock).test_client().get("/admin/dead-letters/")
+    answers = {
+        "list": page, "show": client.get(f"/admin/dead-letters/outbox:{row.seq}", headers=BEARER),
+        "401": client.get("/admin/dead-letters/"), "403": client.post(f"/admin/dead-letters/outbox:{row.seq}/replay",
+                                                                       headers=BEARER),
+        "400": client.get("/admin/dead-letters/consumer:\u0661", headers=BEARER),
+        "404": client.get("/admin/dead-letters/outbox:999", headers=BEARER), "no-token-404": no_page,
+        "303": client.post(f"/admin/dead-letters/outbox:{row.seq}/replay", headers=BEARER, data={"csrf_token": token}),
+        "metrics": client.get("/metrics"),
+    }
+    assert [answers[k].status_code for k in ("401", "403", "400", "404", "no-token-404", "303")] == [
+        401, 403, 400, 404, 404, 303]
+    for name, r in answers.items():
+        csp = [d.strip() for d in r.headers.get("Content-Security-Policy", "").split(";")]
+        assert "default-src 'none'" in csp and "frame-ancestors 'none'" in csp, (name, csp)
+        assert r.headers["X-Content-Type-Options"] == "nosniff", name
+        assert r.headers["Referrer-Policy"] == "no-referrer", name
+        assert "Strict-Transport-Security" not in r.headers, name  # plain http: no HSTS
+    # The page's own policy allows exactly its inline style and script (by hash) and posts to itself only
+    policy = page.headers["Content-Security-Policy"]
+    style = re.search(r"<style>(.*?)</style>", html, re.DOTALL)
+    script = re.search(r"<script>(.*?)</script>", html, re.DOTALL)
+    assert style and script
+    assert f"style-src {_csp_hash(style.group(1))}" in policy and f"script-src {_csp_hash(script.group(1))}" in policy
+    assert "form-action 'self'" in policy and "unsafe-inline" not in policy
+    assert re.search(r"\son[a-z]+=", html) is None  # no inline event handler (the CSP would block it)
+
+
+def test_hsts_only_over_https(client: FlaskClient) -> None:
+    r = client.get("/admin/dead-letters/", headers=BEARER, base_url="https://localhost")
+    assert r.status_code == 200 and r.headers["Strict-Transport-Security"].startswith("max-age=")
+    api = client.get("/orders/missing", base_url="https://localhost")
+    assert api.headers["Strict-Transport-Security"].startswith("max-age=")
+    assert "Strict-Transport-Security" not in client.get("/orders/missing").headers
+
+
+def test_fetch_metadata_decides_same_origin(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
+                                            tables: Tables) -> None:
+    # Given the page (Referrer-Policy no-referrer: a browser's own form posts carry Origin: null)
+    with sqlite_sessions() as s:
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10)
+    token = csrf_of(client, client.get("/admin/dead-letters/", headers=BEARER).get_data(as_text=True))
+    url = f"/admin/dead-letters/outbox:{row.seq}/replay"
+    before = state(sqlite_sessions, tables)
+    # When the browser says the POST is cross-site, or sends a bare Origin: null; Then it is refused
+    for headers in ({"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"}, {"Origin": "null"},
+                    {"Sec-Fetch-Site": "cross-site", "Origin": "http://localhost"}):
+        assert client.post(url, headers={**BEARER, **headers}, data={"csrf_token": token}).status_code == 403
+    assert state(sqlite_sessions, tables) == before
+    # And the page's own form (same-origin per Fetch Metadata, Origin null) is accepted
+    r = client.post(url, headers={**BEARER, "Sec-Fetch-Site": "same-origin", "Origin": "null"},
+                    data={"csrf_token": token})
+    assert r.status_code == 303 and state(sqlite_sessions, tables)[0] == [(row.seq, None, 0)]

@@ -1,0 +1,164 @@
+"""The ``outbox`` CLI under hostile input and faults: look-alike ids, a database that is not migrated or
+not reachable. Every case ends with a clear exit code and ONE line, never a traceback, never another
+dead letter than the one named, never the database password."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner, Result
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox import Tables, ValidationError
+from celery_outbox.cli import cli
+from celery_outbox.cli.common import mask_secrets
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.ops.dead_letters import DeadLetterId, parse_ids
+from tests.ops_seed import T0, consumer_dead_letter, outbox_row
+
+PASSWORD = "cli-pw-never-shown"
+LOOKALIKES = ["outbox:\u00b2", "consumer:\u2460", "consumer:\u0661", "outbox:\uff11", "consumer:01", "consumer:+1", "consumer:-1",
+              "consumer:1.0", "consumer:1_0", "consumer:99999999999999999999", "consumer:1\u2003", "Consumer:1",
+              "consumer:", ":1", "consumer:1:1", "consumer:\x00"]
+DB_COMMANDS = [
+    ["stats"], ["stats", "--json"], ["dead-letters", "list"], ["dead-letters", "show", "outbox:1"],
+    ["dead-letters", "replay", "outbox:1"], ["dead-letters", "replay", "--all"],
+    ["dead-letters", "purge", "outbox:1", "--yes"], ["prune", "--published-older-than", "1d"],
+]
+
+
+def run(env: dict[str, str], *args: str) -> Result:
+    # a fresh relay.app per invocation, as a new process would build it (see test_ops_cli.run)
+    sys.modules.pop("relay.app", None)
+    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
+
+
+def assert_one_clean_line(r: Result, *, exit_code: int = 1) -> str:
+    assert r.exit_code == exit_code, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.output
+    assert "Traceback" not in r.output and PASSWORD not in r.output
+    return lines[0]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def base_env(tmp_home: Path, namespace: str, url: str) -> dict[str, str]:
+    return {"OUTBOX_DATABASE_URL": url, "OUTBOX_HOME": str(tmp_home), "OUTBOX_NAMESPACE": namespace,
+            "OUTBOX_BROKER_URL": "memory://"}
+
+
+# -- ids ---------------------------------------------------------------------------------------------
+
+@hsettings(max_examples=300, deadline=None)
+@given(raw=st.one_of(st.text(max_size=30), st.from_regex(r"\A(outbox|consumer):[0-9\u0661\u00b2\u2460\uff10-\uff19]{0,22}\Z")))
+def test_an_id_parses_to_itself_or_not_at_all(raw: str) -> None:
+    # Given any text; When it is parsed as a dead-letter id
+    try:
+        ref = DeadLetterId.parse(raw)
+    except ValidationError as e:
+        assert "not a dead-letter id" in str(e) and len(str(e)) < 300  # one bounded line
+        return
+    # Then it names exactly the id written (ASCII digits, no sign, no leading zero), never a look-alike's
+    assert str(ref) == raw.strip(" \t\r\n")
+    assert str(ref.row_id).isascii() and 0 < ref.row_id < 2**63
+
+
+@pytest.mark.parametrize("raw", LOOKALIKES)
+def test_lookalike_ids_are_refused_by_the_parser(raw: str) -> None:
+    with pytest.raises(ValidationError, match="not a dead-letter id"):
+        parse_ids([raw])
+
+
+@pytest.fixture
+def seeded_env(sqlite_url: str, tmp_home: Path, namespace: str,
+               tables: Tables) -> Iterator[tuple[dict[str, str], Any]]:
+    """outbox:1 and consumer:1 exist: a look-alike read as 1 would show, replay or purge them."""
+    engine = make_engine(sqlite_url)
+    sessions: sessionmaker[Session] = make_session_factory(engine)
+    with sessions() as s:
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10, last_error="outbox-one-error")
+        cid = consumer_dead_letter(s, tables=tables, consumer="billing", error="consumer-one-error")
+    assert (row.seq, cid) == (1, 1)
+    yield base_env(tmp_home, namespace, sqlite_url), sessions
+    engine.dispose()
+
+
+def dead_state(sessions: sessionmaker[Session], tables: Tables) -> tuple[Any, ...]:
+    with sessions() as s:
+        return (s.execute(sa.select(tables.outbox.seq, tables.outbox.dead_lettered_at_ms)).all(),
+                s.execute(sa.select(tables.dead_letters.id, tables.dead_letters.replayed_at_ms)).all())
+
+
+@pytest.mark.parametrize("raw", LOOKALIKES)
+def test_lookalike_ids_are_one_line_errors_and_touch_nothing(seeded_env: tuple[dict[str, str], Any], tables: Tables,
+                                                             raw: str) -> None:
+    env, sessions = seeded_env
+    before = dead_state(sessions, tables)
+    # When each command is given a look-alike of id 1
+    for args in (["dead-letters", "show", raw], ["dead-letters", "show", raw, "--json"],
+                 ["dead-letters", "replay", raw], ["dead-letters", "purge", raw, "--yes"]):
+        r = run(env, *args)
+        # Then one line saying it is not an id, exit 1, and dead letter 1 was neither shown nor changed
+        line = assert_one_clean_line(r)
+        assert "not a dead-letter id" in line
+        assert "one-error" not in r.output
+    assert dead_state(sessions, tables) == before
+
+
+# -- database not migrated / not reachable -----------------------------------------------------------
+
+@pytest.mark.parametrize("args", DB_COMMANDS)
+def test_unmigrated_database_says_run_db_upgrade(tmp_path: Path, tmp_home: Path, namespace: str,
+                                                 args: list[str]) -> None:
+    # Given a database file with no tables at all
+    env = base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'empty.db'}")
+    # When an on-call command runs; Then one line that says what to do
+    line = assert_one_clean_line(run(env, *args))
+    assert "run `outbox db upgrade`" in line
+
+
+def test_db_current_and_check_on_an_unmigrated_database(tmp_path: Path, tmp_home: Path, namespace: str) -> None:
+    env = base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'empty.db'}")
+    line = assert_one_clean_line(run(env, "db", "current"), exit_code=0)
+    assert line.startswith("empty") and "run `outbox db upgrade`" in line
+    line = assert_one_clean_line(run(env, "db", "check"))
+    assert "run `outbox db upgrade`" in line
+
+
+@pytest.mark.parametrize("args", [*DB_COMMANDS, ["db", "upgrade"], ["db", "current"], ["db", "check"]])
+def test_unreachable_database_is_one_line_without_the_password(tmp_home: Path, namespace: str,
+                                                               args: list[str]) -> None:
+    # Given a Postgres URL with a password, on a port nobody listens on
+    url = f"postgresql://outbox_user:{PASSWORD}@127.0.0.1:{closed_port()}/outbox"
+    # When any command that needs the database runs; Then exit 1, one line, no password, no traceback
+    line = assert_one_clean_line(run(base_env(tmp_home, namespace, url), *args))
+    assert line.startswith("Error: ") and "connection" in line.lower()
+
+
+def test_a_malformed_url_never_prints_its_password(tmp_home: Path, namespace: str) -> None:
+    # Given a URL SQLAlchemy cannot even parse (bad port), carrying a password
+    url = f"postgresql://outbox_user:{PASSWORD}@127.0.0.1:notaport/outbox"
+    r = run(base_env(tmp_home, namespace, url), "stats")
+    # Then a clean error without the password, never a traceback
+    assert r.exit_code in (1, 2) and "Traceback" not in r.output and PASSWORD not in r.output, r.output
+
+
+def test_mask_secrets() -> None:
+    assert mask_secrets("x postgresql://u:p@ss@h:1/db y") == "x postgresql://u:***@h:1/db y"
+    assert mask_secrets("amqp://guest:guest@rabbit//") == "amqp://guest:***@rabbit//"
+    assert mask_secrets("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"

@@ -1,0 +1,84 @@
+"""A bad configuration is one clean line at every entry point, never a traceback.
+
+Each entry point of the reference deployment is started for real, as a user would, with a bad
+``OUTBOX_*`` variable: ``celery -A relay.app worker`` and ``beat``, ``gunicorn orders.wsgi:app``,
+``outbox`` and ``python -m devtools``. Each must exit non-zero with a ``bad configuration: ...`` line
+naming the variable, no ``Traceback``, and no password from the bad value; gunicorn's master must stop
+(not start workers again for ever).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+PASSWORD = "hunter2secretpw"
+
+ENTRY_POINTS: dict[str, list[str]] = {
+    "celery worker": [str(BIN / "celery"), "-A", "relay.app", "worker", "-P", "solo", "--without-gossip",
+                      "--without-mingle", "--without-heartbeat"],
+    "celery beat": [str(BIN / "celery"), "-A", "relay.app", "beat"],
+    "gunicorn": [str(BIN / "gunicorn"), "--bind", "127.0.0.1:0", "--workers", "1", "orders.wsgi:app"],
+    "outbox": [str(BIN / "outbox"), "stats"],
+    "devtools": [sys.executable, "-m", "devtools", "db-upgrade"],
+}
+
+BAD: dict[str, tuple[dict[str, str], str]] = {
+    # (environment, the variable the line must name)
+    "nan poll interval": ({"OUTBOX_RELAY_POLL_INTERVAL_S": "nan"}, "OUTBOX_RELAY_POLL_INTERVAL_S"),
+    "negative redelivery window": ({"OUTBOX_BROKER_REDELIVERY_WINDOW_MS": "-1"}, "OUTBOX_BROKER_REDELIVERY_WINDOW_MS"),
+    "int past 2^63": ({"OUTBOX_RELAY_BATCH_SIZE": str(2**63)}, "OUTBOX_RELAY_BATCH_SIZE"),
+    "bad consumer name in a route": ({"OUTBOX_ROUTES": "OrderPlaced=ship ping"}, "OUTBOX_ROUTES"),
+    "time limit past the visibility timeout": ({"OUTBOX_CONSUMER_TIME_LIMIT_S": "400"}, "OUTBOX_CONSUMER_TIME_LIMIT_S"),
+    "database URL with a password and a bad port": (
+        {"OUTBOX_DATABASE_URL": f"postgresql://app:{PASSWORD}@db:99999/app"}, "OUTBOX_DATABASE_URL"),
+}
+
+
+def run(entry: str, env_changes: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update({"OUTBOX_HOME": str(tmp_path / "var"), "OUTBOX_BROKER_URL": "memory://", **env_changes})
+    return subprocess.run(ENTRY_POINTS[entry], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_bad_configuration_is_one_line_at_every_entry_point(entry: str, bad: str, tmp_path: Path) -> None:
+    env, variable = BAD[bad]
+    # Given a bad OUTBOX_* variable, When the entry point starts
+    proc = run(entry, env, tmp_path)
+    output = proc.stdout + proc.stderr
+    # Then it exits non-zero (and gunicorn's master stops with "App failed to load", status 4)
+    assert proc.returncode != 0, output
+    if entry == "gunicorn":
+        assert proc.returncode == 4, output
+    # And stderr has one line saying so and naming the variable, with no traceback and no password
+    lines = [line for line in proc.stderr.splitlines() if "bad configuration: " in line]
+    assert len(lines) == 1 and variable in lines[0], output
+    assert "Traceback" not in output and PASSWORD not in output, output
+
+
+def test_routes_to_an_unknown_consumer_stop_the_worker_at_import_in_one_line(tmp_path: Path) -> None:
+    # Given a route the settings accept but the deployment's consumers do not declare
+    proc = run("celery worker", {"OUTBOX_ROUTES": "OrderPlaced=ghost"}, tmp_path)
+    # Then the worker does not start, with one line naming the route and no traceback
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("bad configuration: ")]
+    assert len(lines) == 1 and "OUTBOX_ROUTES" in lines[0] and "'ghost'" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_good_configuration_still_imports(tmp_path: Path) -> None:
+    # Given a valid configuration, the same modules import (the guard is not a blanket exit)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update({"OUTBOX_HOME": str(tmp_path / "var"), "OUTBOX_BROKER_URL": "memory://"})
+    code = "import relay.app, orders.wsgi; print(relay.app.outbox.settings.namespace, orders.wsgi.app.name)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["outbox", "orders"], proc.stderr

@@ -1,0 +1,210 @@
+"""A database that stops answering without closing the connection (firewall drop, failover without RST)
+freezes no consumer: connect/statement/idle-in-transaction timeouts end what the server or libpq can end,
+the consumer task's hard time limit ends a call stuck on a dead socket, and the killed delivery is
+requeued, counted and redelivered. Real ``celery -A relay.app worker`` processes (prefork), real
+Postgres behind ``tests.support.blackhole_proxy``, real Redis and RabbitMQ."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox import Settings as OutboxSettings
+from celery_outbox import Tables
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.messages import Envelope
+from celeryconfig import Settings
+from consumers.effects import effect_counts
+from consumers.models import Invoice, SearchDocument, Shipment
+from consumers.testing import order_placed_envelope
+from tests.integration.test_consumer_worker import CELERY, CONSUMERS, ROOT, Worker, cleanup, declare, publish
+from tests.support.blackhole_proxy import BlackholeProxy
+
+pytestmark = [pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
+
+StartWorker = Callable[[str, dict[str, str]], Worker]
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_url(request: pytest.FixtureRequest) -> str:
+    url: str = request.getfixturevalue(f"{request.param}_url")
+    return url
+
+
+@pytest.fixture
+def start_worker(broker_url: str, namespace: str, tmp_path: Path) -> Iterator[StartWorker]:
+    """Start one prefork worker (2 children) on all four consumer queues, with ``OUTBOX_*`` overrides."""
+    started: list[Worker] = []
+
+    def start(database_url: str, overrides: dict[str, str]) -> Worker:
+        home = tmp_path / "home"
+        home.mkdir(exist_ok=True)
+        env = {**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_BROKER_URL": broker_url,
+               "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": str(home), "OUTBOX_CONSUMER_RETRY_BACKOFF_S": "1",
+               "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "2", **overrides}
+        env.pop("OUTBOX_CRASH_POINTS", None)
+        settings = Settings.from_env({k: v for k, v in env.items() if k.startswith("OUTBOX_")})
+        declare(settings, broker_url)  # nothing published before the worker is up is dropped (Redis)
+        log = tmp_path / f"worker-{len(started)}.log"
+        queues = ",".join(settings.queue_name(c) for c in CONSUMERS)
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [CELERY, "-A", "relay.app", "worker", "-Q", queues, "-P", "prefork", "-c", "2",
+                 "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+                 "-n", f"blackhole-{namespace}-{len(started)}@%h"],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        worker = Worker(settings=settings, broker_url=broker_url, log=log, proc=proc)
+        started.append(worker)
+        return worker
+
+    yield start
+    for w in started:
+        if w.proc.poll() is None:
+            os.killpg(w.proc.pid, signal.SIGTERM)
+            try:
+                w.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(w.proc.pid, signal.SIGKILL)
+                w.proc.wait(timeout=10)
+        cleanup(w.settings, broker_url)
+
+
+def wait_until(what: str, predicate: Callable[[Session], tuple[bool, object]], worker: Worker,
+               sessions: sessionmaker[Session], timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        with sessions() as s:
+            ok, last = predicate(s)
+        if ok:
+            return
+        if worker.proc.poll() is not None:
+            pytest.fail(f"worker exited with {worker.proc.returncode} while waiting for {what}\n{worker.logs()}")
+        time.sleep(0.25)
+    pytest.fail(f"timed out waiting for {what}; last state {last!r}\n--- worker log ---\n{worker.logs()}")
+
+
+def _fan_out(orders: list[Envelope]) -> list[tuple[Envelope, str]]:
+    return [(env, c) for env in orders for c in CONSUMERS]
+
+
+def _once_each(s: Session, order_ids: list[str]) -> dict[str, list[str]]:
+    """Per effect table, the order ids that do not have exactly one row."""
+    wrong: dict[str, list[str]] = {}
+    for name, column in (("shipping", Shipment.order_id), ("billing", Invoice.order_id),
+                         ("search", SearchDocument.order_id)):
+        rows = s.execute(sa.select(column, sa.func.count()).group_by(column)).all()
+        counts = {str(k): int(n) for k, n in rows}
+        bad = [o for o in order_ids if counts.get(o) != 1] + [k for k in counts if k not in order_ids]
+        if bad:
+            wrong[name] = bad
+    return wrong
+
+
+def test_a_blackholed_database_freezes_no_consumer_and_every_message_takes_effect_once(
+        start_worker: StartWorker, pg_url: str, tables: Tables) -> None:
+    direct = make_session_factory(make_engine(pg_url))
+    parsed = sa.engine.make_url(pg_url)
+    with BlackholeProxy(parsed.host or "127.0.0.1", parsed.port or 5432) as proxy:
+        proxied = parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        # Given a worker whose database goes through a proxy, with short timeouts and time limit
+        worker = start_worker(proxied, {
+            "OUTBOX_DB_CONNECT_TIMEOUT_S": "2", "OUTBOX_DB_STATEMENT_TIMEOUT_MS": "2000",
+            "OUTBOX_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS": "3000", "OUTBOX_DB_KEEPALIVES_IDLE_S": "1",
+            "OUTBOX_DB_KEEPALIVES_INTERVAL_S": "1", "OUTBOX_DB_KEEPALIVES_COUNT": "2",
+            "OUTBOX_CONSUMER_TIME_LIMIT_S": "5", "OUTBOX_CONSUMER_MAX_DELIVERIES": "10",
+        })
+        settings, url = worker.settings, worker.broker_url
+        before = [order_placed_envelope(f"before-{i}") for i in range(3)]
+        during = [order_placed_envelope(f"during-{i}") for i in range(4)]
+        after = [order_placed_envelope(f"after-{i}") for i in range(2)]
+        # And messages already processed, so both pool processes hold pooled connections
+        publish(settings, url, _fan_out(before))
+        wait_until("the first orders", lambda s: (effect_counts(s) == dict.fromkeys(CONSUMERS, 3), effect_counts(s)),
+                   worker, direct)
+
+        # When the database stops answering without closing anything (old connections stay dead for good)
+        proxy.blackhole()
+        # And orders arrive during the outage, which lasts longer than every timeout and the time limit
+        publish(settings, url, _fan_out(during))
+        time.sleep(15)
+        with direct() as s:
+            # (the outage was real: nothing of it reached the database)
+            assert effect_counts(s) == dict.fromkeys(CONSUMERS, 3), worker.logs()
+        assert worker.proc.poll() is None, worker.logs()
+        # And the database comes back (new connections only), with more orders behind
+        proxy.restore()
+        publish(settings, url, _fan_out(after))
+
+        # Then every order takes effect, each exactly once, in every consumer
+        ids = [str(e.payload["order_id"]) for e in before + during + after]
+        n = len(ids)
+        wait_until("every order in every consumer",
+                   lambda s: (effect_counts(s) == dict.fromkeys(CONSUMERS, n), effect_counts(s)), worker, direct)
+        with direct() as s:
+            assert _once_each(s, ids) == {}
+            assert s.execute(sa.select(sa.func.count()).select_from(tables.inbox)).scalar_one() == n * len(CONSUMERS)
+            # And nothing was dead-lettered by the outage
+            assert s.execute(sa.select(tables.dead_letters.consumer)).all() == []
+        # And the worker is alive, its frozen deliveries having been ended by the time limit
+        assert worker.proc.poll() is None, worker.logs()
+        assert proxy.swallowed > 0
+        assert "Hard time limit (5.0s) exceeded" in worker.log.read_text(errors="replace"), worker.logs()
+    direct.kw["bind"].dispose()
+
+
+def test_a_delivery_killed_by_its_time_limit_is_requeued_counted_and_dead_lettered_at_the_maximum(
+        start_worker: StartWorker, pg_url: str, tables: Tables) -> None:
+    # Given a worker with a 3 s consumer time limit, 2 deliveries at most, and a statement timeout longer
+    # than the time limit (so only the time limit can end the wait below)
+    worker = start_worker(pg_url, {"OUTBOX_CONSUMER_TIME_LIMIT_S": "3", "OUTBOX_CONSUMER_MAX_DELIVERIES": "2",
+                                   "OUTBOX_DB_STATEMENT_TIMEOUT_MS": "120000"})
+    settings, url = worker.settings, worker.broker_url
+    holder_engine = make_engine(pg_url, settings=OutboxSettings(db_idle_in_transaction_timeout_ms=600_000))
+    direct = make_session_factory(make_engine(pg_url))
+    stuck = order_placed_envelope("stuck", message_id=uuid.uuid4())
+    # And a transaction of another client that holds the inbox key of that message for billing, so the
+    # delivery blocks inside the database driver, where no Python-level timeout reaches it
+    holder = holder_engine.connect()
+    tx = holder.begin()
+    holder.execute(sa.insert(tables.inbox).values(message_id=stuck.message_id, consumer="billing",
+                                                  type=stuck.type, processed_at_ms=1))
+    try:
+        # When the message is delivered to billing
+        publish(settings, url, [(stuck, "billing")])
+
+        # Then the first delivery is killed by the time limit and not acked: the message comes back,
+        # each lost delivery is counted, and at the maximum it goes to the dead-letter store
+        dl = tables.dead_letters
+
+        def dead_lettered(s: Session) -> tuple[bool, object]:
+            rows = s.execute(sa.select(dl.consumer, dl.message_id, dl.delivery_count, dl.last_error)).all()
+            return len(rows) == 1, rows
+
+        wait_until("the stuck delivery in the dead-letter store", dead_lettered, worker, direct)
+        with direct() as s:
+            [(consumer, message_id, count, error)] = s.execute(
+                sa.select(dl.consumer, dl.message_id, dl.delivery_count, dl.last_error)).all()
+        assert (consumer, message_id, count) == ("billing", str(stuck.message_id), 2)
+        assert "worker was lost" in error
+        assert "Hard time limit (3.0s) exceeded" in worker.log.read_text(errors="replace")
+    finally:
+        tx.rollback()
+        holder.close()
+        holder_engine.dispose()
+    # And the worker is alive and the messages behind flow
+    after = order_placed_envelope("after-stuck")
+    publish(settings, url, [(after, "billing")])
+    wait_until("the next billing effect", lambda s: (effect_counts(s)["billing"] == 1, effect_counts(s)), worker, direct)
+    assert worker.proc.poll() is None, worker.logs()
+    direct.kw["bind"].dispose()

@@ -1,0 +1,1 @@
+"""Helpers shared by several test suites (no tests here)."""
