@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from celery_outbox.errors import EmbeddedServerError
+from celery_outbox.errors import ConfigError, EmbeddedServerError
 
 
 def free_port() -> int:
@@ -131,7 +131,7 @@ def resolve_broker_url(broker_url: str, *, home: Path) -> str:
     server = EmbeddedRedis(data_dir=home / "redis")
     port = server.running_port()
     if port is None:
-        raise EmbeddedServerError(
+        raise ConfigError(
             f"the embedded Redis under {server.data_dir} is not running: start it with "
             "'python -m devtools embedded-redis start' (make demo starts and stops its own), "
             "or set OUTBOX_BROKER_URL to a real broker")

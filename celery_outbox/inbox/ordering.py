@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from celery_outbox.db import is_postgres, is_unique_violation, wrap_driver_errors
 from celery_outbox.errors import DatabaseError
 from celery_outbox.inbox import dead_letters
-from celery_outbox.inbox.handle import DuplicateDelivery, Handler, claim, claim_if_absent
+from celery_outbox.inbox.claim import DuplicateDelivery, Handler, claim, claim_if_absent
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope, encode_json
 from celery_outbox.schema import Tables

@@ -82,3 +82,17 @@ def test_a_good_configuration_still_imports(tmp_path: Path) -> None:
     code = "import relay.app, orders.wsgi; print(relay.app.outbox.settings.namespace, orders.wsgi.app.name)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split() == ["outbox", "orders"], proc.stderr
+
+
+@pytest.mark.parametrize("entry", ["celery worker", "celery beat", "gunicorn"])
+def test_an_embedded_broker_that_is_not_running_is_one_line(entry: str, tmp_path: Path) -> None:
+    # Given the default embedded broker, which nothing started (the app never starts one on import)
+    proc = run(entry, {"OUTBOX_BROKER_URL": "embedded"}, tmp_path)
+    output = proc.stdout + proc.stderr
+    # Then the process stops with one line that says how to start it, and no traceback
+    assert proc.returncode != 0, output
+    lines = [line for line in proc.stderr.splitlines() if "bad configuration: " in line]
+    assert len(lines) == 1 and "embedded-redis start" in lines[0], output
+    assert "Traceback" not in output
+    # and no redis-server was left behind under the home directory
+    assert not (tmp_path / "var" / "redis" / "redis.pid").exists()

@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from celery_outbox.errors import ConfigError
+from celery_outbox.settings import mask_url
 
 
 def database_settings(url: str, **extra: Any) -> dict[str, Any]:
@@ -20,7 +21,7 @@ def database_settings(url: str, **extra: Any) -> dict[str, Any]:
     if scheme in ("postgresql", "postgres"):
         name = unquote(parts.path.lstrip("/"))
         if not name:
-            raise ConfigError(f"database URL {url!r} names no database")
+            raise ConfigError(f"database URL {mask_url(url)!r} names no database")
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": name,
@@ -33,9 +34,9 @@ def database_settings(url: str, **extra: Any) -> dict[str, Any]:
     if scheme == "sqlite":
         path = url.split("///", 1)[-1] if "///" in url else ""
         if not path:
-            raise ConfigError(f"database URL {url!r} names no SQLite file")
+            raise ConfigError(f"database URL {mask_url(url)!r} names no SQLite file")
         return {"ENGINE": "django.db.backends.sqlite3", "NAME": path, **extra}
-    raise ConfigError(f"database URL must be postgresql:// or sqlite:///, got {url!r}")
+    raise ConfigError(f"database URL must be postgresql:// or sqlite:///, got {mask_url(url)!r}")
 
 
 def database_url(alias: str = "default") -> str:
