@@ -5,7 +5,8 @@ WORKDIR /app
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PYTHONPATH=/app
 COPY pyproject.toml README.md ./
 COPY celery_outbox ./celery_outbox
-RUN pip install ".[postgres,redis,flask]" flower
+# gunicorn comes with [flask]; flower with the same bound as the dev extra (tests/unit/test_compose.py checks both).
+RUN pip install ".[postgres,redis,flask]" "flower>=2.0,<3"
 COPY celeryconfig.py ./
 COPY orders ./orders
 COPY relay ./relay

@@ -20,6 +20,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import tracing
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.errors import DatabaseError, MalformedMessageError, SerializationError, UnknownEventTypeError
@@ -143,9 +144,24 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
     as_text = raw if isinstance(raw, str) else raw.decode("utf-8", "backslashreplace")
     mapping = _as_mapping(body, malformed, settings.max_json_depth)
     key = delivery_key(mapping if mapping is not None else body, request_id, as_text)
+    btype, bheaders = _body_meta(mapping)
+    # The delivery's span continues the trace the envelope carries (a no-op without OpenTelemetry).
+    with tracing.consuming(consumer=spec.name, destination=settings.queue_name(spec.name), message_id=str(key),
+                           event_type=btype, headers=bheaders) as span:
+        result = _deliver(sessions, spec, body, tables=tables, settings=settings, clock=clock,
+                          crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
+                          malformed=malformed, raw=raw, key=key, btype=btype, bheaders=bheaders)
+        span.record(result.outcome.value, deliveries=result.deliveries, error=result.error,
+                    failed=result.outcome in (Outcome.RETRY, Outcome.DEAD_LETTERED))
+    return result
+
+
+def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, tables: Tables, settings: Settings,
+             clock: Clock, crash_points: CrashSite | None, first_delivery: bool, redelivered: bool,
+             malformed: MalformedDelivery | None, raw: str | bytes, key: uuid.UUID, btype: str | None,
+             bheaders: Mapping[str, Any]) -> Delivery:
     policy = spec.policy.resolve(settings)
     name, limit = spec.name, policy.max_deliveries
-    btype, bheaders = _body_meta(mapping)
     if malformed is not None:
         bheaders = {"broker_headers": malformed.headers, "content_type": malformed.content_type,
                     "content_encoding": malformed.content_encoding}

@@ -2,8 +2,8 @@
 
 The relay publishes one Celery protocol-2 task message per (event, consumer) so each consumer is an
 ordinary Celery task on its own queue: retries, acks_late and Flower work unchanged. The body is
-JSON only; the task id is derived from (message_id, consumer), so a re-published duplicate carries
-the same id and the inbox key travels in the body.
+JSON only; every publish gets a task id of its own (``task_id``), so a re-published duplicate is a
+task of its own in Flower and in worker logs, and the inbox key (the message_id) travels in the body.
 """
 
 from __future__ import annotations
@@ -152,8 +152,16 @@ def task_name(consumer: str) -> str:
     return f"consumers.{consumer}"
 
 
-def task_id(message_id: uuid.UUID | str, consumer: str) -> str:
-    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{message_id}/{consumer}"))
+def task_id() -> str:
+    """A new Celery task id for one publish of a message to a consumer (the relay's, a replay's).
+
+    Unique per publish, never derived from (message_id, consumer): a duplicate delivery (a relay that
+    crashed before marking, a reconcile pass, a replay) must be its own task to Celery and Flower, not
+    overwrite the first delivery's entry. Nothing keys on it: the inbox, the delivery count and the
+    dead-letter store key on the body's message_id (``delivery.delivery_key``); Celery's own retries
+    of one delivery keep its id, so a delivery's retries stay on one entry.
+    """
+    return str(uuid.uuid4())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,7 +275,7 @@ def celery_task_messages(envelope: Envelope, *, targets: Sequence[tuple[str, str
     argsrepr = f"({envelope.type} {message_id})"
     out = []
     for consumer, routing_key in targets:
-        tid = task_id(envelope.message_id, consumer)
+        tid = task_id()
         headers: dict[str, Any] = {
             "lang": "py",
             "task": task_name(consumer),

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from celery_outbox import tracing
 from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.errors import UnknownEventTypeError, ValidationError
 from celery_outbox.messages import check_size, encode_json
@@ -65,6 +66,7 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
     encoded = encode_json({"payload": event.payload, "headers": headers}, what=f"{event.type} event")
     if max_message_bytes is not None:
         check_size(encoded, limit=max_message_bytes, what=f"{event.type} event")
+    headers = _with_trace_context(event, headers, max_message_bytes)
     now = (clock or SystemClock()).now_ms()
     return {
         "message_id": event.message_id,
@@ -75,6 +77,17 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
         "next_attempt_at_ms": now,
         "attempts": 0,
     }
+
+
+def _with_trace_context(event: Event, headers: dict[str, Any], max_message_bytes: int | None) -> dict[str, Any]:
+    """``headers`` plus the current trace context (``celery_outbox.tracing``), so the relay and the
+    consumers continue the writer's trace. Added after the event was judged on its own: the context
+    never makes an event refused, it is left out when it would not fit the size limit."""
+    traced = tracing.traced_headers(headers)
+    if traced is headers or max_message_bytes is None:
+        return traced
+    size = len(encode_json({"payload": event.payload, "headers": traced}).encode())
+    return traced if size <= max_message_bytes else headers
 
 
 def add(session: Session, event: Event, *, tables: Tables, clock: Clock | None = None,

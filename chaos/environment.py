@@ -225,7 +225,7 @@ class ChaosEnvironment:
 
     def raw_task_message(self, *, consumer: str, body_arg: Any, message_id: uuid.UUID) -> TaskMessage:
         """A task message whose argument is anything at all (a poison body), with a real task header."""
-        tid = task_id(message_id, consumer)
+        tid = task_id()
         body = encode_json([[body_arg], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}])
         headers: dict[str, Any] = {
             "lang": "py", "task": task_name(consumer), "id": tid, "root_id": tid, "parent_id": None,

@@ -210,9 +210,13 @@ def create_app(*, settings: Settings | None = None, session_factory: sessionmake
 
     @app.get("/healthz")
     def healthz() -> tuple[Response, int]:
-        return jsonify({"ok": True}), 200
+        """Liveness: this process answers HTTP. It asks no dependency on purpose: a database or broker
+        outage must not make the orchestrator restart every web process; readiness (``/readyz``) says
+        whether to send traffic here."""
+        return jsonify({"ok": True, "status": "alive"}), 200
 
-    from celery_outbox.contrib.flask import init_app as init_ops  # /admin/dead-letters and /metrics
+    # /admin/dead-letters, /metrics and /readyz (readiness: database, schema revision, broker)
+    from celery_outbox.contrib.flask import init_app as init_ops
 
     init_ops(app, outbox)
     return app

@@ -4,6 +4,15 @@ Returning acks the message (acks_late: only after the inbox commit). A delivery 
 redelivered becomes ``self.retry`` with the consumer's backoff; Celery's retry is the redelivery loop,
 the count in the database decides when it ends in the dead-letter store.
 
+What each outcome looks like in Flower (every publish of a message has a task id of its own,
+``messages.task_id``, so each delivery is its own entry): processed is SUCCESS with the result
+``"processed"``; a duplicate is SUCCESS with ``"duplicate of <message_id>"`` plus the event
+``outbox-duplicate-absorbed``; a dead letter raises ``DeadLettered`` (a ``Reject`` without requeue)
+once the dead letter is committed: the worker records FAILURE with the reason (``task-failed``) and
+rejects the message, which removes it from the queue on RabbitMQ (``basic_reject``) and Redis (the
+unacked entry is dropped), plus the event ``outbox-dead-lettered``. Events are sent under the
+worker's node name (``events.task_sender``).
+
 Every message for these tasks passes ``celery_outbox.celery.strategy.guarded`` (the task's
 ``Strategy``) first: in a worker the task receives the envelope as JSON text, or a
 ``MalformedDelivery`` for a broker message that was not a valid task message, never anything Celery
@@ -16,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
+from celery.exceptions import Reject
 
 from celery_outbox.celery import events
 from celery_outbox.celery.config import consumer_time_limits
@@ -28,10 +38,8 @@ from celery_outbox.messages import MALFORMED_PREFIX, decode_json, storable_text,
 from celery_outbox.runtime import Context
 
 
-def _announce(app: Celery, consumer: str, body: Any, result: Delivery, max_depth: int) -> None:
-    """Custom Celery events for the two outcomes an operator watches in Flower (best effort)."""
-    if result.outcome not in (Outcome.DUPLICATE, Outcome.DEAD_LETTERED):
-        return
+def _body_ids(body: Any, max_depth: int) -> tuple[str, str | None]:
+    """The (message_id, event type) a delivered body names, as far as it names them (storable, bounded)."""
     if isinstance(body, str) and not body.startswith(MALFORMED_PREFIX):
         try:
             body = decode_json(body, max_depth=max_depth)
@@ -41,11 +49,42 @@ def _announce(app: Celery, consumer: str, body: Any, result: Delivery, max_depth
     message_id = storable_text(raw, limit=64) if isinstance(raw, str) else ""
     kind = body.get("type") if isinstance(body, Mapping) else None
     event_type = storable_text(kind, limit=200) if isinstance(kind, str) else None
+    return message_id, event_type
+
+
+class DeadLettered(Reject):
+    """The delivery ended in the dead-letter store (committed): reject the message, never requeue it.
+
+    Celery records a ``Reject(requeue=False)`` as FAILURE (``task-failed`` with this exception's repr:
+    the reason Flower shows) and then rejects the broker message, so it is removed, not redelivered.
+    Raised only after the dead letter is committed. The constructor keeps ``Reject``'s signature, so it
+    pickles between the pool and the worker.
+    """
+
+    def __init__(self, reason: Any = None, requeue: bool = False) -> None:
+        super().__init__(reason, requeue=False)  # type: ignore[no-untyped-call]
+
+    def __repr__(self) -> str:
+        return f"DeadLettered({self.reason!s})"
+
+    def __str__(self) -> str:
+        return str(self.reason)
+
+
+def _finish(task: Any, app: Celery, consumer: str, body: Any, result: Delivery, max_depth: int) -> str:
+    """Map a finished delivery onto Celery: the task's result, or ``DeadLettered``; events best effort."""
+    if result.outcome not in (Outcome.DUPLICATE, Outcome.DEAD_LETTERED):
+        return str(result.outcome.value)
+    message_id, event_type = _body_ids(body, max_depth)
+    sender = events.task_sender(task)
     if result.outcome is Outcome.DUPLICATE:
-        events.duplicate_absorbed(app, consumer=consumer, message_id=message_id, event_type=event_type)
-    else:
-        events.dead_lettered(app, source="consumer", consumer=consumer, message_id=message_id,
-                             error=result.error or "", event_type=event_type, attempts=result.deliveries)
+        events.duplicate_absorbed(app, consumer=consumer, message_id=message_id, event_type=event_type, **sender)
+        return f"duplicate of {message_id or 'an unnamed message'}"
+    error = result.error or "no error recorded"
+    events.dead_lettered(app, source="consumer", consumer=consumer, message_id=message_id, error=error,
+                         event_type=event_type, attempts=result.deliveries, **sender)
+    raise DeadLettered(storable_text(
+        f"dead-lettered for {consumer} after {result.deliveries} deliveries: {error}", limit=1000))
 
 
 def define(app: Celery, ctx: Context, spec: ConsumerSpec) -> Any:
@@ -75,8 +114,7 @@ def define(app: Celery, ctx: Context, spec: ConsumerSpec) -> Any:
         if result.retry_in_s is not None:
             raise self.retry(countdown=result.retry_in_s, max_retries=None,
                              exc=RedeliveryError(result.error or "failed"))
-        _announce(app, spec.name, body, result, settings.max_json_depth)
-        return result.outcome.value
+        return _finish(self, app, spec.name, body, result, settings.max_json_depth)
 
     return run
 

@@ -1,13 +1,20 @@
 """Custom Celery events, so duplicates absorbed and dead letters show in Flower and any event receiver.
 
-The relay and consumers call ``send_event`` (or the two helpers) with their Celery app. Sending is
-best-effort: an event that cannot be sent is logged and dropped, it never fails the task that sent it.
-Events travel on the broker's event exchange (``celeryev``), JSON like everything else.
+Who sends them, under which name: a consumer task sends from inside the task, under the worker's own
+node name (``task.request.hostname``, e.g. ``consumers@host``) and with the task's id as ``uuid``, so
+Flower counts them on that worker (its worker counters skip any other name) and a receiver can tie
+each one to its task entry. The beat drain task does the same for outbox rows it dead-letters; the
+standalone relay (``outbox relay``, no worker) sends under ``outbox-relay@<host>``
+(``relay_hostname``). Sending is best-effort: an event that cannot be sent is logged and dropped, it
+never fails the task that sent it, and it is never retried (the delivery's outcome is already
+committed; an event is a notice, not a record). Events travel on the broker's event exchange
+(``celeryev``), JSON like everything else.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 from celery import Celery
@@ -19,24 +26,46 @@ DEAD_LETTERED = "outbox-dead-lettered"
 EVENT_TYPES = (DUPLICATE_ABSORBED, DEAD_LETTERED)
 
 
-def send_event(app: Celery, type: str, **fields: Any) -> bool:
-    """Send one custom event; True if it was handed to the broker. Only our own types are allowed."""
+def relay_hostname() -> str:
+    """The node name the standalone relay's events carry."""
+    return f"outbox-relay@{socket.gethostname()}"
+
+
+def send_event(app: Celery, type: str, *, hostname: str | None = None, task_id: str | None = None,
+               **fields: Any) -> bool:
+    """Send one custom event; True if it was handed to the broker. Only our own types are allowed.
+
+    ``hostname`` is the sender's node name (Celery's ``gen<pid>@host`` when None); ``task_id``
+    travels as the event's ``uuid`` (the task the event is about)."""
     if type not in EVENT_TYPES:
         raise ValueError(f"unknown outbox event type {type!r}; use one of {', '.join(EVENT_TYPES)}")
+    if task_id is not None:
+        fields["uuid"] = task_id
     try:
-        with app.events.default_dispatcher() as dispatcher:
-            dispatcher.send(type, **fields)
+        with app.events.default_dispatcher(hostname=hostname) as dispatcher:
+            dispatcher.send(type, retry=False, **fields)
     except Exception as e:
         log.warning("could not send Celery event %s (%s: %s); continuing", type, e.__class__.__name__, e)
         return False
     return True
 
 
-def duplicate_absorbed(app: Celery, *, consumer: str, message_id: str, event_type: str | None = None) -> bool:
-    return send_event(app, DUPLICATE_ABSORBED, consumer=consumer, message_id=message_id, event_type=event_type)
+def task_sender(task: Any) -> dict[str, Any]:
+    """``hostname`` and ``task_id`` for an event sent from inside ``task`` (its current request)."""
+    request = task.request
+    hostname = request.hostname if isinstance(request.hostname, str) and request.hostname else None
+    task_id = request.id if isinstance(request.id, str) else None
+    return {"hostname": hostname, "task_id": task_id}
+
+
+def duplicate_absorbed(app: Celery, *, consumer: str, message_id: str, event_type: str | None = None,
+                       hostname: str | None = None, task_id: str | None = None) -> bool:
+    return send_event(app, DUPLICATE_ABSORBED, hostname=hostname, task_id=task_id, consumer=consumer,
+                      message_id=message_id, event_type=event_type)
 
 
 def dead_lettered(app: Celery, *, source: str, message_id: str, error: str, consumer: str | None = None,
-                  event_type: str | None = None, attempts: int | None = None) -> bool:
-    return send_event(app, DEAD_LETTERED, source=source, consumer=consumer, message_id=message_id,
-                      error=error[:500], event_type=event_type, attempts=attempts)
+                  event_type: str | None = None, attempts: int | None = None, hostname: str | None = None,
+                  task_id: str | None = None) -> bool:
+    return send_event(app, DEAD_LETTERED, hostname=hostname, task_id=task_id, source=source, consumer=consumer,
+                      message_id=message_id, error=error[:500], event_type=event_type, attempts=attempts)

@@ -10,12 +10,12 @@ from celery.signals import worker_ready
 from celery_outbox.celery.config import PRUNE_TASK
 from celery_outbox.ops import retention
 from celery_outbox.ops.metrics import make_registry, start_worker_metrics_server
+from celery_outbox.ops.schedule import DEFAULT_INBOX_RETENTION_MS, DEFAULT_PUBLISHED_RETENTION_MS, PRUNE_EVERY_S, scheduled_prune
+from celery_outbox.relay import lease
 from celery_outbox.runtime import Context
 from celery_outbox.settings import Settings
 
-DEFAULT_INBOX_RETENTION_MS = 7 * 24 * 3600 * 1000
-DEFAULT_PUBLISHED_RETENTION_MS = 24 * 3600 * 1000
-PRUNE_EVERY_S = 3600.0
+__all__ = ["DEFAULT_INBOX_RETENTION_MS", "DEFAULT_PUBLISHED_RETENTION_MS", "PRUNE_EVERY_S", "beat_entry", "register"]
 
 
 def beat_entry(settings: Settings) -> dict[str, Any]:
@@ -34,17 +34,22 @@ def register(app: Celery, ctx: Context) -> None:
     def sessions() -> Any:
         return ctx.sessions()
 
+    prune_lease = lease.timer_lease(lease.PRUNE, interval_s=PRUNE_EVERY_S)
+
     @app.task(name=PRUNE_TASK, ignore_result=True, acks_late=True, shared=False)  # type: ignore[untyped-decorator]
     def prune(inbox_older_than_ms: int | None = None, published_older_than_ms: int | None = None,
-              batch: int = retention.DEFAULT_BATCH) -> dict[str, int | None]:
-        """Retention; the inbox default never goes below the broker redelivery window."""
-        inbox = inbox_older_than_ms if inbox_older_than_ms is not None else max(
-            DEFAULT_INBOX_RETENTION_MS, settings.broker_redelivery_window_ms)
-        published = published_older_than_ms if published_older_than_ms is not None \
-            else DEFAULT_PUBLISHED_RETENTION_MS
-        return retention.prune(sessions(), tables=ctx.tables, inbox_older_than_ms=inbox, published_older_than_ms=published,
-                               batch=batch, clock=ctx.clock,
-                               redelivery_window_ms=settings.broker_redelivery_window_ms).to_dict()
+              batch: int = retention.DEFAULT_BATCH) -> dict[str, int | str | None]:
+        """Retention; the inbox default never goes below the broker redelivery window.
+
+        Called as beat calls it (no ages), it is the hourly job and runs only when it wins the
+        ``prune`` lease (relay/lease.py), shared with every standalone relay: once per hour in all.
+        Called with an age, it is a one-off prune and runs at once."""
+        scheduled = inbox_older_than_ms is None and published_older_than_ms is None
+        if scheduled and not prune_lease.claim(sessions(), ctx.clock, tables=ctx.tables):
+            return {"skipped": "not due: this hour's pass ran elsewhere"}
+        return {**scheduled_prune(sessions(), settings=settings, tables=ctx.tables, clock=ctx.clock,
+                                  inbox_older_than_ms=inbox_older_than_ms,
+                                  published_older_than_ms=published_older_than_ms, batch=batch).to_dict()}
 
     if settings.metrics_port > 0:
         def _serve_metrics(sender: Any = None, **_kw: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
@@ -15,9 +16,31 @@ from celery import Celery
 from celery_outbox.celery import events
 from celery_outbox.celery.config import DRAIN_TASK, RECONCILE_TASK, add_task_routes
 from celery_outbox.celery.kombu_publisher import KombuPublisher
-from celery_outbox.relay.loop import RelayLoop
+from celery_outbox.relay import lease
+from celery_outbox.relay.loop import DrainResult, RelayLoop
 from celery_outbox.relay.reconcile import reconcile
 from celery_outbox.runtime import Context
+
+
+def announce_drain(app: Celery, result: DrainResult, *, hostname: str | None = None,
+                   task_id: str | None = None) -> None:
+    """One ``outbox-dead-lettered`` event per outbox row this drain dead-lettered (best effort)."""
+    for message_id, why in result.dead_lettered_rows:
+        events.dead_lettered(app, source="outbox", message_id=message_id, error=why, hostname=hostname,
+                             task_id=task_id)
+
+
+def drain_announcer(app: Celery) -> Callable[[DrainResult], None]:
+    """``RelayLoop.on_drain`` for the standalone relay: its dead letters as events under ``outbox-relay@host``."""
+    hostname = events.relay_hostname()
+    return lambda result: announce_drain(app, result, hostname=hostname)
+
+
+def drain_summary(result: DrainResult) -> dict[str, Any]:
+    """What the drain task returns (Flower shows it as the task's result): the drain's counts."""
+    summary = dataclasses.asdict(result)
+    del summary["dead_lettered_rows"]  # one event each (announce_drain), not a list in every result
+    return summary
 
 
 def relay_loop(ctx: Context, *, listen: bool, max_batches_per_drain: int = 10_000) -> RelayLoop:
@@ -43,20 +66,30 @@ def register(app: Celery, ctx: Context) -> None:
 
     add_task_routes(app, {name: {"queue": f"{ctx.settings.namespace}.relay"} for name in (DRAIN_TASK, RECONCILE_TASK)})
 
-    @app.task(name=DRAIN_TASK, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
-    def drain_outbox() -> dict[str, Any]:
-        """Publish every due outbox row now (one drain); the beat schedule calls it again."""
+    @app.task(name=DRAIN_TASK, bind=True, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
+    def drain_outbox(self: Any) -> dict[str, Any]:
+        """Publish every due outbox row now (one drain); the beat schedule calls it again.
+
+        Its result (in Flower: the task's result) is the drain's counts; each row it dead-letters is an
+        ``outbox-dead-lettered`` event from this worker's node name."""
         with lock:
             result = loop().drain_once()
-        for message_id, why in result.dead_lettered_rows:  # visible in Flower; best effort
-            events.dead_lettered(app, source="outbox", message_id=message_id, error=why)
-        return dataclasses.asdict(result)
+        announce_drain(app, result, **events.task_sender(self))
+        return drain_summary(result)
+
+    reconcile_lease = lease.timer_lease(lease.RECONCILE, interval_s=ctx.settings.relay_reconcile_interval_s)
 
     @app.task(name=RECONCILE_TASK, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
     def reconcile_outbox() -> dict[str, Any]:
-        """Re-publish, per consumer, published events that consumer never recorded (relay/reconcile.py)."""
+        """Re-publish, per consumer, published events that consumer never recorded (relay/reconcile.py).
+
+        Runs only when it wins the ``reconcile`` lease (relay/lease.py), shared with every standalone
+        relay on the database: one pass per interval in all, however many run."""
         relay = loop()
         settings = ctx.settings
+        with lock:
+            if not reconcile_lease.claim(relay.session_factory, relay.clock, tables=ctx.tables):
+                return {"skipped": "not due: this interval's pass ran elsewhere"}
         with lock, relay.session_factory() as session:
             result = reconcile(session, relay.publisher, relay.clock, tables=ctx.tables, routes=relay.routes,
                                namespace=settings.namespace, max_message_bytes=settings.max_message_bytes,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from celery import Celery
@@ -16,7 +15,8 @@ from celery_outbox.runtime import Context
 def replay_sender(app: Celery, ctx: Context) -> Send:
     """A ``send`` for ``replay`` that enqueues on the consumer's queue through ``app``.
 
-    The task id is derived from (message_id, consumer) like the relay's, so Flower shows one task.
+    Every replay is a new task (``messages.task_id``): Flower keeps the dead-lettered delivery's
+    FAILURE entry and shows the replay next to it; the inbox absorbs a replay that was already applied.
     """
     settings = ctx.settings
     consumers = ctx.known_consumers()
@@ -24,11 +24,8 @@ def replay_sender(app: Celery, ctx: Context) -> Send:
     def send(consumer: str, envelope: dict[str, Any]) -> None:
         check_consumer(consumer, consumers)
         try:
-            tid: str | None = task_id(uuid.UUID(str(envelope.get("message_id"))), consumer)
-        except ValueError:
-            tid = None
-        try:
-            app.send_task(task_name(consumer), args=[envelope], queue=settings.queue_name(consumer), task_id=tid)
+            app.send_task(task_name(consumer), args=[envelope], queue=settings.queue_name(consumer),
+                          task_id=task_id())
         except OSError as e:
             raise BrokerUnavailableError(f"cannot reach the broker to replay to {consumer}: {e}") from e
         except Exception as e:

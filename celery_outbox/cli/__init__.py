@@ -7,6 +7,7 @@ import sys
 from celery_outbox.cli.common import settings_group
 from celery_outbox.cli.db import db
 from celery_outbox.cli.ops import dead_letters, prune, stats
+from celery_outbox.cli.probes import check
 from celery_outbox.cli.relay import relay
 
 
@@ -15,6 +16,7 @@ def cli() -> None:
     """Transactional outbox, inbox and idempotent consumers on Celery."""
 
 
+cli.add_command(check)
 cli.add_command(db)
 cli.add_command(dead_letters)
 cli.add_command(prune)

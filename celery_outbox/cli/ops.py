@@ -1,13 +1,17 @@
 """``outbox dead-letters ...``, ``outbox prune``, ``outbox stats``: the on-call person's commands.
 
 Human output is rich tables; ``--json`` is for machines (one JSON document on stdout). Bad ids,
-unknown consumers and bad durations exit non-zero with the reason and change nothing.
+unknown consumers and bad durations exit non-zero with the reason and change nothing. Prune and
+replay show progress as they go (``celery_outbox.cli.progress``) and end with a summary. ``stats``
+thresholds exit 3 when crossed (exit codes: ``celery_outbox.cli.probes``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -16,6 +20,8 @@ from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.cli.common import Duration, get_outbox, get_settings, handle_errors
+from celery_outbox.cli.probes import EXIT_PROBLEM
+from celery_outbox.cli.progress import ProgressView
 from celery_outbox.clock import SystemClock
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import retention
@@ -137,16 +143,25 @@ def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consu
             send: dl.Sender | None = replay_sender(outbox.app, outbox)
         else:
             send = None
-        results = dl.replay(session, refs, tables=outbox.tables, clock=clock, send=send,
-                            known_consumers=outbox.known_consumers()) \
-            if refs else []
+        with ProgressView(machine=as_json) as view:
+            view.start("replay", "replaying dead letters", len(refs))
+
+            def step(p: dl.ReplayProgress) -> None:
+                r = p.result
+                view.update("replay", p.done, p.total, keep=True,
+                            line=f"[{p.done}/{p.total}] {r.id}: {'replayed' if r.replayed else 'skipped'}: {r.detail}")
+
+            results = dl.replay(session, refs, tables=outbox.tables, clock=clock, send=send,
+                                known_consumers=outbox.known_consumers(), progress=step) \
+                if refs else []
     if as_json:
         _echo_json([{"id": str(r.id), "replayed": r.replayed, "detail": r.detail} for r in results])
         return
     if not results:
         click.echo("nothing to replay")
-    for r in results:
-        click.echo(f"{r.id}: {'replayed' if r.replayed else 'skipped'}: {r.detail}")
+        return
+    replayed = sum(r.replayed for r in results)
+    click.echo(f"summary: {replayed} replayed, {len(results) - replayed} skipped, of {len(results)} dead letter(s)")
 
 
 @dead_letters.command("purge")
@@ -183,28 +198,91 @@ def prune(ctx: click.Context, inbox_older_than: int | None, published_older_than
     settings = get_settings(ctx)
     if inbox_older_than is not None:
         retention.check_inbox_retention(inbox_older_than, settings.broker_redelivery_window_ms)
-    report = retention.prune(_sessions(ctx), tables=get_outbox(ctx).tables, inbox_older_than_ms=inbox_older_than,
-                             published_older_than_ms=published_older_than, batch=batch, clock=SystemClock(),
-                             redelivery_window_ms=settings.broker_redelivery_window_ms)
+    names = {"inbox": "inbox", "outbox": "published outbox rows"}
+    started = time.monotonic()
+    with ProgressView(machine=as_json) as view:
+
+        def step(p: retention.PruneProgress) -> None:
+            what = names[p.target]
+            if p.batch == 0:
+                view.start(p.target, f"pruning {what}", p.expected,
+                           line=f"{p.target}: {p.expected} row(s) to delete, in batches of {batch}")
+            else:
+                view.update(p.target, p.total_deleted, p.expected,
+                            line=f"{p.target}: batch {p.batch}: deleted {p.deleted} ({p.total_deleted}/{p.expected})")
+
+        report = retention.prune(_sessions(ctx), tables=get_outbox(ctx).tables, inbox_older_than_ms=inbox_older_than,
+                                 published_older_than_ms=published_older_than, batch=batch, clock=SystemClock(),
+                                 redelivery_window_ms=settings.broker_redelivery_window_ms, progress=step)
     if as_json:
         _echo_json(report.to_dict())
         return
     click.echo(f"inbox: deleted {report.inbox_deleted} row(s) in {report.inbox_batches} batch(es)")
     click.echo(f"outbox: deleted {report.outbox_deleted} published row(s) in {report.outbox_batches} batch(es)")
+    click.echo(f"summary: deleted {report.inbox_deleted + report.outbox_deleted} row(s) in "
+               f"{report.inbox_batches + report.outbox_batches} batch(es), {time.monotonic() - started:.1f}s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Threshold:
+    name: str
+    limit: int
+    value: int | None
+    crossed: bool
+    message: str  # what to tell the person when it is crossed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "limit": self.limit, "value": self.value, "crossed": self.crossed}
+
+
+def thresholds(st: ops_stats.Stats, *, fail_on_dead_letters: bool, max_pending_age_ms: int | None) -> list[Threshold]:
+    """The thresholds asked for, each with its value and whether it is crossed."""
+    found: list[Threshold] = []
+    if fail_on_dead_letters:
+        found.append(Threshold(
+            name="dead_letters", limit=0, value=st.dead_letter_total, crossed=st.dead_letter_total > 0,
+            message=f"{st.dead_letter_total} unreplayed dead letter(s), oldest {_age(st.oldest_dead_letter_age_ms)} "
+                    "(see 'outbox dead-letters list')"))
+    if max_pending_age_ms is not None:
+        age = st.oldest_pending_age_ms
+        found.append(Threshold(
+            name="max_pending_age_ms", limit=max_pending_age_ms, value=age,
+            crossed=age is not None and age > max_pending_age_ms,
+            message=f"the oldest pending outbox row is {_age(age)} old, over the limit of {_age(max_pending_age_ms)} "
+                    "(relay down or broker unreachable?)"))
+    return found
 
 
 @click.command("stats")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--fail-on-dead-letters", is_flag=True,
+              help=f"Exit {EXIT_PROBLEM} if any unreplayed dead letter exists (either store).")
+@click.option("--max-pending-age", "max_pending_age_ms", type=Duration(), default=None,
+              help=f"Exit {EXIT_PROBLEM} if the oldest pending outbox row is older than this (e.g. 5m).")
 @click.pass_context
 @handle_errors
-def stats(ctx: click.Context, as_json: bool) -> None:
-    """Pending count, oldest pending age, dead letters per source/consumer, inbox size, duplicates."""
+def stats(ctx: click.Context, as_json: bool, fail_on_dead_letters: bool, max_pending_age_ms: int | None) -> None:
+    """Pending count, oldest pending age, dead letters per source/consumer, inbox size, duplicates.
+    With a threshold: exit 3 and one line per crossed threshold on stderr (see README "Probes and exit codes")."""
     outbox = get_outbox(ctx)
     with _sessions(ctx)() as session:
         st = ops_stats.collect(session, tables=outbox.tables, clock=SystemClock())
+    checks = thresholds(st, fail_on_dead_letters=fail_on_dead_letters, max_pending_age_ms=max_pending_age_ms)
     if as_json:
-        _echo_json(st.to_dict())
-        return
+        data = st.to_dict()
+        if checks:
+            data["thresholds"] = [c.to_dict() for c in checks]
+        _echo_json(data)
+    else:
+        _print_stats(outbox.known_consumers(), st)
+    crossed = [c for c in checks if c.crossed]
+    for c in crossed:
+        click.echo(f"threshold crossed: {c.message}", err=True)
+    if crossed:
+        raise click.exceptions.Exit(EXIT_PROBLEM)
+
+
+def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     console = _console()
     outbox_t = Table(title="outbox")
     for col in ("pending", "due", "retrying", "oldest pending", "published (retained)"):
@@ -221,6 +299,6 @@ def stats(ctx: click.Context, as_json: bool) -> None:
     cons_t = Table(title="consumers")
     for col in ("consumer", "inbox rows", "duplicates absorbed"):
         cons_t.add_column(col)
-    for name in sorted(set(st.inbox) | set(st.duplicates_absorbed) | set(outbox.known_consumers())):
+    for name in sorted(set(st.inbox) | set(st.duplicates_absorbed) | set(known_consumers)):
         cons_t.add_row(name, str(st.inbox.get(name, 0)), str(st.duplicates_absorbed.get(name, 0)))
     console.print(cons_t)

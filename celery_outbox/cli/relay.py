@@ -7,6 +7,7 @@ import logging
 
 import click
 
+from celery_outbox.celery import relay_tasks
 from celery_outbox.cli.common import get_outbox, handle_errors
 
 
@@ -37,6 +38,7 @@ def relay(ctx: click.Context, once: bool, batch_size: int | None, poll_interval:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop = outbox.relay_loop(listen=not no_listen)
+    loop.on_drain = relay_tasks.drain_announcer(outbox.app)  # its dead letters as Celery events (Flower)
     try:
         if once:
             result = loop.drain_once()

@@ -33,10 +33,13 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 from werkzeug.wrappers import Response as WerkzeugResponse
 
+from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S as DEFAULT_BROKER_TIMEOUT_S
+from celery_outbox.celery.probe import broker_probe
 from celery_outbox.celery.sender import replay_sender
 from celery_outbox.clock import Clock
 from celery_outbox.errors import DatabaseError, NotFoundError, OutboxError
 from celery_outbox.ops import dead_letters as dl
+from celery_outbox.ops import health
 from celery_outbox.ops import metrics as ops_metrics
 from celery_outbox.outbox import Outbox
 from celery_outbox.settings import Settings
@@ -307,15 +310,39 @@ def make_blueprint() -> Blueprint:
     return bp
 
 
-def init_app(app: Flask, outbox: Outbox, *, send: dl.Sender | None = None) -> None:
-    """Mount the dead-letter page (``/admin/dead-letters``, token from ``Settings.admin_token``) and
-    ``/metrics`` on any Flask app; ``send`` replaces the Celery sender for replays (tests)."""
+def init_app(app: Flask, outbox: Outbox, *, send: dl.Sender | None = None, readiness_path: str | None = "/readyz",
+             broker_timeout_s: float = DEFAULT_BROKER_TIMEOUT_S) -> None:
+    """Mount the dead-letter page (``/admin/dead-letters``, token from ``Settings.admin_token``),
+    ``/metrics`` and the readiness probe (``readiness_path``, None for none) on any Flask app; ``send``
+    replaces the Celery sender for replays (tests)."""
     registry = ops_metrics.make_registry(tables=outbox.tables, session_factory=outbox.sessions(), clock=outbox.clock)
     app.extensions[EXT] = {"send": send, "registry": registry, "outbox": outbox}
     app.register_blueprint(make_blueprint())
+    if readiness_path is not None:
+        _mount_readiness(app, outbox, readiness_path, broker_timeout_s)
 
     @app.get("/metrics")
     def metrics() -> Response:
         resp = Response(ops_metrics.render(registry), 200, {"Content-Type": ops_metrics.CONTENT_TYPE})
         security_headers(resp, csp="default-src 'none'; frame-ancestors 'none'")
         return resp
+
+
+def _mount_readiness(app: Flask, outbox: Outbox, path: str, broker_timeout_s: float) -> None:
+    """``GET <path>``: 200 when the database answers, the schema is at the library's head revision and
+    the broker accepts a connection; else 503 naming the failed checks. The answer is built from check
+    names and fixed reasons only (``health.Readiness.public_dict``): no host, port, user or driver text;
+    the details go to the server log."""
+    probe = broker_probe(outbox.broker_url, timeout_s=broker_timeout_s)
+
+    def readyz() -> Response:
+        result = health.readiness(outbox.sessions(), prefix=outbox.settings.table_prefix, broker=probe)
+        resp = Response(json.dumps(result.public_dict(), sort_keys=True), 200 if result.ok else 503,
+                        {"Content-Type": "application/json", "Cache-Control": "no-store"})
+        if not result.ok:
+            current_app.logger.warning("not ready: %s", "; ".join(c.line() for c in result.failed))
+            resp.headers["Retry-After"] = "5"
+        security_headers(resp, csp="default-src 'none'; frame-ancestors 'none'")
+        return resp
+
+    app.add_url_rule(path, endpoint="outbox_readyz", view_func=readyz, methods=["GET"])

@@ -3,6 +3,9 @@
 Ids carry their source (``outbox:42``, ``consumer:7``) so one command never confuses a relay row with
 a consumer row. Every batch operation validates all ids before it changes anything: a typo in the
 third id leaves the first two untouched.
+
+Progress: ``replay(progress=...)`` / ``replay_all(progress=...)`` call back after each dead letter is
+replayed and committed (``ReplayProgress``), so the CLI can render a bar without this module knowing how.
 """
 
 from __future__ import annotations
@@ -99,6 +102,18 @@ class ReplayResult:
     id: DeadLetterId
     replayed: bool
     detail: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayProgress:
+    """One dead letter replayed (or skipped) and committed: ``done`` of ``total``."""
+
+    result: ReplayResult
+    done: int
+    total: int
+
+
+ReplayCallback = Callable[[ReplayProgress], None]
 
 
 def _from_outbox(row: OutboxRow) -> DeadLetter:
@@ -245,9 +260,9 @@ def _check_replayable(session: Session, refs: Sequence[DeadLetterId], known: Ite
 
 
 def replay(session: Session, ids: Sequence[DeadLetterId | str], *, tables: Tables, clock: Clock, send: Sender | None = None,
-           known_consumers: Iterable[str] | None = None) -> list[ReplayResult]:
+           known_consumers: Iterable[str] | None = None, progress: ReplayCallback | None = None) -> list[ReplayResult]:
     """Replay each dead letter once. Already-replayed ones are reported, not re-sent; the inbox guards
-    anything that slips through twice. Commits."""
+    anything that slips through twice. Commits after each one, then calls ``progress`` with it."""
     refs = parse_ids([str(i) for i in ids])
     _require_all(session, refs, tables=tables)
     if send is None and any(r.source == "consumer" for r in refs):
@@ -264,16 +279,19 @@ def replay(session: Session, ids: Sequence[DeadLetterId | str], *, tables: Table
             assert send is not None
             results.append(_replay_consumer(session, ref, tables=tables, send=send, clock=clock, known_consumers=known))
             session.commit()
+        if progress is not None:
+            progress(ReplayProgress(result=results[-1], done=len(results), total=len(refs)))
     return results
 
 
 def replay_all(session: Session, *, tables: Tables, clock: Clock, send: Sender | None = None, consumer: str | None = None,
-               source: Source | None = None, known_consumers: Iterable[str] | None = None) -> list[ReplayResult]:
+               source: Source | None = None, known_consumers: Iterable[str] | None = None,
+               progress: ReplayCallback | None = None) -> list[ReplayResult]:
     known = None if known_consumers is None else tuple(known_consumers)
     refs = [d.id for d in list_dead_letters(session, tables=tables, source=source, consumer=consumer, known_consumers=known)]
     if not refs:
         return []
-    return replay(session, refs, tables=tables, clock=clock, send=send, known_consumers=known)
+    return replay(session, refs, tables=tables, clock=clock, send=send, known_consumers=known, progress=progress)
 
 
 def purge(session: Session, ids: Sequence[DeadLetterId | str], *, tables: Tables) -> int:

@@ -4,6 +4,10 @@ Each batch is its own short transaction (``DELETE ... WHERE key IN (SELECT key .
 statement holds locks over the whole history and the relay and consumers keep running alongside. The
 inbox is never pruned below the broker's redelivery window: an inbox row deleted while the broker can
 still redeliver its message would let a duplicate through as a second effect.
+
+Progress: ``prune(progress=...)`` calls back once when each side starts (``batch == 0``, with the
+number of rows it expects to delete) and after every committed batch, so a caller can render a bar
+(the CLI does, with rich) without this module knowing how.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
@@ -43,6 +48,20 @@ class PruneReport:
             "outbox_deleted": self.outbox_deleted, "outbox_batches": self.outbox_batches,
             "outbox_cutoff_ms": self.outbox_cutoff_ms,
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruneProgress:
+    """One step of a prune: ``batch == 0`` announces a side, every later call reports a committed batch."""
+
+    target: Literal["inbox", "outbox"]
+    batch: int  # 0 when the side starts, then 1, 2, ... per committed batch
+    deleted: int  # rows this batch deleted (0 for the start)
+    total_deleted: int  # rows this side has deleted so far
+    expected: int  # rows older than the cutoff when the side started (rows written meanwhile may add to it)
+
+
+PruneCallback = Callable[[PruneProgress], None]
 
 
 def check_inbox_retention(inbox_older_than_ms: int, redelivery_window_ms: int) -> None:
@@ -84,10 +103,27 @@ def _outbox_batch(session: Session, cutoff_ms: int, batch: int, *, tables: Table
         synchronize_session=False)
 
 
+def _count_inbox(cutoff_ms: int, *, tables: Tables) -> sa.Select[int]:
+    return sa.select(sa.func.count()).select_from(tables.inbox).where(tables.inbox.processed_at_ms < cutoff_ms)
+
+
+def _count_outbox(cutoff_ms: int, *, tables: Tables) -> sa.Select[int]:
+    return sa.select(sa.func.count()).select_from(tables.outbox).where(
+        tables.outbox.published_at_ms.is_not(None), tables.outbox.published_at_ms < cutoff_ms)
+
+
 def _drain(session_factory: sessionmaker[Session], build: Callable[..., sa.Executable],
-           cutoff_ms: int, batch: int, what: str, count_pruned: bool = False, *, tables: Tables) -> tuple[int, int]:
+           cutoff_ms: int, batch: int, what: str, count_pruned: bool = False, *, tables: Tables,
+           target: Literal["inbox", "outbox"], progress: PruneCallback | None = None) -> tuple[int, int]:
     """Run batches until one comes back short; each batch commits on its own."""
     deleted = batches = 0
+    expected = 0
+    if progress is not None:
+        count = _count_inbox if target == "inbox" else _count_outbox
+        with session_factory() as session, wrap_driver_errors(f"counting {what}"):
+            expected = int(session.execute(count(cutoff_ms, tables=tables)).scalar_one())
+            session.rollback()
+        progress(PruneProgress(target=target, batch=0, deleted=0, total_deleted=0, expected=expected))
     while True:
         with session_factory() as session, wrap_driver_errors(f"pruning {what}"):
             stmt = build(session, cutoff_ms, batch, tables=tables)
@@ -102,15 +138,19 @@ def _drain(session_factory: sessionmaker[Session], build: Callable[..., sa.Execu
             session.commit()
         deleted += n
         batches += 1
+        if progress is not None:
+            progress(PruneProgress(target=target, batch=batches, deleted=n, total_deleted=deleted,
+                                   expected=max(expected, deleted)))
         if n < batch:
             return deleted, batches
 
 
 def prune(session_factory: sessionmaker[Session], *, tables: Tables, inbox_older_than_ms: int | None,
           published_older_than_ms: int | None, batch: int = DEFAULT_BATCH, clock: Clock,
-          redelivery_window_ms: int) -> PruneReport:
+          redelivery_window_ms: int, progress: PruneCallback | None = None) -> PruneReport:
     """Delete inbox rows processed before ``now - inbox_older_than_ms`` and outbox rows published
-    before ``now - published_older_than_ms`` (None skips that side). Validates everything first."""
+    before ``now - published_older_than_ms`` (None skips that side). Validates everything first.
+    ``progress`` is called when each side starts and after each committed batch (``PruneProgress``)."""
     if batch <= 0:
         raise ValidationError(f"batch must be > 0, got {batch}")
     if inbox_older_than_ms is None and published_older_than_ms is None:
@@ -126,10 +166,12 @@ def prune(session_factory: sessionmaker[Session], *, tables: Tables, inbox_older
     inbox_cutoff = outbox_cutoff = None
     if inbox_older_than_ms is not None:
         inbox_cutoff = now - inbox_older_than_ms
-        inbox = _drain(session_factory, _inbox_batch, inbox_cutoff, batch, "inbox", tables=tables, count_pruned=True)
+        inbox = _drain(session_factory, _inbox_batch, inbox_cutoff, batch, "inbox", tables=tables, count_pruned=True,
+                       target="inbox", progress=progress)
     if published_older_than_ms is not None:
         outbox_cutoff = now - published_older_than_ms
-        outbox = _drain(session_factory, _outbox_batch, outbox_cutoff, batch, "published outbox rows", tables=tables)
+        outbox = _drain(session_factory, _outbox_batch, outbox_cutoff, batch, "published outbox rows", tables=tables,
+                        target="outbox", progress=progress)
     report = PruneReport(inbox_deleted=inbox[0], inbox_batches=inbox[1], outbox_deleted=outbox[0],
                          outbox_batches=outbox[1], inbox_cutoff_ms=inbox_cutoff, outbox_cutoff_ms=outbox_cutoff)
     log.info("pruned %s", report.to_dict())

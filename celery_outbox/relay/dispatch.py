@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from celery_outbox import counters
+from celery_outbox import counters, tracing
 from celery_outbox.clock import Clock
 from celery_outbox.db import is_postgres, wrap_driver_errors
 from celery_outbox.errors import BrokerUnavailableError, MessageTooLargeError, SerializationError
@@ -195,6 +195,7 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, tabl
         return result
     limit = breaker.batch_limit(now, batch_size) if breaker is not None else batch_size
     postgres = is_postgres(session)
+    spans = tracing.NO_RELAY_SPANS  # one span per row when OpenTelemetry is configured (tracing.py)
     try:
         rows = claim_due(session, now, limit, tables=tables)
         result.claimed = len(rows)
@@ -205,7 +206,9 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, tabl
             session.commit()  # SQLite: single relay; do not hold the write lock across broker I/O
         if crash_points is not None:
             crash_points.reached("after_claim_before_publish")
-        built = build_messages(rows, routes=routes, namespace=namespace, max_message_bytes=max_message_bytes)
+        spans = tracing.relay_spans(rows, routes=routes, namespace=namespace)
+        built = spans.build(rows, lambda rs: build_messages(rs, routes=routes, namespace=namespace,
+                                                           max_message_bytes=max_message_bytes))
         rejected_rows: dict[int, tuple[ClaimedRow, str]] = {}
         if built.messages:
             try:
@@ -218,6 +221,7 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, tabl
                 if breaker is not None:
                     breaker.record_failure(clock.now_ms(), str(e))
                 log.warning("broker unavailable, %s row(s) left pending: %s", result.duplicates_risked, e)
+                spans.fail("broker_unavailable", str(e))
                 counters.increment(session, counters.RELAY, counters.BROKER_UNAVAILABLE, tables=tables)
                 return result
             for index, error in report.rejected.items():
@@ -241,6 +245,7 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, tabl
             counters.stage_increment(session, counters.RELAY, counters.DEAD_LETTERED, result.dead_lettered, tables=tables)
         with wrap_driver_errors("committing the relay batch"):
             session.commit()
+        spans.finish(rejected=rejected_rows, dead_now=dead_now, max_attempts=max_attempts)
         result.dead_lettered_rows = [(str(r.message_id), why) for r, why in dead_now.values()] + [
             (str(r.message_id), why) for r, why in rejected_rows.values() if r.attempts + 1 >= max_attempts]
         result.published = marked
@@ -250,7 +255,8 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, tabl
         if crash_points is not None:
             crash_points.reached("after_mark")
         return result
-    except BaseException:
+    except BaseException as e:
+        spans.fail("error", e.__class__.__name__)
         try:
             session.rollback()
         except Exception:  # the connection may be gone; the original error matters more

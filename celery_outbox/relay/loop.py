@@ -6,6 +6,9 @@ LISTEN connection, rows whose backoff ends). The loop catches every ``Exception`
 bad row or a database blip must not kill the relay, docs/design.md, rule 4); KeyboardInterrupt and other
 BaseExceptions pass. SIGTERM sets a flag and wakes the sleep: the current batch finishes (published
 rows get marked), then ``run`` returns.
+After every drain it also runs the reconciler and hourly retention when their database lease is due
+(``periodic_jobs``, relay/lease.py), shared with beat's tasks and any other relay: once per interval
+in all, wherever the relay runs.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 import select
 import signal
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -24,6 +27,9 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.clock import Clock, SystemClock
+from celery_outbox.ops.retention import PruneReport
+from celery_outbox.ops.schedule import PRUNE_EVERY_MS, scheduled_prune
+from celery_outbox.relay import lease
 from celery_outbox.relay.breaker import CircuitBreaker
 from celery_outbox.relay.dispatch import BatchResult, CrashPointsLike, breaker_from_settings, dispatch_with_settings
 from celery_outbox.relay.publisher import Publisher
@@ -78,6 +84,8 @@ class LoopStats:
     skipped_busy: int = 0  # SQLite: another drain held the single-flight lock
     reconciles: int = 0  # reconcile passes run (``reconcile_if_due``)
     reconciled: int = 0  # (message, consumer) pairs those passes sent again
+    prunes: int = 0  # retention passes run (``prune_if_due``)
+    pruned: int = 0  # inbox and published outbox rows those passes deleted
     listening: bool = False
 
 
@@ -125,7 +133,8 @@ class RelayLoop:
                  crash_points: CrashPointsLike | None = None, batch_size: int | None = None,
                  poll_interval_s: float | None = None, listen: bool = True,
                  max_batches_per_drain: int = 10_000,
-                 routes: Mapping[str, Sequence[str]] | None = None) -> None:
+                 routes: Mapping[str, Sequence[str]] | None = None,
+                 on_drain: Callable[[DrainResult], None] | None = None) -> None:
         self.settings = settings
         self.tables = tables
         self.routes = settings.routes if routes is None else routes
@@ -140,6 +149,9 @@ class RelayLoop:
         self.poll_interval_s = poll_interval_s or settings.relay_poll_interval_s
         self.listen = listen
         self.max_batches_per_drain = max_batches_per_drain
+        # Called with every finished drain (e.g. the CLI sends Celery events for its dead letters);
+        # it must not raise, and if it does the error is logged: the drain is done either way.
+        self.on_drain = on_drain
         self.stats = LoopStats()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -182,6 +194,11 @@ class RelayLoop:
         self.stats.published += total.published
         if total.broker_unavailable:
             self.stats.broker_unavailable += 1
+        if self.on_drain is not None:
+            try:
+                self.on_drain(total)
+            except Exception:
+                log.exception("on_drain callback failed; the drain itself is done")
         return total
 
     def run(self, *, handle_signals: bool = True) -> None:
@@ -201,7 +218,7 @@ class RelayLoop:
                     log.exception("relay batch failed; retrying after the poll interval")
                 if self.stopping:
                     break
-                self.reconcile_if_due()
+                self.periodic_jobs()
                 try:
                     self._wait()
                 except Exception:
@@ -214,22 +231,45 @@ class RelayLoop:
                 signal.signal(signal.SIGTERM, previous)
             log.info("relay loop stopped")
 
-    # -- reconciliation --------------------------------------------------------------------------
-    _reconcile_due_ms: int | None = None  # None: the first pass runs at once
+    # -- periodic jobs: reconcile and retention, under database leases ---------------------------
+    _leases: dict[str, lease.Lease] | None = None
+
+    def _lease(self, job: str, interval_ms: int) -> lease.Lease:
+        if self._leases is None:
+            self._leases = {}
+        found = self._leases.get(job)
+        if found is None:
+            found = self._leases[job] = lease.Lease(job, interval_ms=max(1, interval_ms))
+        return found
+
+    def _claim(self, job: str, interval_ms: int) -> bool:
+        """Claim ``job``'s lease (relay/lease.py); a database that cannot answer is logged, not raised."""
+        try:
+            return self._lease(job, interval_ms).claim(self.session_factory, self.clock, tables=self.tables)
+        except Exception as e:
+            self.stats.errors += 1
+            log.warning("could not claim the %s lease (retrying at the next poll): %s", job, e)
+            return False
+
+    def periodic_jobs(self) -> None:
+        """The reconciler and retention, each when its lease is due (checked after every drain)."""
+        self.reconcile_if_due()
+        if not self.stopping:
+            self.prune_if_due()
 
     def reconcile_if_due(self) -> ReconcileResult | None:
-        """One reconcile pass (relay/reconcile.py) when ``relay_reconcile_interval_s`` has passed.
+        """One reconcile pass (relay/reconcile.py) when this process wins the ``reconcile`` lease.
 
-        Under beat the ``celery_outbox.reconcile`` task does this on the same interval; the standalone
-        relay does it here, checked after every drain, so at most one poll interval late. The next
-        pass is due one interval after this one started, whatever happened: a failing pass is logged
-        (never raised) and retried an interval later, and it loses nothing, because the watermark only
-        moves once the pass has published. Returns None when not due or when the pass failed.
+        The lease (relay/lease.py) is shared with beat's ``celery_outbox.reconcile`` task and every
+        other standalone relay on the database, so one pass runs per ``relay_reconcile_interval_s``
+        however many of them run; the first claim on a fresh database runs at once. Checked after
+        every drain, so at most one poll interval late. The lease is spent before the pass starts:
+        a failing pass is logged (never raised) and the next one runs an interval later, and it loses
+        nothing, because the watermark only moves once the pass has published. Returns None when not
+        due, claimed elsewhere, or when the pass failed.
         """
-        now = self.clock.now_ms()
-        if self._reconcile_due_ms is not None and now < self._reconcile_due_ms:
+        if not self._claim(lease.RECONCILE, round(self.settings.relay_reconcile_interval_s * 1000)):
             return None
-        self._reconcile_due_ms = now + max(1, round(self.settings.relay_reconcile_interval_s * 1000))
         try:
             with self.session_factory() as session:
                 result = reconcile(session, self.publisher, self.clock, tables=self.tables, routes=self.routes,
@@ -242,6 +282,25 @@ class RelayLoop:
         self.stats.reconciles += 1
         self.stats.reconciled += result.republished
         return result
+
+    def prune_if_due(self) -> PruneReport | None:
+        """Retention (ops/schedule.py: the same defaults as beat's hourly ``celery_outbox.prune``) when
+        this process wins the ``prune`` lease, shared with that task: one pass per hour in all.
+
+        A failing pass is logged, never raised, and retried an hour later (every batch it committed
+        stays deleted; the rest waits for the next pass). Returns None when not due or failed.
+        """
+        if not self._claim(lease.PRUNE, PRUNE_EVERY_MS):
+            return None
+        try:
+            report = scheduled_prune(self.session_factory, settings=self.settings, tables=self.tables, clock=self.clock)
+        except Exception:
+            self.stats.errors += 1
+            log.exception("retention pass failed; retrying after the prune interval")
+            return None
+        self.stats.prunes += 1
+        self.stats.pruned += report.inbox_deleted + report.outbox_deleted
+        return report
 
     def close(self) -> None:
         self._close_listener()

@@ -236,8 +236,11 @@ def test_shop_task_dead_letters_a_poison_message_and_keeps_its_body(shop_outbox:
     # Given an envelope whose payload the consumer cannot use
     poison = {**envelope(), "payload": {"no": "order id"}}
     # When the shop's Celery task receives it (eager retries: the shared core counts each delivery)
-    assert shop_outbox.task("fulfilment").apply(args=[poison]).get() == "dead_lettered"
-    # Then nothing was processed and the raw message waits in the dead-letter store after the
+    result = shop_outbox.task("fulfilment").apply(args=[poison])
+    # Then the task rejects its message for good (FAILURE with the reason in Flower, never requeued)
+    assert result.state == "REJECTED" and result.result.requeue is False
+    assert "dead-lettered for fulfilment after" in str(result.result)
+    # And nothing was processed and the raw message waits in the dead-letter store after the
     # consumer's maximum deliveries
     assert InboxEntry.objects.count() == 0 and Shipment.objects.count() == 0
     letter = ConsumerDeadLetter.objects.get()

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import Tables
 from celery_outbox.celery.kombu_publisher import KombuPublisher
 from celery_outbox.clock import ManualClock
-from celery_outbox.messages import Envelope, celery_task_message, task_id
+from celery_outbox.messages import Envelope, celery_task_message
 from celery_outbox.relay.dispatch import dispatch_with_settings
 from celeryconfig import Settings
 from tests.outbox_rows import insert_pending
@@ -54,19 +54,23 @@ def cleanup(namespace: str) -> Iterator[list[tuple[str, Settings]]]:
 
 
 def check_celery_messages(url: str, settings: Settings, ids: set[str]) -> None:
+    task_ids: set[str] = set()
     for consumer in settings.consumers:
         got = consume_all(url, settings.queue_name(consumer))
         assert len(got) == len(ids), (consumer, got)
         for headers, props, body in got:
             mid = str(headers["outbox_message_id"])
             assert headers["task"] == f"consumers.{consumer}"
-            assert headers["id"] == task_id(mid, consumer)
+            tid = str(headers["id"])
+            assert tid == str(uuid.UUID(tid)) == headers["root_id"] == props["correlation_id"]
+            task_ids.add(tid)
             assert props.get("delivery_mode") == 2
             args, kwargs, embed = json.loads(body)
             assert kwargs == {} and set(embed) >= {"callbacks", "errbacks", "chain", "chord"}
             envelope = Envelope.from_dict(args[0])
             assert envelope.type == "OrderPlaced" and envelope.payload == {"order_id": mid}
         assert {str(h["outbox_message_id"]) for h, _, _ in got} == ids
+    assert len(task_ids) == len(ids) * len(settings.consumers)  # one task id per publish, never shared
 
 
 @pytest.mark.redis

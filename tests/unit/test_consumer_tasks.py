@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery
+from celery import Celery, states
 from sqlalchemy.orm import Session, sessionmaker
 
 import consumers
+from celery_outbox.celery.consumer_tasks import DeadLettered
 from celery_outbox.clock import ManualClock
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.db import make_session_factory
@@ -59,9 +60,16 @@ def make_outbox(settings: Settings, clock: ManualClock, sessions: sessionmaker[S
 
 
 def apply(app: Celery, name: str, body: Any) -> Any:
-    mid = body.get("message_id") if isinstance(body, dict) else None
-    tid = task_id(mid, name) if mid else str(uuid.uuid4())
-    return app.tasks[task_name(name)].apply(args=[body], task_id=tid).get(disable_sync_subtasks=False)
+    """The task's result; a dead letter (the task rejects its message, never requeued) as "dead_lettered"."""
+    result = app.tasks[task_name(name)].apply(args=[body], task_id=task_id())
+    if result.state == states.REJECTED:
+        assert isinstance(result.result, DeadLettered) and result.result.requeue is False, result.result
+        return "dead_lettered"
+    return result.get(disable_sync_subtasks=False)
+
+
+def dup(body: dict[str, Any]) -> str:
+    return f"duplicate of {body['message_id']}"
 
 
 def rows(sessions: sessionmaker[Session], model: type) -> list[Any]:
@@ -93,7 +101,7 @@ def test_good_message_processed_and_acked(settings: Settings, clock: ManualClock
     app = make_outbox(settings, clock, sqlite_sessions, tables).app
     body = order_placed_envelope("o-1").to_dict()
     assert [apply(app, n, body) for n in ("shipping", "billing", "search", "email")] == ["processed"] * 4
-    assert apply(app, "shipping", body) == "duplicate"
+    assert apply(app, "shipping", body) == dup(body)
     with sqlite_sessions() as s:
         assert effect_counts(s) == {"shipping": 1, "billing": 1, "search": 1, "email": 1}
     assert rows(sqlite_sessions, tables.attempts) == []  # the count is dropped once handled
@@ -214,7 +222,7 @@ def test_fast_path_disabled_tasks_still_idempotent(settings: Settings, clock: Ma
                                                    sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
     app = make_outbox(settings, clock, sqlite_sessions, tables, deployment_consumers().with_options(fast_path=False)).app
     body = order_placed_envelope("o-1").to_dict()
-    assert [apply(app, "shipping", body) for _ in range(3)] == ["processed", "duplicate", "duplicate"]
+    assert [apply(app, "shipping", body) for _ in range(3)] == ["processed", dup(body), dup(body)]
     assert len(rows(sqlite_sessions, Shipment)) == 1
 
 
@@ -251,7 +259,7 @@ def test_replayed_dead_letter_processed_through_the_inbox(settings: Settings, cl
             dead_letters.replay(s, dl.id, tables=tables, send=lambda c, e: outcomes.append(apply(app, c, e)), clock=clock,
                                 known_consumers=settings.consumers)
     # Then it is processed once; the second replay is a duplicate the inbox absorbed
-    assert outcomes == ["processed", "duplicate"]
+    assert outcomes == ["processed", dup(body)]
     assert len(rows(sqlite_sessions, Shipment)) == 1
     [after] = rows(sqlite_sessions, tables.dead_letters)
     assert after.replayed_at_ms == clock.now_ms()

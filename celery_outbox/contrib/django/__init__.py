@@ -12,6 +12,10 @@ defines them) and, on Postgres, the NOTIFY trigger of the standalone relay.
     def fulfil(envelope): Shipment.objects.create(...)
     outbox.include(fulfil)    # outbox = Outbox(app, settings=Settings(database_url=database_url()))
 
+Dead letters of both stores appear in the Django admin (``celery_outbox.contrib.django.admin``); its
+replay and purge go through the project's ``Outbox``: call ``use(outbox)`` where it is built, or set
+``OUTBOX_INSTANCE = "proj.celery:outbox"`` (docs/django.md, "Admin").
+
 This module imports no models, so it is safe to import before the app registry is ready.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 from celery_outbox.contrib.django.conf import database_settings, database_url
 from celery_outbox.contrib.django.consumer import DjangoConsumerSpec, idempotent_consumer
+from celery_outbox.contrib.django.dead_letters import use
 from celery_outbox.contrib.django.writer import publish
 
-__all__ = ["DjangoConsumerSpec", "database_settings", "database_url", "idempotent_consumer", "publish"]
+__all__ = ["DjangoConsumerSpec", "database_settings", "database_url", "idempotent_consumer", "publish", "use"]

@@ -14,11 +14,34 @@ DEBUG = os.environ.get("DJANGO_DEBUG", "1") == "1"
 ALLOWED_HOSTS = ["localhost", "127.0.0.1", "testserver"]
 
 INSTALLED_APPS = [
-    "celery_outbox.contrib.django",  # the outbox_* tables: manage.py migrate
+    "django.contrib.admin",  # /admin/: the dead letters of both stores, with replay and purge
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "celery_outbox.contrib.django",  # the outbox_* tables: manage.py migrate; the dead-letter admin pages
     "shop",
 ]
-# A JSON API without sessions or forms: no CSRF/session middleware in this example.
-MIDDLEWARE = ["django.middleware.common.CommonMiddleware"]
+# The admin needs sessions, auth and messages; the JSON API views are csrf_exempt.
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+TEMPLATES = [{
+    "BACKEND": "django.template.backends.django.DjangoTemplates",
+    "APP_DIRS": True,
+    "OPTIONS": {"context_processors": [
+        "django.template.context_processors.request",
+        "django.contrib.auth.context_processors.auth",
+        "django.contrib.messages.context_processors.messages",
+    ]},
+}]
+STATIC_URL = "static/"
 ROOT_URLCONF = "shop_project.urls"
 WSGI_APPLICATION = "shop_project.wsgi.application"
 USE_TZ = True
@@ -33,6 +56,8 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 OUTBOX_NAMESPACE = "shop"  # exchange and queue prefix: the consumer's queue is shop.fulfilment
+# The Outbox the admin's replay and purge go through (imported on first use, not at start-up).
+OUTBOX_INSTANCE = "shop_project.celery:outbox"
 
 LOGGING = {
     "version": 1,

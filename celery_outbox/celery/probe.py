@@ -1,0 +1,40 @@
+"""The broker half of the readiness check: open a kombu connection to the broker and close it.
+
+``celery_outbox.ops.health.readiness`` takes the callable ``broker_probe`` returns, so the core never
+imports kombu. One attempt per failover URL, no sleeping between them, bounded by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kombu import Connection
+
+from celery_outbox.ops.health import BrokerProbe
+
+DEFAULT_TIMEOUT_S = 2.0  # under the 3 s a container healthcheck typically allows
+
+
+def ping_broker(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Return when the broker at ``url`` accepts a connection (Redis: answers PING); raise otherwise."""
+    options: dict[str, Any] = {}
+    if url.startswith(("redis", "rediss")):
+        options.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    conn = Connection(url, connect_timeout=timeout_s, transport_options=options)
+    try:
+        # Virtual transports (Redis) open a channel to connect, and the Redis channel PINGs the server.
+        conn.ensure_connection(max_retries=url.count(";"), interval_start=0, interval_step=0, interval_max=0,
+                               timeout=timeout_s)
+    finally:
+        conn.release()
+
+
+def broker_probe(url: str | Callable[[], str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> BrokerProbe:
+    """A probe for ``health.readiness``; ``url`` may be a callable (``outbox.broker_url``), asked at each
+    probe, so a missing broker setting is a failed check, not a crash at start-up."""
+
+    def probe() -> None:
+        ping_broker(url() if callable(url) else url, timeout_s=timeout_s)
+
+    return probe

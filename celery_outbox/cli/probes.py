@@ -1,0 +1,52 @@
+"""``outbox check``: the readiness probe from a shell, a cron job or a container healthcheck.
+
+Exit codes, shared by every command that can fail a probe (``outbox check``, ``outbox stats`` with a
+threshold):
+
+====  ==========================================================================================
+0     all good
+1     the command itself failed (database unreachable for ``stats``, an unexpected error); one line
+2     usage or configuration error (a bad flag, a bad ``OUTBOX_*`` setting)
+3     the command ran and found a problem: a failed readiness check, a crossed ``stats`` threshold
+====  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S, broker_probe
+from celery_outbox.cli.common import Duration, get_outbox, handle_errors, one_line
+from celery_outbox.ops import health
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_PROBLEM = 3
+
+
+@click.command("check")
+@click.option("--no-broker", is_flag=True, help="Skip the broker check (a process that never publishes).")
+@click.option("--timeout", "timeout_ms", type=Duration(), default=f"{int(DEFAULT_TIMEOUT_S * 1000)}ms",
+              show_default=True, help="How long the broker may take to accept a connection.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one JSON document).")
+@click.pass_context
+@handle_errors
+def check(ctx: click.Context, no_broker: bool, timeout_ms: int, as_json: bool) -> None:
+    """Readiness: database reachable, schema at this library's head revision, broker reachable.
+    Exit 0 when all pass, 3 with one line per failed check otherwise (see README "Probes and exit codes")."""
+    if timeout_ms <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--timeout")
+    outbox = get_outbox(ctx)
+    probe = None if no_broker else broker_probe(outbox.broker_url, timeout_s=timeout_ms / 1000)
+    result = health.readiness(outbox.sessions(), prefix=outbox.settings.table_prefix, broker=probe)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+    elif result.ok:
+        click.echo("ready: " + ", ".join(f"{c.name} ok" for c in result.checks))
+    for c in result.failed:
+        click.echo(one_line(c.line()), err=True)  # one_line masks a password a driver message might carry
+    if not result.ok:
+        raise click.exceptions.Exit(EXIT_PROBLEM)

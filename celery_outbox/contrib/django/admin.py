@@ -1,0 +1,382 @@
+"""The dead letters of both stores in the Django admin, with replay and purge through the library.
+
+Installed with the app: with ``django.contrib.admin`` in ``INSTALLED_APPS``, the admin's autodiscovery
+registers two read-only pages on the default site:
+
+* **Outbox messages** (``outbox_messages``), restricted to the rows the relay dead-lettered;
+* **Consumer dead letters** (``outbox_dead_letters``), filterable by consumer and replayed state.
+
+Both have two actions, which call ``celery_outbox.ops.dead_letters.replay``/``purge`` (the CLI's and the
+Flask page's functions) through the project's ``Outbox`` (see ``celery_outbox.contrib.django.dead_letters``
+for ``use(outbox)`` / ``OUTBOX_INSTANCE``):
+
+* **Replay** needs the model's *change* permission: an outbox row goes back to the relay, due now; a
+  consumer dead letter is re-sent to its consumer and marked replayed. A second replay is reported as
+  skipped, never sent again.
+* **Purge** needs the model's *delete* permission and a confirmation page; it deletes for good.
+
+Nothing can be added or edited; Django's own "delete selected" is off (it would bypass the library).
+Every value shown comes from the stored message, which an attacker may have written: it is only ever
+rendered through Django's escaping (``format_html``, autoescaped templates), and bodies are decoded
+(``outbox-b64:``) and made printable first. Projects with their own ``AdminSite`` register
+``OutboxDeadLetterAdmin`` and ``ConsumerDeadLetterAdmin`` on it themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, ClassVar, TypeVar
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.exceptions import PermissionDenied
+from django.db.models import Model, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.template import engines
+from django.template.backends.django import DjangoTemplates
+from django.utils.html import format_html
+from sqlalchemy import exc as sa_exc
+
+from celery_outbox.contrib.django import dead_letters as ops
+from celery_outbox.contrib.django.models import ConsumerDeadLetter, OutboxMessage
+from celery_outbox.errors import DatabaseError, OutboxError, PublishError
+from celery_outbox.inbox.dead_letters import BODY_B64_PREFIX, body_of
+from celery_outbox.messages import DEFAULT_MAX_JSON_DEPTH, decode_json, storable_text
+from celery_outbox.ops import dead_letters as dl
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+ERROR_LIST_CHARS = 120
+SHOWN_MAX_CHARS = 200_000
+CONFIRM_LIST_MAX = 100
+REPLAY_ACTION = "replay_dead_letters"
+PURGE_ACTION = "purge_dead_letters"
+
+PURGE_CONFIRMATION = """{% extends "admin/base_site.html" %}{% load admin_urls %}
+{% block breadcrumbs %}<div class="breadcrumbs"><a href="{% url 'admin:index' %}">Home</a>
+&rsaquo; <a href="{% url opts|admin_urlname:'changelist' %}">{{ opts.verbose_name_plural|capfirst }}</a>
+&rsaquo; Purge</div>{% endblock %}
+{% block content %}
+<p>Purge deletes these {{ count }} dead letter(s) for good: they can no longer be replayed.</p>
+<ul id="purge-ids">{% for id in shown %}<li>{{ id }}</li>{% endfor %}
+{% if more %}<li>... and {{ more }} more</li>{% endif %}</ul>
+<form method="post">{% csrf_token %}
+{% for pk in pks %}<input type="hidden" name="{{ checkbox }}" value="{{ pk }}">{% endfor %}
+<input type="hidden" name="action" value="{{ action }}">
+<input type="hidden" name="post" value="yes">
+<input type="submit" value="Yes, purge them">
+<a href="{% url opts|admin_urlname:'changelist' %}" class="button cancel-link">No, take me back</a>
+</form>
+{% endblock %}"""
+
+
+def display(**options: Any) -> Callable[[F], F]:
+    """``admin.display``, typed (Django ships no annotations)."""
+    decorate: Callable[[F], F] = admin.display(**options)
+    return decorate
+
+
+def action(**options: Any) -> Callable[[F], F]:
+    """``admin.action``, typed."""
+    decorate: Callable[[F], F] = admin.action(**options)
+    return decorate
+
+
+def shown_text(text: str) -> str:
+    """``text`` as a page can hold it: NUL and lone surrogates escaped, cut to ``SHOWN_MAX_CHARS``.
+    Still raw text: the caller escapes it for HTML (``format_html``)."""
+    return storable_text(text, limit=SHOWN_MAX_CHARS)
+
+
+def pretty_json(value: Any) -> str:
+    try:
+        return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+    except (RecursionError, ValueError):
+        return "(nested too deep to show)"
+
+
+def pretty_body(stored: str) -> str:
+    """A consumer dead letter's stored body, decoded (``outbox-b64:``) and pretty-printed when it is JSON."""
+    text = body_of(stored)
+    try:
+        shown = pretty_json(decode_json(text, max_depth=DEFAULT_MAX_JSON_DEPTH, what="body"))
+    except OutboxError:
+        shown = text
+    if stored.startswith(BODY_B64_PREFIX):
+        shown = "(stored base64-encoded: the original was not storable text; decoded below)\n" + shown
+    return shown_text(shown)
+
+
+def human_age(ms: int) -> str:
+    s = max(0, ms) // 1000
+    d, h, m = s // 86400, s % 86400 // 3600, s % 3600 // 60
+    return f"{d}d {h}h" if d else f"{h}h {m}m" if h else f"{m}m {s % 60}s" if m else f"{s}s"
+
+
+def when(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    try:
+        return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):
+        return str(ms)
+
+
+def short(text: str | None, limit: int = ERROR_LIST_CHARS) -> str:
+    one = " ".join((text or "").split())
+    return one if len(one) <= limit else one[: limit - 3] + "..."
+
+
+def pre(text: str) -> str:
+    """``text`` in a <pre>, HTML-escaped by ``format_html`` (the only way markup reaches these pages)."""
+    html: str = format_html('<pre style="white-space: pre-wrap; max-height: 40em; overflow: auto">{}</pre>',
+                       shown_text(text))
+    return html
+
+
+class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[misc]
+    """Read-only list and detail pages of one dead-letter store, with replay and purge actions."""
+
+    source: ClassVar[dl.Source]
+    title: ClassVar[str]
+    actions = [REPLAY_ACTION, PURGE_ACTION]
+    list_per_page = 50
+    show_full_result_count = False
+    search_fields: tuple[str, ...] = ("type",)
+
+    def dead_letter_id(self, obj: Any) -> dl.DeadLetterId:
+        return dl.DeadLetterId(source=self.source, row_id=int(obj.pk))
+
+    # -- permissions: nothing is added or edited; replay = change, purge = delete (Django's own) ---
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # the detail page is view-only; replaying is an action, not an edit
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # Django's delete would bypass the library; purge is the action
+
+    def _perm(self, action: str) -> str:
+        return f"{self.opts.app_label}.{action}_{self.opts.model_name}"
+
+    def has_replay_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.is_active and request.user.is_staff and request.user.has_perm(self._perm("change")))
+
+    def has_purge_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.is_active and request.user.is_staff and request.user.has_perm(self._perm("delete")))
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        if request.method == "POST":
+            # An action the user may not run is a 403, not Django's quiet "No action selected".
+            checks: dict[str, Callable[[HttpRequest], bool]] = {
+                REPLAY_ACTION: self.has_replay_permission, PURGE_ACTION: self.has_purge_permission}
+            for name in request.POST.getlist("action"):
+                allowed = checks.get(name)
+                if allowed is not None and not allowed(request):
+                    raise PermissionDenied
+        response: HttpResponse = super().changelist_view(request, {"title": self.title, **(extra_context or {})})
+        return response
+
+    # -- list columns ---------------------------------------------------------------------------
+    @display(description="id", ordering="pk")
+    def dl_id(self, obj: Any) -> str:
+        return str(self.dead_letter_id(obj))
+
+    @display(description="source")
+    def dl_source(self, obj: Any) -> str:
+        return self.source
+
+    @display(description="last error")
+    def error_short(self, obj: Any) -> str:
+        return short(obj.last_error)
+
+    @display(description="last error")
+    def error_full(self, obj: Any) -> str:
+        return pre(obj.last_error or "")
+
+    @display(description="headers")
+    def headers_pretty(self, obj: Any) -> str:
+        return pre(pretty_json(obj.headers))
+
+    def dead_since_ms(self, obj: Any) -> int:
+        raise NotImplementedError
+
+    @display(description="age")
+    def age(self, obj: Any) -> str:
+        return human_age(ops.clock().now_ms() - self.dead_since_ms(obj))
+
+    @display(description="dead-lettered at")
+    def dead_at(self, obj: Any) -> str:
+        return when(self.dead_since_ms(obj))
+
+    # -- actions --------------------------------------------------------------------------------
+    def _failed(self, request: HttpRequest, what: str, error: Exception) -> None:
+        if isinstance(error, (DatabaseError, sa_exc.SQLAlchemyError)):
+            # the database's text (host, SQL) goes to the server log, not onto the page
+            log.warning("admin %s: database error", what, exc_info=True)
+            self.message_user(request, f"{what} failed: the database is unavailable; try again shortly",
+                              messages.ERROR)
+        else:
+            self.message_user(request, f"{what} failed: {error}", messages.ERROR)
+
+    def _none_left(self, request: HttpRequest) -> None:
+        self.message_user(request, "none of the selected rows is a dead letter (any more); nothing was changed",
+                          messages.WARNING)
+
+    @action(description="Replay the selected dead letters", permissions=["replay"])
+    def replay_dead_letters(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        objects = {self.dead_letter_id(o): o for o in queryset.order_by("pk")}
+        if not objects:  # selected rows that were replayed (outbox) or purged meanwhile
+            self._none_left(request)
+            return
+        try:
+            results = ops.replay(list(objects))
+        except (OutboxError, sa_exc.SQLAlchemyError) as e:
+            self._failed(request, "replay", e)
+            if isinstance(e, (PublishError, DatabaseError, sa_exc.SQLAlchemyError)):  # may stop half-way
+                self.message_user(request, "dead letters replayed before the error stay replayed; "
+                                  "the list shows what is left", messages.WARNING)
+            return
+        for r in results:
+            if r.replayed:
+                self.log_change(request, objects[r.id], f"Replayed: {r.detail}")
+            self.message_user(request, f"{r.id}: {'replayed' if r.replayed else 'skipped'}: {r.detail}",
+                              messages.SUCCESS if r.replayed else messages.WARNING)
+
+    @action(description="Purge the selected dead letters (asks first)", permissions=["purge"])
+    def purge_dead_letters(self, request: HttpRequest, queryset: QuerySet[Any]) -> HttpResponse | None:
+        objects = list(queryset.order_by("pk"))
+        ids = [self.dead_letter_id(o) for o in objects]
+        if not ids:
+            self._none_left(request)
+            return None
+        if request.POST.get("post") != "yes":
+            return self._confirm_purge(request, objects, ids)
+        try:
+            n = ops.purge(ids)
+        except (OutboxError, sa_exc.SQLAlchemyError) as e:
+            self._failed(request, "purge", e)
+            return None
+        self.log_deletions(request, objects)
+        self.message_user(request, f"purged {n} dead letter(s): {short(', '.join(map(str, ids)), 400)}",
+                          messages.SUCCESS)
+        return None
+
+    def _confirm_purge(self, request: HttpRequest, objects: Sequence[Model], ids: Sequence[dl.DeadLetterId]
+                       ) -> HttpResponse:
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Purge dead letters?", "opts": self.opts, "count": len(ids),
+            "shown": [str(i) for i in ids[:CONFIRM_LIST_MAX]], "more": max(0, len(ids) - CONFIRM_LIST_MAX),
+            "pks": [o.pk for o in objects], "checkbox": helpers.ACTION_CHECKBOX_NAME, "action": PURGE_ACTION,
+        }
+        request.current_app = self.admin_site.name
+        # the admin requires a DjangoTemplates backend, whatever the project named it
+        engine = next(e for e in engines.all() if isinstance(e, DjangoTemplates))
+        html = engine.from_string(PURGE_CONFIRMATION).render(context, request)
+        return HttpResponse(html)
+
+
+@admin.register(OutboxMessage)
+class OutboxDeadLetterAdmin(DeadLetterAdmin):
+    """Outbox rows the relay gave up on (``dead_lettered_at_ms`` set). Replay puts one back, due now."""
+
+    source = "outbox"
+    title = "Dead-lettered outbox messages"
+    list_display = ("dl_id", "dl_source", "consumer", "type", "message_id", "attempts", "error_short", "age")
+    list_display_links = ("dl_id",)
+    list_filter = ("type",)
+    ordering = ("dead_lettered_at_ms", "seq")
+    fields = ("dl_id", "dl_source", "message_id", "type", "attempts", "created", "dead_at", "age", "error_full",
+              "payload_pretty", "headers_pretty")
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
+        qs: QuerySet[OutboxMessage] = super().get_queryset(request)
+        return qs.filter(dead_lettered_at_ms__isnull=False)  # the relay's dead letters, nothing else
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+                           ) -> tuple[QuerySet[Any], bool]:
+        found, duplicates = super().get_search_results(request, queryset, search_term)
+        term = search_term.strip()
+        if term:
+            with contextlib.suppress(ValueError):  # a message id: exact match on the UUID column
+                found = found | queryset.filter(message_id=uuid.UUID(term))
+        return found, duplicates
+
+    @display(description="consumer")
+    def consumer(self, obj: OutboxMessage) -> str:
+        return "-"  # the relay gave up before any consumer saw it
+
+    @display(description="created at")
+    def created(self, obj: OutboxMessage) -> str:
+        return when(obj.created_at_ms)
+
+    @display(description="payload")
+    def payload_pretty(self, obj: OutboxMessage) -> str:
+        return pre(pretty_json(obj.payload))
+
+    def dead_since_ms(self, obj: Any) -> int:
+        return int(obj.dead_lettered_at_ms or 0)
+
+
+class ReplayedFilter(admin.SimpleListFilter):  # type: ignore[misc]
+    title = "replayed"
+    parameter_name = "replayed"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("no", "Not replayed"), ("yes", "Replayed")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "no":
+            return queryset.filter(replayed_at_ms__isnull=True)
+        if self.value() == "yes":
+            return queryset.filter(replayed_at_ms__isnull=False)
+        return queryset
+
+
+@admin.register(ConsumerDeadLetter)
+class ConsumerDeadLetterAdmin(DeadLetterAdmin):
+    """Messages a consumer gave up on, kept raw. Replay re-sends one to its consumer, once."""
+
+    source = "consumer"
+    title = "Consumer dead letters"
+    list_display = ("dl_id", "dl_source", "consumer", "type", "message_id", "deliveries", "error_short", "age",
+                    "replayed")
+    list_display_links = ("dl_id",)
+    list_filter = ("consumer", ReplayedFilter)
+    search_fields = ("type", "message_id")
+    ordering = ("last_failed_at_ms", "id")
+    fields = ("dl_id", "dl_source", "consumer", "message_id", "type", "deliveries", "first_failed", "dead_at", "age",
+              "replayed_at", "error_full", "body_pretty", "headers_pretty")
+    readonly_fields = fields
+
+    @display(description="deliveries", ordering="delivery_count")
+    def deliveries(self, obj: ConsumerDeadLetter) -> int:
+        return int(obj.delivery_count)
+
+    @display(description="replayed", boolean=True)
+    def replayed(self, obj: ConsumerDeadLetter) -> bool:
+        return obj.replayed_at_ms is not None
+
+    @display(description="replayed at")
+    def replayed_at(self, obj: ConsumerDeadLetter) -> str:
+        return when(obj.replayed_at_ms)
+
+    @display(description="first failed at")
+    def first_failed(self, obj: ConsumerDeadLetter) -> str:
+        return when(obj.first_failed_at_ms)
+
+    @display(description="body")
+    def body_pretty(self, obj: ConsumerDeadLetter) -> str:
+        return pre(pretty_body(obj.body))
+
+    def dead_since_ms(self, obj: Any) -> int:
+        return int(obj.last_failed_at_ms)
