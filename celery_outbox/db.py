@@ -163,6 +163,9 @@ class SessionSource:
                  session_factory: sessionmaker[Session] | None = None, settings: Settings | None = None) -> None:
         if sum(x is not None for x in (url, engine, session_factory)) != 1:
             raise ConfigError("give exactly one of database_url, engine or session_factory")
+        if session_factory is not None and not hasattr(session_factory, "kw"):
+            # a scoped_session (Flask-SQLAlchemy style): the library opens its own sessions from its factory
+            session_factory = getattr(session_factory, "session_factory", session_factory)
         self._url = url
         self._settings = settings
         self._engine = engine
@@ -176,7 +179,8 @@ class SessionSource:
         """The database URL with its password (for the relay's SQLite lock file; never printed)."""
         if self._url is not None:
             return self._url
-        bind = self._engine if self._engine is not None else (self._given.kw.get("bind") if self._given else None)
+        given = getattr(self._given, "kw", {}) if self._given is not None else {}
+        bind = self._engine if self._engine is not None else given.get("bind")
         return bind.url.render_as_string(hide_password=False) if bind is not None else ""
 
     def __call__(self) -> sessionmaker[Session]:
@@ -198,7 +202,7 @@ class SessionSource:
                     self._factory = make_session_factory(self._engine)
                 else:
                     assert self._given is not None
-                    given_bind = self._given.kw.get("bind")
+                    given_bind = getattr(self._given, "kw", {}).get("bind")
                     if self._pid is not None and given_bind is not None:
                         given_bind.dispose(close=False)
                     self._factory = self._given

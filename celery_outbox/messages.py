@@ -245,14 +245,120 @@ def check_size(encoded: str | bytes, *, limit: int, what: str = "message") -> No
 
 
 @dataclass(frozen=True, kw_only=True)
+class QueueSpec:
+    """A queue as the relay declares it before its first publish to it (plain data: no kombu here).
+
+    Captured at enqueue time from the Celery app's own ``Queue`` (``task_queues``), so the relay
+    declares exactly what the workers declare (arguments included: RabbitMQ refuses a redeclaration
+    with other arguments); Redis drops a message sent to an exchange with no bound queue.
+    """
+
+    name: str
+    exchange: str
+    exchange_type: str = "direct"
+    routing_key: str = ""
+    durable: bool = True
+    auto_delete: bool = False
+    exclusive: bool = False
+    arguments: dict[str, Any] | None = None
+    max_priority: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "exchange": self.exchange, "exchange_type": self.exchange_type,
+                "routing_key": self.routing_key, "durable": self.durable, "auto_delete": self.auto_delete,
+                "exclusive": self.exclusive, "arguments": self.arguments, "max_priority": self.max_priority}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> QueueSpec:
+        """Validate a stored declaration; anything off is a ``MalformedMessageError``."""
+        if not isinstance(raw, Mapping):
+            raise MalformedMessageError("queue declaration must be a JSON object")
+        name, exchange = raw.get("name"), raw.get("exchange", "")
+        routing_key, exchange_type = raw.get("routing_key", ""), raw.get("exchange_type", "direct")
+        if not (isinstance(name, str) and name and isinstance(exchange, str) and isinstance(routing_key, str)
+                and isinstance(exchange_type, str) and exchange_type):
+            raise MalformedMessageError("queue declaration needs a name, an exchange, a type and a routing key")
+        flags = {k: raw.get(k, d) for k, d in (("durable", True), ("auto_delete", False), ("exclusive", False))}
+        if not all(isinstance(v, bool) for v in flags.values()):
+            raise MalformedMessageError("queue declaration flags must be booleans")
+        arguments, max_priority = raw.get("arguments"), raw.get("max_priority")
+        if arguments is not None and not isinstance(arguments, dict):
+            raise MalformedMessageError("queue arguments must be a JSON object")
+        if max_priority is not None and (isinstance(max_priority, bool) or not isinstance(max_priority, int)):
+            raise MalformedMessageError("queue max_priority must be an integer")
+        return cls(name=name, exchange=exchange, exchange_type=exchange_type, routing_key=routing_key,
+                   arguments=arguments, max_priority=max_priority, **flags)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TaskMessage:
-    """One broker message: Celery protocol 2 headers and a JSON body, ready for kombu."""
+    """One broker message: Celery protocol 2 headers and a JSON body, ready for kombu.
+
+    An event's message goes to the namespace's events exchange (``exchange`` None) and its consumer's
+    queue; a task enqueued through the outbox (``task_row_message``) carries its own ``exchange``
+    (``""``: the default exchange), routing key and ``queue`` to declare, as Celery resolved them.
+    ``consumer`` is the consumer's name for an event, the task's name for a task.
+    """
 
     consumer: str
     routing_key: str
     body: str
     headers: dict[str, Any]
     properties: dict[str, Any]
+    exchange: str | None = None
+    queue: QueueSpec | None = None
+    delivery_mode: int = 2
+
+    @property
+    def message_id(self) -> str:
+        """The outbox message id this broker message carries (an event's header, a task's own id)."""
+        return str(self.headers.get("outbox_message_id") or self.headers.get("id"))
+
+
+# -- tasks enqueued through the outbox ------------------------------------------------------------
+# A row whose ``headers["outbox_kind"] == "task"`` holds a Celery task message exactly as Celery built
+# it (celery_outbox/celery/enqueue.py): payload {"body": [args, kwargs, embed]}, headers {"task_headers",
+# "properties", "exchange", "routing_key", "queue", "priority", "delivery_mode"}. JSON only.
+TASK_KIND = "task"
+# Message properties the relay passes to kombu; anything else a row holds is ignored.
+TASK_PROPERTIES = ("correlation_id", "reply_to", "priority", "expiration", "message_id", "user_id", "app_id",
+                   "timestamp")
+
+
+def is_task_row(headers: Mapping[str, Any] | None) -> bool:
+    return isinstance(headers, Mapping) and headers.get("outbox_kind") == TASK_KIND
+
+
+def task_row_message(*, message_id: uuid.UUID | str, type: str, payload: Any, headers: Mapping[str, Any],
+                     max_bytes: int | None = None) -> TaskMessage:
+    """The one broker message of a task row. Raises ``MalformedMessageError`` for a row that is not
+    a task message, ``SerializationError``/``MessageTooLargeError`` for one that cannot go out."""
+    body = payload.get("body") if isinstance(payload, Mapping) else None
+    if not isinstance(body, list) or len(body) != 3 or not isinstance(body[0], list) \
+            or not isinstance(body[1], Mapping) or not (body[2] is None or isinstance(body[2], Mapping)):
+        raise MalformedMessageError("task row payload must be {\"body\": [args, kwargs, embed]}")
+    task_headers = headers.get("task_headers")
+    if not isinstance(task_headers, Mapping) or task_headers.get("task") != type \
+            or str(task_headers.get("id")) != str(message_id):
+        raise MalformedMessageError("task row headers must name the row's task and carry its id as the task id")
+    exchange, routing_key = headers.get("exchange", ""), headers.get("routing_key", "")
+    if not isinstance(exchange, str) or not isinstance(routing_key, str) or not (exchange or routing_key):
+        raise MalformedMessageError("task row needs an exchange or a routing key")
+    raw_queue = headers.get("queue")
+    queue = None if raw_queue is None else QueueSpec.from_dict(raw_queue)
+    raw_props = headers.get("properties") or {}
+    if not isinstance(raw_props, Mapping):
+        raise MalformedMessageError("task row properties must be a JSON object")
+    properties = {k: raw_props[k] for k in TASK_PROPERTIES if raw_props.get(k) is not None}
+    properties.setdefault("correlation_id", str(message_id))
+    delivery_mode = headers.get("delivery_mode", 2)
+    if delivery_mode not in (1, 2):
+        delivery_mode = 2
+    encoded = encode_json(body, what=f"task {type} arguments")
+    if max_bytes is not None:
+        check_size(encoded, limit=max_bytes, what=f"task {type} message")
+    return TaskMessage(consumer=type, routing_key=routing_key, body=encoded, headers=dict(task_headers),
+                       properties=properties, exchange=exchange, queue=queue, delivery_mode=delivery_mode)
 
 
 def celery_task_message(envelope: Envelope, *, consumer: str, routing_key: str,

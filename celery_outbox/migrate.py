@@ -73,3 +73,14 @@ def check(url: str, *, prefix: str = DEFAULT_PREFIX) -> list[str]:
     finally:
         engine.dispose()
     return problems
+
+
+def tables_present(url: str, *, prefix: str = DEFAULT_PREFIX) -> bool:
+    """True when every library table of ``prefix`` exists (created by any means, versioned or not)."""
+    tables = define_tables(sa.MetaData(), prefix=prefix)
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return set(tables.names()) <= set(sa.inspect(conn).get_table_names())
+    finally:
+        engine.dispose()

@@ -9,21 +9,23 @@
         s.add(order); outbox.publish(s, Event("OrderPlaced", {"order_id": order.id}))
 
 Routes are the consumers declared here plus ``route()`` for consumers in other services; a route in
-the settings (``OUTBOX_ROUTES``) may override them, but must name a known consumer (docs/adoption.md).
+the settings (``OUTBOX_ROUTES``) may override them, but must name a known consumer (README, "Adopt it").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, overload
 
 import sqlalchemy as sa
 from celery import Celery, bootsteps
 from kombu import Exchange, Queue
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
-from celery_outbox.celery import consumer_tasks, ops_tasks, relay_tasks
-from celery_outbox.celery.config import add_task_routes
+from celery_outbox.celery import consumer_tasks, idempotent_task, ops_tasks, relay_tasks
+from celery_outbox.celery import enqueue as task_capture
+from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
 from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, check_name, consumer
 from celery_outbox.crashpoints import CrashPoints
@@ -31,6 +33,7 @@ from celery_outbox.db import SessionSource
 from celery_outbox.errors import ConfigError, UnknownEventTypeError
 from celery_outbox.inbox.handle import Handler, Prepare
 from celery_outbox.messages import task_name
+from celery_outbox.policy import RetryPolicy
 from celery_outbox.relay.loop import RelayLoop
 from celery_outbox.schema import OutboxRow, Tables, define_tables
 from celery_outbox.settings import Settings
@@ -58,6 +61,7 @@ class Outbox:
         self._configure_app()
         relay_tasks.register(app, self)
         ops_tasks.register(app, self)
+        self._install_enqueue()
         app.steps["worker"].add(self._boot_check_step())
 
     # -- schema ----------------------------------------------------------------------------------
@@ -154,6 +158,37 @@ class Outbox:
         return add(session, event, tables=self.tables, clock=self.clock,
                    max_message_bytes=self.settings.max_message_bytes, known_types=routes)
 
+    # -- transactional enqueue (celery_outbox/celery/enqueue.py) -----------------------------------
+    @contextmanager
+    def transaction(self, session: Session | scoped_session[Session]) -> Iterator[Session]:
+        """Inside this block, tasks sent through this outbox's Celery app (``task.delay()``,
+        ``apply_async()``, ``signature.delay()``, chains and groups) become outbox rows in ``session``:
+        they commit or roll back with your data, and the relay publishes them after the commit.
+
+            with Session.begin() as s, outbox.transaction(s):
+                s.add(order)
+                send_confirmation.delay(order.id)     # unchanged: a row in s, sent after the commit
+
+        Blocks nest (the innermost session wins). Binding only: committing stays the caller's job.
+        """
+        if isinstance(session, scoped_session):  # Flask-SQLAlchemy's db.session: this thread's session
+            session = session()
+        if not isinstance(session, Session):
+            raise TypeError(f"outbox.transaction() needs a SQLAlchemy Session, got {type(session).__name__}")
+        with task_capture.bind(self, task_capture.SessionWriter(session, self.tables)):
+            yield session
+
+    def enqueue(self, session: Session, signature: Any, **options: Any) -> Any:
+        """Send ``signature`` (``task.s(...)``, a chain, a group) as outbox rows in ``session``; returns
+        Celery's ``AsyncResult``. The task id is the outbox message id."""
+        if not hasattr(signature, "apply_async"):
+            raise TypeError(f"outbox.enqueue() needs a Celery signature (task.s(...)), got {type(signature).__name__}")
+        with self.transaction(session):
+            return signature.apply_async(**options)
+
+    def _install_enqueue(self) -> None:
+        self._enqueue_interceptor = task_capture.install(self)
+
     # -- relay -----------------------------------------------------------------------------------
     def broker_url(self) -> str:
         url = self.settings.broker_url or self.app.conf.broker_url or ""
@@ -165,9 +200,41 @@ class Outbox:
         """A standalone relay (``outbox relay`` runs one); close it and its publisher when done."""
         return relay_tasks.relay_loop(self, listen=listen)
 
-    def task(self, consumer_name: str) -> Any:
-        """The Celery task of a consumer declared here."""
-        return self._tasks[consumer_name]
+    @overload
+    def task(self, consumer_name: str | Callable[..., Any], /) -> Any: ...
+
+    @overload
+    def task(self, consumer_name: None = None, /, *, name: str | None = None, max_retries: int | None = None,
+             retry_backoff: bool | float = True, retry_backoff_max: float | None = None, retry_jitter: bool = False,
+             **options: Any) -> Callable[[Callable[..., Any]], Any]: ...
+
+    def task(self, consumer_name: str | Callable[..., Any] | None = None, /, *, name: str | None = None,
+             max_retries: int | None = None, retry_backoff: bool | float = True, retry_backoff_max: float | None = None,
+             retry_jitter: bool = False, **options: Any) -> Any:
+        """Two uses. ``outbox.task("billing")``: the Celery task of a consumer declared here.
+
+        As a decorator, ``@outbox.task`` or ``@outbox.task(name=..., max_retries=...)``: define an
+        idempotent Celery task on this outbox's app whose function takes ``(session, *args, **kwargs)``;
+        its database effect commits with the inbox row ``(task id, task key)``, so a redelivered or
+        duplicated message has one effect. Retry options mean what they mean on ``@app.task`` (counted in
+        the database); after them the call is dead-lettered and replayable. Other ``@app.task`` options
+        (``queue``, ``rate_limit``, ...) pass through. See ``celery_outbox.celery.idempotent_task``.
+        """
+        if isinstance(consumer_name, str):
+            if name is not None or options or max_retries is not None:
+                raise ConfigError("outbox.task('<consumer>') looks up a consumer's task; to define an idempotent "
+                                  "task use @outbox.task(name=..., ...) on a function")
+            return self._tasks[consumer_name]
+        policy = RetryPolicy(max_retries=max_retries, retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
+                             retry_jitter=retry_jitter)
+
+        def decorate(fn: Callable[..., Any]) -> Any:
+            if not callable(fn):
+                raise ConfigError(f"@outbox.task decorates a function, got {type(fn).__name__}")
+            task_name_ = name if name is not None else f"{fn.__module__}.{fn.__qualname__}"
+            return idempotent_task.define(self.app, self, fn, name=task_name_, policy=policy, options=options)
+
+        return decorate if consumer_name is None else decorate(consumer_name)
 
     # -- Celery wiring ---------------------------------------------------------------------------
     def _configure_app(self) -> None:
@@ -178,6 +245,15 @@ class Outbox:
             raise ConfigError("the outbox speaks JSON only: set accept_content=['json'] and task_serializer='json' "
                               "on your Celery app (never pickle)")
         self._add_queue(None)
+        # The relay's periodic work for `celery beat`, and broker options the guarantees rely on; whatever
+        # the app already sets wins (docs: README "Adopt it").
+        conf.beat_schedule = {**beat_schedule(self.settings), **(conf.beat_schedule or {})}
+        broker = str(self.settings.broker_url or conf.broker_url or "")
+        options = dict(conf.broker_transport_options or {})
+        if broker.startswith(("redis://", "rediss://", "redis+socket://")):
+            conf.broker_transport_options = {**redis_transport_options(self.settings), **options}
+        elif broker_is_rabbitmq(broker):
+            conf.broker_transport_options = {"confirm_publish": True, **options}
 
     def _add_queue(self, consumer: str | None) -> None:
         """Declare ``<namespace>.<consumer>`` (or the relay's queue) on the app, bound to the events exchange."""

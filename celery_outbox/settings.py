@@ -316,6 +316,27 @@ class RoutesRule(Rule):
         return None
 
 
+class TaskNamesRule(Rule):
+    """Celery task names: a tuple in code, ``"a.x,b.y"`` in the environment (empty: none)."""
+
+    def parse(self, raw: str) -> tuple[str, ...]:
+        return tuple(filter(None, (n.strip() for n in raw.split(","))))
+
+    def normalize(self, value: Any) -> Any:
+        return tuple(value) if isinstance(value, (list, frozenset, set)) else value
+
+    def problem(self, value: Any, owner: Settings) -> str | None:
+        if not isinstance(value, tuple):
+            return "must be a tuple of task names"
+        for name in value:
+            trouble = _text_problem(name, MAX_EVENT_TYPE_LENGTH)
+            if trouble is None and (not name.strip() or name != name.strip() or "," in name):
+                trouble = "must be non-empty, without surrounding spaces or ','"
+            if trouble is not None:
+                return f"task name {_show(name)} {trouble}"
+        return None
+
+
 class CrashPointsRule(Rule):
     def problem(self, value: Any, owner: Settings) -> str | None:
         from celery_outbox.crashpoints import CrashPoints
@@ -395,6 +416,9 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "db_keepalives_count": IntRule(1, 127),  # Linux TCP_KEEPCNT maximum
     "consumer_time_limit_s": IntRule(1, 86_400),
     "metrics_port": IntRule(0, 65_535, zero="0 = off"),
+    # Celery tasks sent outside any bound transaction: refused (the default) or sent to the broker at once.
+    "enqueue_outside_transaction": ChoiceRule(("raise", "publish")),
+    "enqueue_exclude": TaskNamesRule(),  # task names never captured into the outbox
     "admin_token": TokenRule(),
     "crash_points": CrashPointsRule(),
 }
@@ -497,6 +521,12 @@ class Settings:
     # A consumer delivery that runs longer is killed (and redelivered, counted): no hang for ever.
     consumer_time_limit_s: int = 120  # below broker_visibility_timeout_s (Redis redelivers a longer one)
 
+    # Transactional enqueue (celery_outbox/celery/enqueue.py): ``task.delay()`` outside a transaction
+    # bound with ``outbox.transaction(session)`` (or Django's ``atomic()``) raises, or ("publish")
+    # goes to the broker directly as plain Celery would; excluded task names are never captured.
+    enqueue_outside_transaction: str = "raise"
+    enqueue_exclude: tuple[str, ...] = ()
+
     metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
     admin_token: str = ""  # a secret: masked in repr/str and errors
     crash_points: str = ""  # comma separated names armed for chaos tests
@@ -564,6 +594,8 @@ class Settings:
             value = getattr(self, f.name)
             if f.name == "routes":
                 value = ";".join(f"{t}={','.join(c)}" for t, c in value.items())
+            elif f.name == "enqueue_exclude":
+                value = ",".join(value)
             elif isinstance(value, Path):
                 value = value.resolve()
             env[f"OUTBOX_{f.name.upper()}"] = str(value)

@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 
 from celery_outbox import tracing
 from celery_outbox.clock import Clock, SystemClock
-from celery_outbox.errors import UnknownEventTypeError, ValidationError
-from celery_outbox.messages import check_size, encode_json
+from celery_outbox.errors import MalformedMessageError, MessageTooLargeError, UnknownEventTypeError, ValidationError
+from celery_outbox.messages import DEFAULT_MAX_JSON_DEPTH, Envelope, celery_task_messages, encode_json, is_storable
 from celery_outbox.schema import OutboxRow, Tables
 
 
@@ -44,12 +44,15 @@ class Event:
 
 
 def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes: int | None = None,
-                  known_types: Iterable[str] | None = None) -> dict[str, Any]:
+                  known_types: Iterable[str] | None = None,
+                  max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
     """Validate ``event`` and return the column values of its pending outbox row.
 
     The one place that decides what an outbox row holds, shared by every writer (this SQLAlchemy
     one and ``outbox_django``). Refuses, before anything is written, an event that could never be
-    delivered: no type, a payload that is not JSON, one over the size limit, or (when
+    delivered: no type, a payload that is not JSON, text the database cannot store (NUL, lone
+    surrogates), object keys that are not strings, a message over the size limit or nested deeper than
+    the consumers accept (measured exactly as the relay and the consumers measure it), or (when
     ``known_types`` is given) a type that no consumer is routed for.
     """
     if not isinstance(event.type, str) or not event.type.strip():
@@ -63,11 +66,19 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
     ):
         raise ValidationError("entity_version must be a positive integer when entity_key is set")
     headers = event.headers()
-    encoded = encode_json({"payload": event.payload, "headers": headers}, what=f"{event.type} event")
-    if max_message_bytes is not None:
-        check_size(encoded, limit=max_message_bytes, what=f"{event.type} event")
-    headers = _with_trace_context(event, headers, max_message_bytes)
+    _check_storable(event.payload, what=f"{event.type} event payload")
+    _check_storable(headers, what=f"{event.type} event headers")
+    encode_json({"payload": event.payload, "headers": headers}, what=f"{event.type} event")
     now = (clock or SystemClock()).now_ms()
+    envelope = Envelope(message_id=event.message_id, type=event.type, payload=event.payload, headers=headers,
+                        created_at_ms=now)
+    try:  # the consumers' own check, so an accepted event is one every consumer can read
+        Envelope.from_dict(envelope.to_dict(), max_depth=max_json_depth)
+    except MalformedMessageError as e:
+        raise ValidationError(f"{event.type} event cannot be delivered: {e}") from None
+    if max_message_bytes is not None:  # the relay's own measure: the whole task message body
+        celery_task_messages(envelope, targets=[], max_bytes=max_message_bytes)
+    headers = _with_trace_context(event, headers, max_message_bytes, now)
     return {
         "message_id": event.message_id,
         "type": event.type,
@@ -79,15 +90,39 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
     }
 
 
-def _with_trace_context(event: Event, headers: dict[str, Any], max_message_bytes: int | None) -> dict[str, Any]:
+def _check_storable(value: Any, *, what: str) -> None:
+    """Strings every database stores (no NUL, no lone surrogate) and string object keys, all the way down."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not is_storable(item):
+                raise ValidationError(f"{what} holds text the database cannot store (NUL or a lone surrogate)")
+        elif isinstance(item, Mapping):
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    raise ValidationError(f"{what} has a non-string object key {type(key).__name__}: JSON keys are strings")
+                stack.append(key)
+                stack.append(child)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def _with_trace_context(event: Event, headers: dict[str, Any], max_message_bytes: int | None,
+                        now_ms: int) -> dict[str, Any]:
     """``headers`` plus the current trace context (``celery_outbox.tracing``), so the relay and the
     consumers continue the writer's trace. Added after the event was judged on its own: the context
     never makes an event refused, it is left out when it would not fit the size limit."""
     traced = tracing.traced_headers(headers)
     if traced is headers or max_message_bytes is None:
         return traced
-    size = len(encode_json({"payload": event.payload, "headers": traced}).encode())
-    return traced if size <= max_message_bytes else headers
+    envelope = Envelope(message_id=event.message_id, type=event.type, payload=event.payload, headers=traced,
+                        created_at_ms=now_ms)
+    try:
+        celery_task_messages(envelope, targets=[], max_bytes=max_message_bytes)
+    except MessageTooLargeError:
+        return headers
+    return traced
 
 
 def add(session: Session, event: Event, *, tables: Tables, clock: Clock | None = None,

@@ -73,6 +73,30 @@ def consumer_time_limits(settings: Settings) -> tuple[float, float]:
     return soft, hard
 
 
+def beat_schedule(settings: Settings) -> dict[str, Any]:
+    """The periodic relay work for ``celery beat``: drain every poll interval, reconcile, hourly retention.
+
+    ``Outbox`` adds these to any app it is given (keys the app already has win); a lease row makes each
+    run once per interval even beside a standalone relay (celery_outbox/relay/lease.py).
+    """
+    relay_queue = f"{settings.namespace}.relay"
+    return {
+        "drain-outbox": {
+            "task": DRAIN_TASK,
+            "schedule": settings.relay_poll_interval_s,
+            "options": {"queue": relay_queue, "expires": max(settings.relay_poll_interval_s, 1.0)},
+        },
+        "reconcile-outbox": {  # relay/reconcile.py: re-send what a consumer never recorded
+            "task": RECONCILE_TASK, "schedule": settings.relay_reconcile_interval_s,
+            "options": {"queue": relay_queue, "expires": settings.relay_reconcile_interval_s},
+        },
+        "prune-retention": {  # celery_outbox.celery.ops_tasks: hourly, inbox kept >= broker_redelivery_window_ms
+            "task": PRUNE_TASK, "schedule": 3600.0,
+            "options": {"queue": relay_queue, "expires": 3600.0},
+        },
+    }
+
+
 def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename: str | None = None,
                   consumers: tuple[str, ...] = ()) -> dict[str, Any]:
     """The Celery configuration for these settings. ``broker_url`` is already resolved (no 'embedded')."""
@@ -113,21 +137,7 @@ def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename
         "broker_transport_options": {"confirm_publish": True}
         if broker_is_rabbitmq(broker_url)
         else redis_transport_options(settings),
-        "beat_schedule": {
-            "drain-outbox": {
-                "task": DRAIN_TASK,
-                "schedule": settings.relay_poll_interval_s,
-                "options": {"queue": relay_queue.name, "expires": max(settings.relay_poll_interval_s, 1.0)},
-            },
-            "reconcile-outbox": {  # relay/reconcile.py: re-send what a consumer never recorded
-                "task": RECONCILE_TASK, "schedule": settings.relay_reconcile_interval_s,
-                "options": {"queue": relay_queue.name, "expires": settings.relay_reconcile_interval_s},
-            },
-            "prune-retention": {  # celery_outbox.celery.ops_tasks: hourly, inbox kept >= broker_redelivery_window_ms
-                "task": PRUNE_TASK, "schedule": 3600.0,
-                "options": {"queue": relay_queue.name, "expires": 3600.0},
-            },
-        },
+        "beat_schedule": beat_schedule(settings),
         **({"beat_schedule_filename": beat_schedule_filename} if beat_schedule_filename else {}),
         "worker_hijack_root_logger": False,
     }

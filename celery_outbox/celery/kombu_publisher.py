@@ -5,7 +5,9 @@ confirm mode once and a whole batch is published before waiting for its acks (or
 ``confirm_mode="tx"``, published inside one channel transaction); messages are persistent and
 ``mandatory`` so an unroutable one comes back as a ``basic.return`` and is reported as rejected.
 Exchange, consumer queues and bindings are declared on every new connection before the first
-publish (Redis silently drops messages for an exchange with no bound queue). There is no infinite
+publish (Redis silently drops messages for an exchange with no bound queue); a task enqueued through
+the outbox goes to its own exchange and routing key, its queue declared (as the Celery app declares
+it) before the first publish to it on each connection. There is no infinite
 retry anywhere: a connection attempt is retried ``connect_retries`` times, then the batch fails
 with ``BrokerUnavailableError`` and the relay's circuit breaker takes over; the next batch opens a
 fresh connection.
@@ -24,7 +26,7 @@ from kombu.exceptions import KombuError
 
 from celery_outbox.celery.config import broker_is_rabbitmq, celery_config
 from celery_outbox.errors import BrokerUnavailableError, ConfigError
-from celery_outbox.messages import TaskMessage
+from celery_outbox.messages import QueueSpec, TaskMessage
 from celery_outbox.relay.publisher import PublishReport
 from celery_outbox.settings import Settings
 
@@ -71,6 +73,8 @@ class KombuPublisher:
         self._conn: Any = None
         self._channel: Any = None
         self._producer: Any = None
+        self._task_producer: Any = None
+        self._declared: set[str] = set()  # task queues declared on this connection
         self._next_tag = 0
         self._outstanding: dict[int, int] = {}
         self._nacked: set[int] = set()
@@ -103,11 +107,28 @@ class KombuPublisher:
             channel.tx_select()
         self._producer = Producer(channel, exchange=self.exchange, auto_declare=False,
                                   on_return=self._on_return if self.is_rabbitmq else None)
+        # Tasks enqueued through the outbox name their own exchange, "" (the default exchange) included,
+        # which a producer bound to the events exchange cannot express (kombu reads "" as "mine").
+        self._task_producer = Producer(channel, auto_declare=False,
+                                       on_return=self._on_return if self.is_rabbitmq else None)
+        self._declared.clear()
         self.connections_opened += 1
         return self._producer
 
+    def _declare_task_queue(self, spec: QueueSpec) -> None:
+        """Declare a task's queue (and its exchange and binding) once per connection, before its first publish."""
+        if spec.name in self._declared:
+            return
+        exchange = Exchange(spec.exchange, type=spec.exchange_type, durable=spec.durable) if spec.exchange else ""
+        Queue(spec.name, exchange, routing_key=spec.routing_key or spec.name, durable=spec.durable,
+              auto_delete=spec.auto_delete, exclusive=spec.exclusive, queue_arguments=spec.arguments,
+              max_priority=spec.max_priority)(self._channel).declare()
+        self._declared.add(spec.name)
+
     def _reset(self) -> None:
         conn, self._conn, self._channel, self._producer = self._conn, None, None, None
+        self._task_producer = None
+        self._declared.clear()
         self._outstanding.clear()
         self._nacked.clear()
         self._returned.clear()
@@ -154,11 +175,20 @@ class KombuPublisher:
         self._returned.clear()
         confirm = self.is_rabbitmq and self.confirm_mode == "confirm"
         for i, m in enumerate(messages):
-            producer.publish(
-                m.body, routing_key=m.routing_key, headers=m.headers, content_type="application/json",
-                content_encoding="utf-8", delivery_mode=2, mandatory=self.is_rabbitmq, retry=False,
-                **m.properties,
-            )
+            if m.exchange is None:  # an event to one consumer: the namespace's events exchange
+                producer.publish(
+                    m.body, routing_key=m.routing_key, headers=m.headers, content_type="application/json",
+                    content_encoding="utf-8", delivery_mode=2, mandatory=self.is_rabbitmq, retry=False,
+                    **m.properties,
+                )
+            else:  # a task enqueued through the outbox: where Celery would have sent it
+                if m.queue is not None:
+                    self._declare_task_queue(m.queue)
+                self._task_producer.publish(
+                    m.body, exchange=m.exchange or None, routing_key=m.routing_key, headers=m.headers,
+                    content_type="application/json", content_encoding="utf-8", delivery_mode=m.delivery_mode,
+                    mandatory=self.is_rabbitmq, retry=False, **m.properties,
+                )
             if confirm:
                 self._next_tag += 1
                 self._outstanding[self._next_tag] = i

@@ -1,36 +1,82 @@
-"""Replays go back to a consumer's queue as ordinary task messages, sent through the outbox's own Celery app."""
+"""Replays go back to a consumer's queue as ordinary task messages, sent through the outbox's own Celery app.
+
+A dead letter of an idempotent task (``@outbox.task``; its consumer column holds the task's key,
+``inbox.task_keys``, never a consumer name) goes back as the same task: same name, arguments and task
+id, routed as the app routes that task, published straight to the broker (never into the outbox),
+so the inbox still guards it: a call that did commit after all is absorbed as a duplicate.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from celery import Celery
 
-from celery_outbox.errors import BrokerUnavailableError, PublishError
-from celery_outbox.inbox.dead_letters import Send, check_consumer
+from celery_outbox.celery.enqueue import publishing_directly
+from celery_outbox.errors import BrokerUnavailableError, NotFoundError, PublishError, ValidationError
+from celery_outbox.inbox.dead_letters import check_consumer
+from celery_outbox.inbox.task_keys import is_task_key
 from celery_outbox.messages import task_id, task_name
 from celery_outbox.runtime import Context
 
 
-def replay_sender(app: Celery, ctx: Context) -> Send:
+class ReplaySender:
+    """``send(consumer, envelope)`` for ``replay``, plus ``check_task`` to validate a task dead letter up front."""
+
+    def __init__(self, app: Celery, ctx: Context) -> None:
+        self.app = app
+        self.settings = ctx.settings
+        self.consumers = ctx.known_consumers()
+
+    def __call__(self, consumer: str, envelope: dict[str, Any]) -> None:
+        if is_task_key(consumer):
+            task, tid, args, kwargs = self.check_task(consumer, envelope)
+            with _publish_errors(f"task {task.name}"), publishing_directly():  # never into the outbox
+                task.apply_async(args=args, kwargs=kwargs, task_id=tid)
+            return
+        check_consumer(consumer, self.consumers)
+        with _publish_errors(consumer):
+            self.app.send_task(task_name(consumer), args=[envelope], queue=self.settings.queue_name(consumer),
+                               task_id=task_id())
+
+    def check_task(self, consumer: str, envelope: dict[str, Any]) -> tuple[Any, str, list[Any], dict[str, Any]]:
+        """The idempotent task a task dead letter re-runs, with its task id, args and kwargs.
+
+        ``ValidationError`` when the stored body is not a task call; ``NotFoundError`` when this app
+        defines no idempotent task of that name under that key (import the module defining it)."""
+        from celery_outbox.celery.idempotent_task import task_call
+
+        call = task_call(envelope)
+        if call is None:
+            raise ValidationError(f"the dead letter of {consumer!r} is not a stored task call, so it cannot be "
+                                  "replayed as a task; inspect its body and purge it")
+        name, tid, args, kwargs = call
+        task = self.app.tasks.get(name)
+        if task is None or getattr(task, "outbox_task_key", None) != consumer:
+            raise NotFoundError(f"no idempotent task {name!r} (key {consumer!r}) is defined on this app; import "
+                                "the module that declares it with @outbox.task before replaying")
+        return task, tid, args, kwargs
+
+
+def replay_sender(app: Celery, ctx: Context) -> ReplaySender:
     """A ``send`` for ``replay`` that enqueues on the consumer's queue through ``app``.
 
-    Every replay is a new task (``messages.task_id``): Flower keeps the dead-lettered delivery's
-    FAILURE entry and shows the replay next to it; the inbox absorbs a replay that was already applied.
+    Every consumer replay is a new task (``messages.task_id``): Flower keeps the dead-lettered
+    delivery's FAILURE entry and shows the replay next to it; the inbox absorbs a replay that was
+    already applied. A task replay keeps its task id: the id is that task's inbox key.
     """
-    settings = ctx.settings
-    consumers = ctx.known_consumers()
+    return ReplaySender(app, ctx)
 
-    def send(consumer: str, envelope: dict[str, Any]) -> None:
-        check_consumer(consumer, consumers)
-        try:
-            app.send_task(task_name(consumer), args=[envelope], queue=settings.queue_name(consumer),
-                          task_id=task_id())
-        except OSError as e:
-            raise BrokerUnavailableError(f"cannot reach the broker to replay to {consumer}: {e}") from e
-        except Exception as e:
-            if e.__class__.__module__.split(".")[0] in ("kombu", "amqp", "redis", "celery"):
-                raise PublishError(f"replay to {consumer} failed: {e.__class__.__name__}: {e}") from e
-            raise
 
-    return send
+@contextmanager
+def _publish_errors(target: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        raise BrokerUnavailableError(f"cannot reach the broker to replay to {target}: {e}") from e
+    except Exception as e:
+        if e.__class__.__module__.split(".")[0] in ("kombu", "amqp", "redis", "celery"):
+            raise PublishError(f"replay to {target} failed: {e.__class__.__name__}: {e}") from e
+        raise

@@ -48,6 +48,11 @@ def check(ctx: click.Context) -> None:
     """Exit 1 unless the live schema matches this version of the library (for CI and readiness probes)."""
     outbox = get_outbox(ctx)
     if migrate.current(outbox.sessions.url, prefix=outbox.settings.table_prefix) is None:
+        if migrate.tables_present(outbox.sessions.url, prefix=outbox.settings.table_prefix):
+            raise click.ClickException(
+                f"the outbox tables exist but carry no library schema version "
+                f"({outbox.tables.version_table} is missing: your own migrations created them?): run "
+                "`outbox db upgrade` once; it keeps existing tables, records the version and adds the NOTIFY trigger")
         raise click.ClickException(UPGRADE_HINT)  # one line, not a diff of every table
     problems = migrate.check(outbox.sessions.url, prefix=outbox.settings.table_prefix)
     for p in problems:

@@ -37,7 +37,7 @@ from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S as DEFAULT_BROKER_TIMEO
 from celery_outbox.celery.probe import broker_probe
 from celery_outbox.celery.sender import replay_sender
 from celery_outbox.clock import Clock
-from celery_outbox.errors import DatabaseError, NotFoundError, OutboxError
+from celery_outbox.errors import ConfigError, DatabaseError, NotFoundError, OutboxError
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import health
 from celery_outbox.ops import metrics as ops_metrics
@@ -311,21 +311,26 @@ def make_blueprint() -> Blueprint:
 
 
 def init_app(app: Flask, outbox: Outbox, *, send: dl.Sender | None = None, readiness_path: str | None = "/readyz",
-             broker_timeout_s: float = DEFAULT_BROKER_TIMEOUT_S) -> None:
+             metrics_path: str | None = "/metrics", broker_timeout_s: float = DEFAULT_BROKER_TIMEOUT_S) -> None:
     """Mount the dead-letter page (``/admin/dead-letters``, token from ``Settings.admin_token``),
-    ``/metrics`` and the readiness probe (``readiness_path``, None for none) on any Flask app; ``send``
-    replaces the Celery sender for replays (tests)."""
+    ``/metrics`` and the readiness probe on any Flask app (a path of None leaves that one out; the
+    endpoints are named ``celery_outbox_*`` so they never collide with the app's own); ``send`` replaces
+    the Celery sender for replays (tests). Once per app."""
+    if EXT in app.extensions:
+        raise ConfigError("celery_outbox.contrib.flask.init_app was already called on this Flask app")
     registry = ops_metrics.make_registry(tables=outbox.tables, session_factory=outbox.sessions(), clock=outbox.clock)
     app.extensions[EXT] = {"send": send, "registry": registry, "outbox": outbox}
     app.register_blueprint(make_blueprint())
     if readiness_path is not None:
         _mount_readiness(app, outbox, readiness_path, broker_timeout_s)
 
-    @app.get("/metrics")
     def metrics() -> Response:
         resp = Response(ops_metrics.render(registry), 200, {"Content-Type": ops_metrics.CONTENT_TYPE})
         security_headers(resp, csp="default-src 'none'; frame-ancestors 'none'")
         return resp
+
+    if metrics_path is not None:
+        app.add_url_rule(metrics_path, endpoint="celery_outbox_metrics", view_func=metrics, methods=["GET"])
 
 
 def _mount_readiness(app: Flask, outbox: Outbox, path: str, broker_timeout_s: float) -> None:
@@ -345,4 +350,4 @@ def _mount_readiness(app: Flask, outbox: Outbox, path: str, broker_timeout_s: fl
         security_headers(resp, csp="default-src 'none'; frame-ancestors 'none'")
         return resp
 
-    app.add_url_rule(path, endpoint="outbox_readyz", view_func=readyz, methods=["GET"])
+    app.add_url_rule(path, endpoint="celery_outbox_readyz", view_func=readyz, methods=["GET"])

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from celery_outbox.clock import Clock
 from celery_outbox.errors import NotFoundError, ValidationError
+from celery_outbox.inbox.task_keys import is_task_key
 from celery_outbox.schema import DeadLetterRow, OutboxRow, Tables
 
 Source = Literal["outbox", "consumer"]
@@ -237,12 +238,20 @@ def _replay_consumer(session: Session, ref: DeadLetterId, *, tables: Tables, sen
         return ReplayResult(id=ref, replayed=False, detail=f"already replayed at {row.replayed_at_ms}; left alone")
     from celery_outbox.inbox import dead_letters as consumer_dead_letters
 
-    consumer_dead_letters.replay(session, ref.row_id, tables=tables, send=send, clock=clock, known_consumers=known_consumers)
+    task = is_task_key(row.consumer)  # an idempotent task's: the sender checks the app defines that task
+    consumer_dead_letters.replay(session, ref.row_id, tables=tables, send=send, clock=clock,
+                                 known_consumers=None if task else known_consumers)
+    if task:
+        return ReplayResult(id=ref, replayed=True, detail=f"re-sent as task {row.type!r} with its task id")
     return ReplayResult(id=ref, replayed=True, detail=f"re-sent to consumer {row.consumer!r}")
 
 
-def _check_replayable(session: Session, refs: Sequence[DeadLetterId], known: Iterable[str] | None, *, tables: Tables) -> None:
-    """Refuse the whole batch up front if any consumer row could not be re-sent."""
+def _check_replayable(session: Session, refs: Sequence[DeadLetterId], known: Iterable[str] | None, *, tables: Tables,
+                      send: Sender | None = None) -> None:
+    """Refuse the whole batch up front if any consumer row could not be re-sent.
+
+    A task dead letter (``inbox.task_keys``) names no consumer: the sender's ``check_task`` (when it has
+    one, as ``celery.sender.replay_sender``'s does) says whether the app defines that task."""
     from celery_outbox.inbox.dead_letters import envelope_of
 
     for ref in refs:
@@ -253,6 +262,12 @@ def _check_replayable(session: Session, refs: Sequence[DeadLetterId], known: Ite
         if row.replayed_at_ms is not None:
             continue
         try:
+            if is_task_key(row.consumer):
+                envelope = envelope_of(row)
+                check_task = getattr(send, "check_task", None)
+                if callable(check_task):
+                    check_task(row.consumer, envelope)
+                continue
             check_consumer(row.consumer, known)
             envelope_of(row)
         except ValidationError as e:
@@ -268,7 +283,7 @@ def replay(session: Session, ids: Sequence[DeadLetterId | str], *, tables: Table
     if send is None and any(r.source == "consumer" for r in refs):
         raise ValidationError("replaying a consumer dead letter needs a broker sender")
     known = None if known_consumers is None else tuple(known_consumers)
-    _check_replayable(session, refs, known, tables=tables)
+    _check_replayable(session, refs, known, tables=tables, send=send)
     now = clock.now_ms()
     results: list[ReplayResult] = []
     for ref in refs:

@@ -26,8 +26,8 @@ from sqlalchemy.orm import Session
 from celery_outbox import counters, tracing
 from celery_outbox.clock import Clock
 from celery_outbox.db import is_postgres, wrap_driver_errors
-from celery_outbox.errors import BrokerUnavailableError, MessageTooLargeError, SerializationError
-from celery_outbox.messages import Envelope, TaskMessage, celery_task_messages
+from celery_outbox.errors import BrokerUnavailableError, MalformedMessageError, MessageTooLargeError, SerializationError
+from celery_outbox.messages import Envelope, TaskMessage, celery_task_messages, is_task_row, task_row_message
 from celery_outbox.relay.breaker import CircuitBreaker
 from celery_outbox.relay.publisher import Publisher
 from celery_outbox.relay.queries import due_pending
@@ -104,11 +104,26 @@ def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables) -> l
 
 def build_messages(rows: Sequence[ClaimedRow], routes: Mapping[str, Sequence[str]], namespace: str,
                    max_message_bytes: int) -> Built:
-    """One Celery task message per (row, routed consumer); rows that can never go out are set aside."""
+    """One Celery task message per (row, routed consumer); rows that can never go out are set aside.
+
+    A row holding a task enqueued through the outbox (``messages.is_task_row``) is ONE message, to
+    the task's own exchange, routing key and queue as Celery resolved them at enqueue time; event
+    routes play no part in it.
+    """
     messages: list[TaskMessage] = []
     owners: list[int] = []
     unpublishable: dict[int, str] = {}
     for i, row in enumerate(rows):
+        if is_task_row(row.headers):
+            try:
+                task = task_row_message(message_id=row.message_id, type=row.type, payload=row.payload,
+                                        headers=row.headers, max_bytes=max_message_bytes)
+            except (SerializationError, MessageTooLargeError, MalformedMessageError) as e:
+                unpublishable[i] = f"unpublishable task: {e}"
+                continue
+            messages.append(task)
+            owners.append(i)
+            continue
         consumers = routes.get(row.type)
         if not consumers:
             unpublishable[i] = f"no route for event type {row.type!r}: add it to OUTBOX_ROUTES, then replay"

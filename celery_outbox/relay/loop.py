@@ -90,7 +90,7 @@ class LoopStats:
 
 
 class _PgListener:
-    """A dedicated autocommit psycopg2 connection that LISTENs on ``outbox_pending``.
+    """A dedicated autocommit connection (psycopg2 or psycopg 3) that LISTENs on ``outbox_pending``.
 
     Taken raw from the relay's engine, so it carries the engine's libpq parameters (``make_engine``):
     opening it gives up after the connect timeout, and a peer that vanished without closing is found
@@ -115,10 +115,13 @@ class _PgListener:
         return fd
 
     def consume(self) -> int:
-        self.conn.poll()
-        n = len(self.conn.notifies)
-        self.conn.notifies.clear()
-        return n
+        """Read the notifications that have arrived, without waiting (psycopg2 or psycopg 3)."""
+        if hasattr(self.conn, "poll"):  # psycopg2: poll() fills the notifies list
+            self.conn.poll()
+            n = len(self.conn.notifies)
+            self.conn.notifies.clear()
+            return n
+        return sum(1 for _ in self.conn.notifies(timeout=0))  # psycopg 3.2+: a generator; 0 = what is here
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -30,7 +30,9 @@ from celery_outbox.schema import Tables
 log = logging.getLogger("celery_outbox.relay.reconcile")
 
 WATERMARK = "reconciled_through_ms"
+WATERMARK_SEQ = "reconciled_through_seq"  # with the ms: a keyset, so rows sharing one ms are never skipped
 RECONCILED = "reconciled"
+_ALL = 2**63 - 1
 
 
 @dataclass(kw_only=True)
@@ -41,18 +43,32 @@ class ReconcileResult:
     broker_unavailable: bool = False
 
 
-def _watermark(session: Session, *, tables: Tables) -> int | None:
+def _counter(session: Session, name: str, *, tables: Tables) -> int | None:
     value = session.execute(sa.select(tables.counters.value).where(
-        tables.counters.consumer == counters.RELAY, tables.counters.name == WATERMARK)).scalar_one_or_none()
+        tables.counters.consumer == counters.RELAY, tables.counters.name == name)).scalar_one_or_none()
     return None if value is None else int(value)
 
 
-def _set_watermark(session: Session, value: int, *, tables: Tables) -> None:
-    row = session.get(tables.counters, (counters.RELAY, WATERMARK))
+def _watermark(session: Session, *, tables: Tables) -> tuple[int, int] | None:
+    """(published_at_ms, seq) checked through; a watermark without its seq covers that whole ms."""
+    ms = _counter(session, WATERMARK, tables=tables)
+    if ms is None:
+        return None
+    seq = _counter(session, WATERMARK_SEQ, tables=tables)
+    return ms, _ALL if seq is None else seq
+
+
+def _put(session: Session, name: str, value: int, *, tables: Tables) -> None:
+    row = session.get(tables.counters, (counters.RELAY, name))
     if row is None:
-        session.add(tables.counters(consumer=counters.RELAY, name=WATERMARK, value=value))
+        session.add(tables.counters(consumer=counters.RELAY, name=name, value=value))
     else:
         row.value = value
+
+
+def _set_watermark(session: Session, value: tuple[int, int], *, tables: Tables) -> None:
+    _put(session, WATERMARK, value[0], tables=tables)
+    _put(session, WATERMARK_SEQ, value[1], tables=tables)
 
 
 def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: Tables, routes: Mapping[str, Sequence[str]],
@@ -63,19 +79,21 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
     with wrap_driver_errors("reconciling the outbox with the inbox"):
         since = _watermark(session, tables=tables)
         if since is None:
-            _set_watermark(session, upto, tables=tables)
+            _set_watermark(session, (upto, _ALL), tables=tables)
             session.commit()
             return result
+        since_ms, since_seq = since
+        published = tables.outbox.published_at_ms
         rows = session.execute(
-            sa.select(tables.outbox.message_id, tables.outbox.type, tables.outbox.payload, tables.outbox.headers,
-                      tables.outbox.created_at_ms, tables.outbox.published_at_ms)
-            .where(tables.outbox.published_at_ms.is_not(None), tables.outbox.published_at_ms > since,
-                   tables.outbox.published_at_ms <= upto)
-            .order_by(tables.outbox.published_at_ms).limit(limit)
+            sa.select(tables.outbox.seq, tables.outbox.message_id, tables.outbox.type, tables.outbox.payload,
+                      tables.outbox.headers, tables.outbox.created_at_ms, published)
+            .where(published.is_not(None), published <= upto,
+                   sa.or_(published > since_ms, sa.and_(published == since_ms, tables.outbox.seq > since_seq)))
+            .order_by(published, tables.outbox.seq).limit(limit)
         ).all()
         result.checked = len(rows)
         if not rows:
-            _set_watermark(session, upto, tables=tables)
+            _set_watermark(session, (upto, _ALL), tables=tables)
             session.commit()
             return result
         ids = [r.message_id for r in rows]
@@ -88,6 +106,8 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
             .where(tables.dead_letters.message_id.in_([str(i) for i in ids])))}
         messages: list[TaskMessage] = []
         for r in rows:
+            if (r.headers or {}).get("outbox_kind") == "task":
+                continue  # an enqueued Celery task, not an event: no consumers to reconcile
             missing = [c for c in routes.get(r.type, ()) if (r.message_id, c) not in seen
                        and (str(r.message_id), c) not in dead]
             if not missing:
@@ -99,9 +119,8 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
                                                      max_bytes=max_message_bytes))
             except (SerializationError, MessageTooLargeError) as e:  # the relay published it, so unlikely
                 log.warning("reconcile: cannot rebuild %s: %s", r.message_id, e)
-        last = int(rows[-1].published_at_ms)
-        # A full page means more rows in the window: stop the watermark at the last row checked.
-        next_mark = last if len(rows) == limit else upto
+        # A full page means more rows in the window: stop at the last (ms, seq) checked, never inside a ms.
+        next_mark = (int(rows[-1].published_at_ms), int(rows[-1].seq)) if len(rows) == limit else (upto, _ALL)
         session.rollback()  # read-only so far; hold no locks across the publish
     if messages:
         try:
@@ -117,5 +136,5 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
         counters.stage_increment(session, counters.RELAY, RECONCILED, len(messages), tables=tables)
         session.commit()
     result.republished = len(messages)
-    result.watermark_ms = next_mark
+    result.watermark_ms = next_mark[0]
     return result

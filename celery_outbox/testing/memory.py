@@ -80,14 +80,19 @@ class InMemoryPublisher:
 
     # -- reading ---------------------------------------------------------------------------------
     def message_ids(self) -> list[str]:
-        """Outbox message ids of every published message, one per (event, consumer), in order."""
+        """Outbox message ids of every published message, one per (event, consumer) or task, in order."""
         with self._lock:
-            return [str(m.headers["outbox_message_id"]) for m in self.published]
+            return [m.message_id for m in self.published]
 
     def deliveries(self) -> Counter[tuple[str, str]]:
         """How many times each (message_id, consumer) reached the broker: > 1 is a duplicate."""
         with self._lock:
-            return Counter((str(m.headers["outbox_message_id"]), m.consumer) for m in self.published)
+            return Counter((m.message_id, m.consumer) for m in self.published)
+
+    def tasks(self) -> list[TaskMessage]:
+        """The published messages of tasks enqueued through the outbox (not event deliveries), in order."""
+        with self._lock:
+            return [m for m in self.published if m.exchange is not None]
 
     def duplicates(self) -> int:
         return sum(n - 1 for n in self.deliveries().values() if n > 1)
@@ -110,13 +115,13 @@ class InMemoryPublisher:
                 raise BrokerUnavailableError(f"broker unavailable: connection lost after {n} message(s)")
             rejected: dict[int, str] = {}
             for i, m in enumerate(messages):
-                rule = self._rejections.get(str(m.headers.get("outbox_message_id")))
+                rule = self._rejections.get(m.message_id)
                 if rule is not None:
                     rejected[i] = rule.error
                 else:
                     self.published.append(m)
             for mid, rule in list(self._rejections.items()):
-                hit = any(str(messages[i].headers.get("outbox_message_id")) == mid for i in rejected)
+                hit = any(messages[i].message_id == mid for i in rejected)
                 if hit and rule.times is not None:
                     rule.times -= 1
                     if rule.times <= 0:

@@ -103,12 +103,16 @@ def test_skip_locked_claim_is_held_until_the_mark_commits(pg_sessions: sessionma
     assert pending(pg_sessions, tables) == 0
 
 
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
 def test_notify_wakes_the_waiting_loop_before_the_poll_interval(pg_sessions: sessionmaker[Session], pg_url: str,
-                                                               tmp_path: Path, tables: Tables) -> None:
-    # Given the standalone loop idle, polling only once an hour, LISTENing on outbox_pending
+                                                               tmp_path: Path, tables: Tables, driver: str) -> None:
+    # Given the standalone loop idle, polling only once an hour, LISTENing on outbox_pending, on an engine of
+    # either driver (a plain create_engine("postgresql://...") picks psycopg 3 on SQLAlchemy 2.1)
     settings = Settings(home=tmp_path, database_url=pg_url, namespace="wake", relay_poll_interval_s=3600.0)
     pub = InMemoryPublisher()
-    loop = RelayLoop(settings=settings, tables=tables, session_factory=pg_sessions, publisher=pub,
+    engine = sa.create_engine(sa.make_url(pg_url).set(drivername=f"postgresql+{driver}"))
+    sessions = sessionmaker(bind=engine)
+    loop = RelayLoop(settings=settings, tables=tables, session_factory=sessions, publisher=pub,
                      clock=SystemClock())
     thread = threading.Thread(target=loop.run, kwargs={"handle_signals": False})
     thread.start()
@@ -120,8 +124,10 @@ def test_notify_wakes_the_waiting_loop_before_the_poll_interval(pg_sessions: ses
         wait_for(lambda: set(pub.message_ids()) == ids, "the row to be published")
         assert loop.stats.notify_wakeups >= 1
         assert loop.stats.poll_wakeups == 0 and loop.stats.kick_wakeups == 0
+        assert loop.stats.errors == 0
     finally:
         loop.stop()
         thread.join(30)
         loop.close()
+        engine.dispose()
     assert not thread.is_alive()

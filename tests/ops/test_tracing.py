@@ -311,9 +311,12 @@ def test_the_writer_never_overwrites_the_outboxs_own_headers(exporter: InMemoryS
 
 
 def test_the_trace_context_never_makes_an_event_refused(exporter: InMemorySpanExporter, tiny: Outbox) -> None:
-    # Given a size limit the event meets exactly without the trace context
+    # Given a size limit the event's message meets exactly without the trace context (the relay's measure)
     event = Event("Ping", {"n": 1, "pad": "x" * 500}, correlation_id="c")
-    size = len(json.dumps({"payload": event.payload, "headers": event.headers()}, separators=(",", ":")).encode())
+    envelope = Envelope(message_id=event.message_id, type=event.type, payload=event.payload,
+                        headers=event.headers(), created_at_ms=tiny.clock.now_ms())
+    (bare,) = celery_task_messages(envelope, targets=[("ping", "q")])
+    size = len(bare.body.encode())
     tiny.settings = tiny.settings.replace(max_message_bytes=size)
     # When it is written inside a span
     with otel_trace.get_tracer("test").start_as_current_span("job"), tiny.sessions()() as s:

@@ -134,3 +134,55 @@ def test_a_plain_postgresql_url_has_a_driver() -> None:
     # SQLAlchemy picks its default driver for postgresql:// (psycopg2 on 2.0, psycopg 3 on 2.1): both ship in [postgres]
     engine = sa.create_engine("postgresql://nobody@127.0.0.1:1/none")
     assert engine.dialect.driver in ("psycopg2", "psycopg")
+
+
+def test_a_plain_app_gets_the_relay_schedule_and_the_broker_options_it_relies_on(engine: sa.Engine) -> None:
+    # Given an application's own Celery app with one beat entry and one Redis option of its own
+    app = Celery("mine", broker="redis://127.0.0.1:6379/9", set_as_current=False)
+    app.conf.beat_schedule = {"mine": {"task": "mine.tick", "schedule": 5.0}}
+    app.conf.broker_transport_options = {"visibility_timeout": 200}
+    # When the outbox is built on it
+    outbox = Outbox(app, engine=engine, settings=Settings())
+    # Then `celery beat` on this app drains, reconciles and prunes, beside the app's own entry
+    tasks = {e["task"] for e in outbox.app.conf.beat_schedule.values()}
+    assert {"mine.tick", "celery_outbox.drain", "celery_outbox.reconcile", "celery_outbox.prune"} <= tasks
+    # And a killed worker's message is restored on time (the app's own timeout kept, our restore cadence added)
+    options = outbox.app.conf.broker_transport_options
+    assert options["visibility_timeout"] == 200 and options["unacked_restore_throttle"] == 1
+
+
+def test_the_flask_extension_keeps_out_of_the_host_apps_way(engine: sa.Engine) -> None:
+    from celery_outbox.contrib.flask import init_app
+
+    # Given a host app with its own view named `metrics`
+    web = Flask("host")
+    web.add_url_rule("/stats", endpoint="metrics", view_func=lambda: "mine")
+    # When the extension is mounted (without its /metrics path), it does not collide
+    init_app(web, make(engine), metrics_path=None)
+    assert web.test_client().get("/stats").data == b"mine"
+    assert web.test_client().get("/metrics").status_code == 404
+    # And a second mount says so clearly
+    with pytest.raises(ConfigError, match="already called"):
+        init_app(web, make(engine))
+
+
+def test_own_migrations_tables_and_a_scoped_session_are_understood(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+    from sqlalchemy.orm import scoped_session
+
+    from celery_outbox.cli import cli
+
+    # Given the library's tables created by the application's own metadata (its Alembic / create_all)
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'own.db'}")
+    md = sa.MetaData()
+    box = Outbox(Celery("t", broker="memory://", set_as_current=False),
+                 session_factory=scoped_session(sessionmaker(engine)), settings=Settings())  # type: ignore[arg-type]
+    box.define_tables(md)
+    md.create_all(engine)
+    # When `outbox db check` runs, it says what is missing and how to fix it, in one line
+    result = CliRunner().invoke(cli, ["db", "check"], obj={"outbox": box})
+    assert result.exit_code == 1 and "outbox_schema_version is missing" in result.output
+    # And after `outbox db upgrade` (idempotent over the existing tables) the check passes
+    assert CliRunner().invoke(cli, ["db", "upgrade"], obj={"outbox": box}).exit_code == 0
+    check = CliRunner().invoke(cli, ["db", "check"], obj={"outbox": box})
+    assert check.exit_code == 0, check.output

@@ -104,3 +104,24 @@ def test_a_down_broker_keeps_the_window_for_the_next_pass(sqlite_sessions: sessi
     # Then the next pass re-sends the same window: nothing skipped
     assert run(sqlite_sessions, pub, clock, tables) == (1, 2)
     assert {m.properties["message_id"] for m in pub.published} == {str(mid)}
+
+
+def test_rows_sharing_one_published_instant_across_a_full_page_are_all_checked(
+        sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    # Given a reconciler that has run once, and 1,500 events marked published by one batch (one instant),
+    # none of which any consumer recorded (a broker that lost them all)
+    assert run(sqlite_sessions, InMemoryPublisher(), clock, tables) == (0, 0)
+    clock.advance(AFTER)
+    insert_pending(sqlite_sessions, clock.now_ms(), 1500, tables=tables, payload=order)
+    with sqlite_sessions() as s:
+        dispatch_batch(s, InMemoryPublisher(), clock, tables=tables, batch_size=1500, max_attempts=3, base_delay_ms=1000,
+                       max_delay_ms=10_000, routes=ROUTES, max_message_bytes=100_000, namespace="ns")
+    # When the reconciler pages through them (1,000 rows a page)
+    clock.advance(AFTER + 1)
+    pub = InMemoryPublisher()
+    first = run(sqlite_sessions, pub, clock, tables)
+    second = run(sqlite_sessions, pub, clock, tables)
+    third = run(sqlite_sessions, pub, clock, tables)
+    # Then every row is checked exactly once, none skipped at the page boundary inside the shared instant
+    assert (first, second, third) == ((1000, 2000), (500, 1000), (0, 0))
+    assert len(set(pub.deliveries())) == 3000 and pub.duplicates() == 0

@@ -67,6 +67,13 @@ def test_caller_rollback_discards_the_event(sqlite_sessions: sessionmaker[Sessio
     assert count(sqlite_sessions, tables.outbox) == 0
 
 
+def nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize(
     ("event", "error", "match"),
     [
@@ -77,6 +84,14 @@ def test_caller_rollback_discards_the_event(sqlite_sessions: sessionmaker[Sessio
         (writer.Event(type="OrderPlaced", payload={"blob": "x" * 2000}), MessageTooLargeError, "over the limit"),
         (writer.Event(type="OrderPlaced", payload={}, entity_key="order:1", entity_version=0),
          ValidationError, "entity_version"),
+        # what the consumers would refuse: nested past their depth limit
+        (writer.Event(type="OrderPlaced", payload={"x": nested(80)}), ValidationError, "nested deeper"),
+        # what the database cannot store, and keys JSON cannot carry
+        (writer.Event(type="OrderPlaced", payload={"x": "a\x00b"}), ValidationError, "cannot store"),
+        (writer.Event(type="OrderPlaced", payload={"x": "\ud800"}), ValidationError, "cannot store"),
+        (writer.Event(type="OrderPlaced", payload={"x": {1: "a", "b": 2}}), ValidationError, "non-string object key"),
+        # within the limit as payload + headers, over it as the message the relay publishes
+        (writer.Event(type="OrderPlaced", payload={"blob": "x" * 850}), MessageTooLargeError, "over the limit"),
     ],
 )
 def test_outbox_writer_refuses_undeliverable_events(sqlite_sessions: sessionmaker[Session], clock: ManualClock,
@@ -106,3 +121,22 @@ def test_outbox_writer_refuses_undeliverable_events(sqlite_sessions: sessionmake
 def test_parse_order_names_the_bad_field(body: object, match: str) -> None:
     with pytest.raises(ValidationError, match=match):
         parse_order(body)
+
+
+def test_an_event_the_writer_accepts_is_one_the_relay_and_the_consumers_accept(
+        sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    from celery_outbox.messages import Envelope, celery_task_messages
+
+    # Given events nested right at the consumers' limit and sized right at the relay's limit
+    limit = 1000
+    for event in (writer.Event(type="OrderPlaced", payload={"x": nested(60)}),
+                  writer.Event(type="OrderPlaced", payload={"blob": "x" * 700})):
+        with sqlite_sessions() as s:
+            row = writer.add(s, event, tables=tables, clock=clock, max_message_bytes=limit)
+            s.commit()
+            envelope = Envelope(message_id=row.message_id, type=row.type, payload=row.payload, headers=row.headers,
+                                created_at_ms=row.created_at_ms)
+        # Then what was accepted is published by the relay's measure and read by the consumers' check
+        (message,) = celery_task_messages(envelope, targets=[("c", "q")], max_bytes=limit)
+        assert Envelope.from_dict(envelope.to_dict()).message_id == envelope.message_id
+        assert message.body

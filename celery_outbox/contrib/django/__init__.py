@@ -8,6 +8,8 @@ defines them) and, on Postgres, the NOTIFY trigger of the standalone relay.
         order = Order.objects.create(...)
         celery_outbox.contrib.django.publish(Event(type="OrderPlaced", payload={...}))
 
+        send_confirmation.delay(order.id)   # a task: an outbox row too (contrib/django/enqueue.py)
+
     @idempotent_consumer("OrderPlaced", name="fulfilment")
     def fulfil(envelope): Shipment.objects.create(...)
     outbox.include(fulfil)    # outbox = Outbox(app, settings=Settings(database_url=database_url()))
@@ -24,6 +26,7 @@ from __future__ import annotations
 from celery_outbox.contrib.django.conf import database_settings, database_url
 from celery_outbox.contrib.django.consumer import DjangoConsumerSpec, idempotent_consumer
 from celery_outbox.contrib.django.dead_letters import use
+from celery_outbox.contrib.django.enqueue import atomic_writer
 from celery_outbox.contrib.django.writer import publish
 
-__all__ = ["DjangoConsumerSpec", "database_settings", "database_url", "idempotent_consumer", "publish", "use"]
+__all__ = ["DjangoConsumerSpec", "atomic_writer", "database_settings", "database_url", "idempotent_consumer", "publish", "use"]

@@ -1,0 +1,281 @@
+"""Transactional enqueue: ``task.delay()`` inside the caller's transaction becomes an outbox row.
+
+The capture sits at the one door every Celery task message goes through, the app's
+``amqp.send_task_message(producer, name, message, **options)``, wrapped once per ``Outbox``. By then
+Celery has done everything it does for a send: the task id, ``task_routes``, ``countdown`` turned into
+an absolute ``eta`` (so a late relay never shifts it), ``expires``, ``priority``, headers, the chain or
+callbacks in the body's embed. The wrapper lets Celery's own sender run against a producer that only
+records what it would publish (exchange, routing key, declared queue, properties, headers, body), so
+the row holds exactly the message Celery would have sent, and writes it into the bound transaction
+instead of the broker. The relay publishes it later (``messages.task_row_message``) as that same
+protocol-2 message, with the task id as the outbox message id.
+
+Where the row goes, in order:
+
+1. ``with outbox.transaction(session):`` (a context variable; nesting allowed, the innermost wins) or
+   ``outbox.enqueue(session, signature)``: the SQLAlchemy ``session``;
+2. an ambient transaction a contrib registers (``celery_outbox.contrib.django``: inside
+   ``transaction.atomic()``, through the Django ORM);
+3. none: ``Settings.enqueue_outside_transaction`` says ``"raise"`` (``TransactionRequiredError``,
+   nothing sent) or ``"publish"`` (sent at once, as plain Celery would).
+
+Never captured, always sent as Celery sends them: the library's own tasks (``celery_outbox.*``, the
+consumer tasks), Celery's built-ins (``celery.*``), names in ``Settings.enqueue_exclude``, a retry a
+running worker task sends of itself (``Task.retry``: the failed attempt's transaction rolls back, the
+retry must still go), anything inside ``publishing_directly()``, and, outside a bound transaction,
+anything sent from inside a running worker task (chain steps, callbacks) or by ``celery beat``.
+
+Refused with a clear error, inside the caller's transaction and before anything is written: arguments
+or headers that are not plain JSON (never pickled), a message over ``max_message_bytes``, a chord (its
+counter lives in the result backend, outside the transaction), a task id that is not a UUID, a task
+this app neither registers nor routes, a non-JSON serializer or a compression.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+from celery import signals
+from kombu import Exchange, Queue
+from sqlalchemy.orm import Session
+
+from celery_outbox.errors import ConfigError, SerializationError, TransactionRequiredError, ValidationError
+from celery_outbox.messages import TASK_KIND, TYPE_MAX_CHARS, QueueSpec, check_size, encode_json
+from celery_outbox.schema import Tables
+
+OWN_PREFIXES = ("celery.", "celery_outbox.")
+DELIVERY_MODES = {"persistent": 2, "transient": 1, 1: 1, 2: 2}
+# What kombu's Producer.publish takes as arguments rather than message properties.
+_PUBLISH_ARGS = frozenset({"exchange", "routing_key", "serializer", "compression", "retry", "retry_policy",
+                           "delivery_mode", "declare", "headers", "timeout", "confirm_timeout", "mandatory",
+                           "immediate", "content_type", "content_encoding"})
+
+
+class Writer(Protocol):
+    """Where a captured task message goes: a row in the caller's open transaction."""
+
+    def write(self, values: dict[str, Any]) -> None: ...
+
+
+class SessionWriter:
+    """Adds the row to a SQLAlchemy session (it commits or rolls back with the caller's data)."""
+
+    def __init__(self, session: Session, tables: Tables) -> None:
+        self.session = session
+        self.tables = tables
+
+    def write(self, values: dict[str, Any]) -> None:
+        self.session.add(self.tables.outbox(**values))
+
+
+# (outbox, writer) pairs bound by ``Outbox.transaction``, innermost last.
+_BOUND: ContextVar[tuple[tuple[object, Writer], ...]] = ContextVar("celery_outbox_bound", default=())
+_DIRECT: ContextVar[bool] = ContextVar("celery_outbox_direct", default=False)
+# Ambient transactions (Django's atomic()): each returns a writer for ``outbox`` or None.
+AMBIENT: list[Callable[[Any], Writer | None]] = []
+_process = {"beat": False}
+_beat_hook = threading.Lock()
+
+
+def register_ambient(provider: Callable[[Any], Writer | None]) -> None:
+    """Add an ambient-transaction provider (a contrib calls this once, on import)."""
+    if provider not in AMBIENT:
+        AMBIENT.append(provider)
+
+
+@contextmanager
+def bind(outbox: object, writer: Writer) -> Iterator[None]:
+    token = _BOUND.set((*_BOUND.get(), (outbox, writer)))
+    try:
+        yield
+    finally:
+        _BOUND.reset(token)
+
+
+@contextmanager
+def publishing_directly() -> Iterator[None]:
+    """Inside this block every task message goes straight to the broker (replays, tooling)."""
+    token = _DIRECT.set(True)
+    try:
+        yield
+    finally:
+        _DIRECT.reset(token)
+
+
+def _bound_writer(outbox: object) -> Writer | None:
+    for owner, writer in reversed(_BOUND.get()):
+        if owner is outbox:
+            return writer
+    for provider in AMBIENT:
+        found = provider(outbox)
+        if found is not None:
+            return found
+    return None
+
+
+def _on_beat_init(sender: Any = None, **kwargs: Any) -> None:
+    _process["beat"] = True
+
+
+class _Recorder:
+    """A stand-in producer: records the one publish Celery's sender makes, publishes nothing."""
+
+    def __init__(self, real: Any) -> None:
+        self.connection = getattr(real, "connection", None)
+        self.channel = getattr(real, "channel", None)
+        self.call: tuple[Any, dict[str, Any]] | None = None
+
+    def publish(self, body: Any, **kwargs: Any) -> None:
+        self.call = (body, kwargs)
+
+    def revive(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class Interceptor:
+    """``app.amqp.send_task_message`` of one ``Outbox``'s app (``install``)."""
+
+    def __init__(self, outbox: Any, amqp: Any) -> None:
+        self.outbox = outbox
+        self.amqp = amqp
+        self._original: Callable[..., Any] | None = None
+
+    @property
+    def original(self) -> Callable[..., Any]:
+        # Celery's own sender, built on first use (never at install: it snapshots the app's queues)
+        if self._original is None:
+            self._original = self.amqp._create_task_sender()
+        return self._original
+
+    def __call__(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
+        headers = message[0]
+        if not self.captures(name, headers):
+            return self.original(producer, name, message, **options)
+        writer = _bound_writer(self.outbox)
+        if writer is None:
+            if self.outbox.settings.enqueue_outside_transaction == "publish" or _process["beat"] \
+                    or self.outbox.app.current_worker_task is not None:
+                return self.original(producer, name, message, **options)
+            raise TransactionRequiredError(
+                f"task {name!r} was sent outside a transaction: wrap the work in `with outbox.transaction(session):` "
+                "(or Django's transaction.atomic()), use outbox.enqueue(session, signature), or set "
+                "OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION=publish to send it directly (it is then lost if the process "
+                "dies, and runs even if your transaction rolls back); nothing was sent")
+        writer.write(self.row_values(producer, name, message, options))
+        return None
+
+    def captures(self, name: str, headers: Mapping[str, Any]) -> bool:
+        if _DIRECT.get() or name.startswith(OWN_PREFIXES) or name in self.outbox.settings.enqueue_exclude:
+            return False
+        if name in own_task_names(self.outbox):
+            return False
+        parent = self.outbox.app.current_worker_task
+        return not (parent is not None and headers.get("id") == getattr(parent.request, "id", None))
+
+    def row_values(self, producer: Any, name: str, message: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """The outbox row of this task message, or an error saying why it cannot be carried."""
+        task_headers, _properties, body, _sent_event = message
+        embed = body[2] if isinstance(body, (tuple, list)) and len(body) == 3 else None
+        if isinstance(embed, Mapping) and embed.get("chord"):
+            raise ValidationError(
+                f"task {name!r} is part of a chord, which cannot go through the outbox: the chord's counter lives in "
+                "the result backend and would exist before your transaction commits. Enqueue the header as a group "
+                f"and start the callback from a task, or list {name!r} in OUTBOX_ENQUEUE_EXCLUDE; nothing was written")
+        self._check_known(name)
+        task_id = task_headers.get("id")
+        try:
+            message_id = uuid.UUID(str(task_id))
+        except ValueError:
+            raise ValidationError(f"task {name!r} has task_id {task_id!r}: through the outbox a task id must be a "
+                                  "UUID (it is the outbox message id); nothing was written") from None
+        if len(name) > TYPE_MAX_CHARS:
+            raise ValidationError(f"task name {name[:60]!r}... is over {TYPE_MAX_CHARS} characters")
+        what = f"task {name!r} arguments (the outbox carries JSON only: str, int, float, bool, None, list, dict)"
+        encode_json(list(body) if isinstance(body, tuple) else body, what=what)  # refuse early, before Celery's encoder
+        recorder = _Recorder(producer)
+        options = {k: v for k, v in options.items() if k != "event_dispatcher"}
+        self.original(recorder, name, (task_headers, _properties, body, None), **options)
+        if recorder.call is None:  # pragma: no cover - Celery's sender always publishes once
+            raise ConfigError(f"Celery did not build a message for task {name!r}")
+        sent_body, publish = recorder.call
+        serializer = publish.get("serializer") or "json"
+        if serializer != "json" or publish.get("compression"):
+            raise SerializationError(f"task {name!r} asks for serializer={serializer!r} compression="
+                                     f"{publish.get('compression')!r}: the outbox carries plain JSON only")
+        exchange = publish.get("exchange")
+        exchange_name = exchange.name if isinstance(exchange, Exchange) else (exchange or "")
+        queue = next((q for q in publish.get("declare") or () if isinstance(q, Queue)), None)
+        properties = {k: v for k, v in publish.items() if k not in _PUBLISH_ARGS and _is_json(v)}
+        row_headers: dict[str, Any] = {
+            "outbox_kind": TASK_KIND,
+            "task_headers": dict(publish.get("headers") or task_headers),
+            "properties": properties,
+            "exchange": str(exchange_name),
+            "routing_key": str(publish.get("routing_key") or ""),
+            "queue": None if queue is None else queue_spec(queue).to_dict(),
+            "priority": properties.get("priority"),
+            "delivery_mode": DELIVERY_MODES.get(publish.get("delivery_mode") or 2, 2),
+        }
+        payload = {"body": json.loads(encode_json(list(sent_body), what=what))}
+        encoded = encode_json({"payload": payload, "headers": row_headers},
+                              what=f"task {name!r} message headers (JSON only)")
+        check_size(encoded, limit=self.outbox.settings.max_message_bytes, what=f"task {name!r} message")
+        now = self.outbox.clock.now_ms()
+        return {"message_id": message_id, "type": name, "payload": payload, "headers": json.loads(encoded)["headers"],
+                "created_at_ms": now, "next_attempt_at_ms": now, "attempts": 0}
+
+    def _check_known(self, name: str) -> None:
+        app = self.outbox.app
+        if name in app.tasks or app.amqp.router.lookup_route(name) is not None:
+            return
+        raise ValidationError(
+            f"task {name!r} is neither registered on this Celery app nor routed by its task_routes: the relay would "
+            "publish a message no worker of this app runs. Register the task, route it in task_routes, or list it "
+            "in OUTBOX_ENQUEUE_EXCLUDE to send it directly; nothing was written")
+
+
+def own_task_names(outbox: Any) -> frozenset[str]:
+    from celery_outbox.messages import task_name
+
+    return frozenset(task_name(c) for c in outbox.known_consumers())
+
+
+def queue_spec(queue: Queue) -> QueueSpec:
+    exchange = queue.exchange
+    raw_arguments = getattr(queue, "queue_arguments", None)
+    arguments = dict(raw_arguments) if raw_arguments else None
+    return QueueSpec(name=queue.name, exchange=(exchange.name if exchange is not None else "") or "",
+                     exchange_type=(exchange.type if exchange is not None else "direct") or "direct",
+                     routing_key=queue.routing_key or "", durable=bool(queue.durable),
+                     auto_delete=bool(queue.auto_delete), exclusive=bool(queue.exclusive),
+                     arguments=arguments if arguments is None or _is_json(arguments) else None,
+                     max_priority=getattr(queue, "max_priority", None))
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        encode_json(value)
+    except SerializationError:
+        return False
+    return True
+
+
+def install(outbox: Any) -> Interceptor:
+    """Wrap ``outbox.app``'s ``amqp.send_task_message`` (once); a second Outbox on one app is refused."""
+    amqp = outbox.app.amqp
+    current = amqp.__dict__.get("send_task_message")
+    if isinstance(current, Interceptor):
+        if current.outbox is outbox:
+            return current
+        raise ConfigError("this Celery app already has an Outbox: build one Outbox per Celery app")
+    interceptor = Interceptor(outbox, amqp)
+    amqp.send_task_message = interceptor  # an instance attribute over Celery's cached property
+    with _beat_hook:
+        signals.beat_init.connect(_on_beat_init, weak=False, dispatch_uid="celery_outbox.enqueue.beat")
+    return interceptor
