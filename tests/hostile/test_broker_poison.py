@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,7 +29,8 @@ from celery_outbox.messages import celery_task_message
 from celeryconfig import Settings
 from consumers.models import Shipment
 from consumers.testing import order_placed_envelope
-from tests.integration.test_consumer_worker import CELERY, CONSUMERS, ROOT, Worker, _queues, cleanup, declare, wait_for
+from tests.integration.test_consumer_worker import CONSUMERS, Worker, _queues, cleanup, declare, wait_for
+from tests.support.workers import start_worker, stop_worker
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.rabbitmq, pytest.mark.workers, pytest.mark.slow]
 
@@ -126,25 +125,13 @@ def worker(broker: tuple[str, str], pg_url: str, namespace: str, tmp_path: Path)
            "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "2"}
     env.pop("OUTBOX_CRASH_POINTS", None)
     log = tmp_path / "worker.log"
-    queues = ",".join(settings.queue_name(c) for c in CONSUMERS)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [CELERY, "-A", "relay.app", "worker", "-Q", queues, "-P", "prefork", "-c", "2",
-             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
-             "-n", f"poison-{namespace}@%h"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+    proc = start_worker(env=env, queues=[settings.queue_name(c) for c in CONSUMERS], node=f"poison-{namespace}@%h",
+                        log=log)
     w = Worker(settings=settings, broker_url=broker_url, log=log, proc=proc)
     try:
         yield w
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_worker(proc)
         cleanup(settings, broker_url)
 
 

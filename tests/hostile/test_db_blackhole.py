@@ -7,8 +7,6 @@ Postgres behind ``tests.support.blackhole_proxy``, real Redis and RabbitMQ."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,7 +24,8 @@ from celeryconfig import Settings
 from consumers.effects import effect_counts
 from consumers.models import Invoice, SearchDocument, Shipment
 from consumers.testing import order_placed_envelope
-from tests.integration.test_consumer_worker import CELERY, CONSUMERS, ROOT, Worker, cleanup, declare, publish
+from tests.integration.test_consumer_worker import CONSUMERS, Worker, cleanup, declare, publish
+from tests.support import workers as worker_procs
 from tests.support.blackhole_proxy import BlackholeProxy
 
 pytestmark = [pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
@@ -55,27 +54,15 @@ def start_worker(broker_url: str, namespace: str, tmp_path: Path) -> Iterator[St
         settings = Settings.from_env({k: v for k, v in env.items() if k.startswith("OUTBOX_")})
         declare(settings, broker_url)  # nothing published before the worker is up is dropped (Redis)
         log = tmp_path / f"worker-{len(started)}.log"
-        queues = ",".join(settings.queue_name(c) for c in CONSUMERS)
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                [CELERY, "-A", "relay.app", "worker", "-Q", queues, "-P", "prefork", "-c", "2",
-                 "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
-                 "-n", f"blackhole-{namespace}-{len(started)}@%h"],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )
+        proc = worker_procs.start_worker(env=env, queues=[settings.queue_name(c) for c in CONSUMERS],
+                            node=f"blackhole-{namespace}-{len(started)}@%h", log=log)
         worker = Worker(settings=settings, broker_url=broker_url, log=log, proc=proc)
         started.append(worker)
         return worker
 
     yield start
     for w in started:
-        if w.proc.poll() is None:
-            os.killpg(w.proc.pid, signal.SIGTERM)
-            try:
-                w.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(w.proc.pid, signal.SIGKILL)
-                w.proc.wait(timeout=10)
+        worker_procs.stop_worker(w.proc)
         cleanup(w.settings, broker_url)
 
 

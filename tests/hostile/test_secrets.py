@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.support.workers import start_worker, stop_worker
 
 pytestmark = [pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,23 +71,12 @@ def deployment(request: pytest.FixtureRequest, pg_url: str, namespace: str, tmp_
                 "OUTBOX_ADMIN_TOKEN": ADMIN_TOKEN, "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": str(home)})
     node = f"secrets-{namespace}@{os.uname().nodename}"
     log = tmp_path / "worker.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [CELERY, "-A", "relay.app", "worker", "-Q", f"{namespace}.shipping", "-P", "solo", "--without-gossip",
-             "--without-mingle", "--without-heartbeat", "-l", "INFO", "-n", node],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+    proc = start_worker(env=env, queues=[f"{namespace}.shipping"], node=node, log=log, pool="solo")
     d = Deployment(env=env, node=node, secrets=secrets, leak_patterns=patterns, log=log, proc=proc)
     try:
         yield d
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_worker(proc)
 
 
 def celery(d: Deployment, *args: str) -> str:

@@ -6,7 +6,6 @@ publishes them (``celery_outbox.messages.celery_task_message``), so this needs n
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from celeryconfig import Settings
 from consumers.effects import duplicates_absorbed, effect_counts
 from consumers.models import Shipment
 from consumers.testing import order_placed_envelope
+from tests.support.workers import start_worker, stop_worker
 
 pytestmark = [pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,25 +63,13 @@ def worker(broker_url: str, pg_url: str, namespace: str, tmp_path: Path) -> Iter
            "OUTBOX_CONSUMER_RETRY_BACKOFF_S": "1", "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "2"}
     env.pop("OUTBOX_CRASH_POINTS", None)
     log = tmp_path / "worker.log"
-    queues = ",".join(settings.queue_name(c) for c in CONSUMERS)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [CELERY, "-A", "relay.app", "worker", "-Q", queues, "-P", "prefork", "-c", "2",
-             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
-             "-n", f"consumers-{namespace}@%h"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+    proc = start_worker(env=env, queues=[settings.queue_name(c) for c in CONSUMERS], node=f"consumers-{namespace}@%h",
+                        log=log)
     w = Worker(settings=settings, broker_url=broker_url, log=log, proc=proc)
     try:
         yield w
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_worker(proc)
         cleanup(settings, broker_url)
 
 

@@ -1,0 +1,36 @@
+"""Real ``celery -A relay.app worker`` processes for tests: started in their own session, stopped for sure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CELERY = str(Path(sys.executable).parent / "celery")
+
+
+def start_worker(*, env: Mapping[str, str], queues: Sequence[str], node: str, log: Path, pool: str = "prefork",
+                 concurrency: int = 2) -> subprocess.Popen[bytes]:
+    """A worker of the reference deployment consuming ``queues``, its output in ``log``."""
+    argv = [CELERY, "-A", "relay.app", "worker", "-Q", ",".join(queues), "-P", pool,
+            *(["-c", str(concurrency)] if pool == "prefork" else []),
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO", "-n", node]
+    with log.open("wb") as out:
+        return subprocess.Popen(argv, cwd=ROOT, env=dict(env), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the worker's whole process group (warm shutdown), SIGKILL it if it does not stop."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
