@@ -15,8 +15,6 @@ import sqlalchemy as sa
 from django.test import Client
 from django.urls import include, path
 from opentelemetry import trace as otel_trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
@@ -25,6 +23,7 @@ from celery_outbox.contrib.django.models import OutboxMessage
 from celery_outbox.db import make_session_factory
 from celery_outbox.relay.dispatch import dispatch_with_settings
 from celery_outbox.testing.memory import InMemoryPublisher
+from tests.support.tracing import memory_tracer
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True), pytest.mark.urls(__name__)]
 
@@ -37,12 +36,8 @@ ORDER = {"order_id": "o-1", "customer_id": "c-1", "email": "a@example.com", "cur
 @pytest.fixture
 def exporter(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
     """An SDK tracer provider exporting to memory, as the global provider for this test only."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(otel_trace, "_TRACER_PROVIDER", provider)
-    yield exporter
-    provider.shutdown()
+    with memory_tracer(monkeypatch) as exporter:
+        yield exporter
 
 
 def span_ids(traceparent: Any) -> tuple[int, int]:

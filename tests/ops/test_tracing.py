@@ -23,8 +23,7 @@ from opentelemetry import propagate
 from opentelemetry import trace as otel_trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import CarrierT, Setter, TextMapPropagator, default_setter
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from sqlalchemy.orm import Session, sessionmaker
@@ -37,6 +36,7 @@ from celery_outbox.schema import Tables
 from celery_outbox.testing import InMemoryPublisher, deliver_message, drain, run_pending
 from celeryconfig import Settings
 from orders.web import create_app
+from tests.support.tracing import memory_tracer
 
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = {"order_id": "o-trace-1", "customer_id": "c-1", "email": "a@example.com",
@@ -46,12 +46,8 @@ ORDER = {"order_id": "o-trace-1", "customer_id": "c-1", "email": "a@example.com"
 @pytest.fixture
 def exporter(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
     """An SDK tracer provider exporting to memory, as the global provider for this test only."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(otel_trace, "_TRACER_PROVIDER", provider)
-    yield exporter
-    provider.shutdown()
+    with memory_tracer(monkeypatch) as exporter:
+        yield exporter
 
 
 @pytest.fixture
