@@ -6,7 +6,6 @@ and keeps it in the outbox's ``ConsumerRegistry`` (never a module-level global).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -19,6 +18,7 @@ from celery_outbox.inbox import handle as inbox
 from celery_outbox.inbox.handle import CrashSite, Handler, Prepare
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
+from celery_outbox.names import check_name
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.schema import Tables
 
@@ -52,17 +52,6 @@ class ConsumerSpec:
         return inbox.handle(session, envelope, tables=tables, consumer=self.name, handler=self.handler, clock=clock,
                             fast_path=self.fast_path if fast_path is None else fast_path,
                             ordering=self.ordering, crash_points=crash_points, prepare=self.prepare)
-
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-
-
-def check_name(name: object) -> str:
-    """A consumer name is its queue suffix, task name and inbox key: short and plain."""
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ConfigError(f"consumer name {name!r} must be 1-64 letters, digits, '_' or '-', starting with a "
-                          "letter or digit")
-    return name
 
 
 def consumer(*, name: str, event: str | Iterable[str], ordering: bool = False, fast_path: bool = True,

@@ -27,12 +27,13 @@ from celery_outbox.celery import consumer_tasks, idempotent_task, ops_tasks, rel
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
 from celery_outbox.clock import Clock, SystemClock
-from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, check_name, consumer
+from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
 from celery_outbox.db import SessionSource
 from celery_outbox.errors import ConfigError, UnknownEventTypeError
 from celery_outbox.inbox.handle import Handler, Prepare
 from celery_outbox.messages import task_name
+from celery_outbox.names import check_name
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.relay.loop import RelayLoop
 from celery_outbox.schema import OutboxRow, Tables, define_tables

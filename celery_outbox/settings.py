@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, NoReturn, Self
 
 from celery_outbox.errors import ConfigError
+from celery_outbox.names import check_name
 from celery_outbox.schema import DEFAULT_PREFIX, check_prefix
 
 SECOND_MS = 1000
@@ -296,7 +297,6 @@ class RoutesRule(Rule):
         return value
 
     def problem(self, value: Any, owner: Settings) -> str | None:
-        from celery_outbox.consumer import check_name  # not at import: consumer -> policy -> settings
 
         if not isinstance(value, Mapping):
             return "must map event types to consumer names"

@@ -25,11 +25,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox.celery.consumer_tasks import DeadLettered
 from celery_outbox.celery.sender import replay_sender
 from celery_outbox.clock import ManualClock
-from celery_outbox.consumer import check_name
 from celery_outbox.errors import ConfigError, ValidationError
 from celery_outbox.inbox.handle import DUPLICATES
 from celery_outbox.inbox.task_keys import KEY_MAX_CHARS, is_task_key, message_id_for, task_key
 from celery_outbox.messages import is_storable
+from celery_outbox.names import check_name
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.outbox import Outbox
 from celery_outbox.schema import Tables

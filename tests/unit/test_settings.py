@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from celery_outbox import Settings as LibrarySettings
 from celery_outbox import exit_on_config_error
-from celery_outbox.consumer import check_name
 from celery_outbox.errors import ConfigError
+from celery_outbox.names import check_name
 from celery_outbox.settings import FloatRule, IntRule, mask_url
 from celeryconfig import DEFAULT_ROUTES, Settings, celery_config
 

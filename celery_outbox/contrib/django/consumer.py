@@ -26,12 +26,13 @@ from sqlalchemy.orm import Session
 
 from celery_outbox import counters
 from celery_outbox.clock import Clock
-from celery_outbox.consumer import ConsumerSpec, check_name
+from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.crashpoints import DISARMED
 from celery_outbox.errors import ConfigError, DatabaseError, UnknownEventTypeError
 from celery_outbox.inbox.handle import DUPLICATES, CrashSite
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
+from celery_outbox.names import check_name
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.schema import Tables
 
