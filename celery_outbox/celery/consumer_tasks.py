@@ -35,7 +35,9 @@ from celery_outbox.delivery import Delivery, backoff_s, deliver
 from celery_outbox.errors import MalformedMessageError
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import MALFORMED_PREFIX, decode_json, storable_text, task_name
+from celery_outbox.policy import Backoff
 from celery_outbox.runtime import Context
+from celery_outbox.settings import Settings
 
 
 def _body_ids(body: Any, max_depth: int) -> tuple[str, str | None]:
@@ -71,7 +73,26 @@ class DeadLettered(Reject):
         return str(self.reason)
 
 
-def _finish(task: Any, app: Celery, consumer: str, body: Any, result: Delivery, max_depth: int) -> str:
+def deliver_or_retry(task: Any, ctx: Context, spec: ConsumerSpec, body: Any, *, request_id: str | None,
+                     settings: Settings, policy: Backoff) -> Delivery:
+    """``deliver`` for the running task's request; a delivery that must be redelivered raises Celery's
+    retry with the policy's countdown instead of returning. Shared by consumer and idempotent tasks."""
+    try:
+        info = task.request.delivery_info or {}
+        result = deliver(ctx.sessions(), spec, body, tables=ctx.tables, request_id=request_id,
+                         settings=settings, clock=ctx.clock, crash_points=ctx.crash_points,
+                         first_delivery=not task.request.retries, redelivered=bool(info.get("redelivered")))
+    except Exception as e:  # never let a failure escape: acks_late would ack (and drop) the message
+        result = Delivery(outcome=Outcome.RETRY, deliveries=0,
+                          error=storable_text(f"{e.__class__.__name__}: {e}", limit=2000),
+                          retry_in_s=backoff_s(1, policy=policy))
+    if result.retry_in_s is not None:
+        raise task.retry(countdown=result.retry_in_s, max_retries=None,
+                         exc=RedeliveryError(result.error or "failed"))
+    return result
+
+
+def finish(task: Any, app: Celery, consumer: str, body: Any, result: Delivery, max_depth: int) -> str:
     """Map a finished delivery onto Celery: the task's result, or ``DeadLettered``; events best effort."""
     if result.outcome not in (Outcome.DUPLICATE, Outcome.DEAD_LETTERED):
         return str(result.outcome.value)
@@ -102,19 +123,8 @@ def define(app: Celery, ctx: Context, spec: ConsumerSpec) -> Any:
         outbox_max_eta_s=float(policy.max_s) + 60.0,
     )
     def run(self: Any, body: Any) -> str:
-        try:
-            info = self.request.delivery_info or {}
-            result = deliver(ctx.sessions(), spec, body, tables=ctx.tables, request_id=self.request.id,
-                             settings=settings, clock=ctx.clock, crash_points=ctx.crash_points,
-                             first_delivery=not self.request.retries, redelivered=bool(info.get("redelivered")))
-        except Exception as e:  # never let a failure escape: acks_late would ack (and drop) the message
-            result = Delivery(outcome=Outcome.RETRY, deliveries=0,
-                              error=storable_text(f"{e.__class__.__name__}: {e}", limit=2000),
-                              retry_in_s=backoff_s(1, policy=policy))
-        if result.retry_in_s is not None:
-            raise self.retry(countdown=result.retry_in_s, max_retries=None,
-                             exc=RedeliveryError(result.error or "failed"))
-        return _finish(self, app, spec.name, body, result, settings.max_json_depth)
+        result = deliver_or_retry(self, ctx, spec, body, request_id=self.request.id, settings=settings, policy=policy)
+        return finish(self, app, spec.name, body, result, settings.max_json_depth)
 
     return run
 

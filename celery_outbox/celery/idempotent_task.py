@@ -49,13 +49,12 @@ from celery import Celery
 from sqlalchemy.orm import Session
 
 from celery_outbox.celery.config import consumer_time_limits
-from celery_outbox.celery.consumer_tasks import RedeliveryError, _finish
+from celery_outbox.celery.consumer_tasks import deliver_or_retry, finish
 from celery_outbox.consumer import ConsumerSpec
-from celery_outbox.delivery import Delivery, backoff_s, deliver
 from celery_outbox.errors import ConfigError
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.inbox.task_keys import check_task_name, message_id_for, task_key
-from celery_outbox.messages import TASK_KIND, Envelope, storable_text
+from celery_outbox.messages import TASK_KIND, Envelope
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.runtime import Context
 
@@ -164,22 +163,11 @@ def define(app: Celery, ctx: Context, fn: TaskFunction, *, name: str, policy: Re
         def handler(session: Session, _: Envelope) -> None:
             returned.append(_run_guarded(fn, session, args, kwargs))
 
-        try:
-            info = self.request.delivery_info or {}
-            result = deliver(ctx.sessions(), replace(base_spec, handler=handler), envelope, tables=ctx.tables,
-                             request_id=envelope["message_id"], settings=settings, clock=ctx.clock,
-                             crash_points=ctx.crash_points, first_delivery=not self.request.retries,
-                             redelivered=bool(info.get("redelivered")))
-        except Exception as e:  # never let a failure escape: acks_late would ack (and drop) the message
-            result = Delivery(outcome=Outcome.RETRY, deliveries=0,
-                              error=storable_text(f"{e.__class__.__name__}: {e}", limit=2000),
-                              retry_in_s=backoff_s(1, policy=backoff))
-        if result.retry_in_s is not None:
-            raise self.retry(countdown=result.retry_in_s, max_retries=None,
-                             exc=RedeliveryError(result.error or "failed"))
+        result = deliver_or_retry(self, ctx, replace(base_spec, handler=handler), envelope,
+                                  request_id=envelope["message_id"], settings=settings, policy=backoff)
         if result.outcome is Outcome.PROCESSED:
             return returned[0] if returned else None
-        return _finish(self, app, key, envelope, result, settings.max_json_depth)
+        return finish(self, app, key, envelope, result, settings.max_json_depth)
 
     run.__signature__ = _call_signature(fn, name)  # type: ignore[attr-defined]
     run.__name__ = getattr(fn, "__name__", "run")
