@@ -13,8 +13,11 @@ from collections.abc import Mapping
 
 KNOWN = frozenset({
     "after_order_commit",
+    "after_enqueue_commit",  # an application process that enqueued tasks (tests/chaos/test_task_crashes.py)
     "after_claim_before_publish",
     "after_publish_before_mark",
+    # the pipelined relay (relay/loop.py): batch N on the wire, unconfirmed and unmarked, batch N+1 claimed
+    "relay_in_flight_next_claimed",
     "after_mark",
     "consumer_before_commit",
     "consumer_after_commit_before_ack",

@@ -230,16 +230,22 @@ def _short(value: Any) -> str:
     return storable_text(text, limit=120)
 
 
+# One immutable encoder: ``json.dumps`` with non-default options builds a new one per call (the relay's hot loop).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, sort_keys=True)
+
+
 def encode_json(obj: Any, *, what: str = "message") -> str:
     """Strict JSON (no NaN, no default hook): what cannot be encoded is refused, never pickled."""
     try:
-        return json.dumps(obj, separators=(",", ":"), allow_nan=False, sort_keys=True)
+        return _ENCODER.encode(obj)
     except (TypeError, ValueError) as e:
         raise SerializationError(f"{what} cannot be encoded as JSON: {e}") from None
 
 
 def check_size(encoded: str | bytes, *, limit: int, what: str = "message") -> None:
-    size = len(encoded.encode() if isinstance(encoded, str) else encoded)
+    if isinstance(encoded, str) and len(encoded) * 4 <= limit:
+        return  # UTF-8 spends at most 4 bytes per character: no need to encode to know it fits
+    size = len(encoded.encode("utf-8", "surrogatepass") if isinstance(encoded, str) else encoded)
     if size > limit:
         raise MessageTooLargeError(f"{what} is {size} bytes, over the limit of {limit} bytes")
 
@@ -378,28 +384,17 @@ def celery_task_messages(envelope: Envelope, *, targets: Sequence[tuple[str, str
     if max_bytes is not None:
         check_size(body, limit=max_bytes)
     message_id = str(envelope.message_id)
-    argsrepr = f"({envelope.type} {message_id})"
+    common: dict[str, Any] = {
+        "lang": "py", "parent_id": None, "group": None, "retries": 0, "eta": None, "expires": None,
+        "timelimit": [None, None], "argsrepr": f"({envelope.type} {message_id})", "kwargsrepr": "{}",
+        "origin": "outbox-relay", "ignore_result": True, "outbox_message_id": message_id, "outbox_type": envelope.type,
+    }
     out = []
     for consumer, routing_key in targets:
         tid = task_id()
-        headers: dict[str, Any] = {
-            "lang": "py",
-            "task": task_name(consumer),
-            "id": tid,
-            "root_id": tid,
-            "parent_id": None,
-            "group": None,
-            "retries": 0,
-            "eta": None,
-            "expires": None,
-            "timelimit": [None, None],
-            "argsrepr": argsrepr,
-            "kwargsrepr": "{}",
-            "origin": "outbox-relay",
-            "ignore_result": True,
-            "outbox_message_id": message_id,
-            "outbox_type": envelope.type,
-        }
+        headers = common.copy()
+        headers["task"] = task_name(consumer)
+        headers["id"] = headers["root_id"] = tid
         out.append(TaskMessage(consumer=consumer, routing_key=routing_key, body=body, headers=headers,
                                properties={"correlation_id": tid, "message_id": message_id}))
     return out

@@ -389,7 +389,10 @@ LIBRARY_RULES: Mapping[str, Rule] = {
                          "letter or digit"),
     "table_prefix": PrefixRule(),
     "routes": RoutesRule(),
-    "relay_batch_size": IntRule(1, 10_000),  # rows per claim / publish / mark (one IN list)
+    "relay_batch_size": IntRule(1, 10_000),  # the first (and smallest) batch: rows per claim / publish / mark
+    # The largest batch the adaptive relay grows to = the most rows published but not yet marked at any
+    # moment, so the most duplicates a relay crash can cause (relay/adaptive.py).
+    "relay_max_in_flight_rows": IntRule(1, 10_000),
     "relay_poll_interval_s": FloatRule(0.01, 86_400.0),
     "relay_max_attempts": IntRule(1, 1_000),  # the attempts column is a 32-bit integer
     "relay_base_delay_ms": IntRule(1, DAY_MS),
@@ -459,6 +462,13 @@ LIBRARY_RELATIONS: tuple[Relation, ...] = (
                   f"OUTBOX_RELAY_MAX_DELAY_MS ({s.relay_max_delay_ms})",
     ),
     Relation(
+        ("relay_batch_size", "relay_max_in_flight_rows"),
+        lambda s: s.relay_batch_size <= s.relay_max_in_flight_rows,
+        lambda s: f"OUTBOX_RELAY_BATCH_SIZE ({s.relay_batch_size}) must not exceed "
+                  f"OUTBOX_RELAY_MAX_IN_FLIGHT_ROWS ({s.relay_max_in_flight_rows}): a batch is published whole "
+                  "before it is marked",
+    ),
+    Relation(
         ("relay_breaker_base_ms", "relay_breaker_max_ms"),
         lambda s: s.relay_breaker_base_ms <= s.relay_breaker_max_ms,
         lambda s: f"OUTBOX_RELAY_BREAKER_BASE_MS ({s.relay_breaker_base_ms}) must not exceed "
@@ -483,7 +493,10 @@ class Settings:
     # Extra routes (event type -> consumers), merged over those the consumers declare in code.
     routes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
+    # The relay's batch starts at relay_batch_size, doubles while batches come back full, up to
+    # relay_max_in_flight_rows (the bound on duplicates after a crash), and halves when idle.
     relay_batch_size: int = 100
+    relay_max_in_flight_rows: int = 1_000
     relay_poll_interval_s: float = 1.0
     relay_max_attempts: int = 10
     relay_base_delay_ms: int = 1_000

@@ -16,8 +16,10 @@ fresh connection.
 from __future__ import annotations
 
 import logging
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import Any
 
@@ -33,6 +35,7 @@ from celery_outbox.settings import Settings
 log = logging.getLogger("relay.kombu")
 
 CONFIRM_MODES = ("confirm", "tx", "none")
+WRITE_CHUNK = 256 * 1024  # bytes of frames collected before one socket write (``_coalesced_writes``)
 
 
 class KombuPublisher:
@@ -112,6 +115,7 @@ class KombuPublisher:
         self._task_producer = Producer(channel, auto_declare=False,
                                        on_return=self._on_return if self.is_rabbitmq else None)
         self._declared.clear()
+        self._quiet_blocked_check()
         self.connections_opened += 1
         return self._producer
 
@@ -158,41 +162,132 @@ class KombuPublisher:
         if cid is not None:
             self._returned[str(cid)] = f"unroutable (returned by the broker: {exc}) routing_key={routing_key!r}"
 
+    # -- one write per batch (py-amqp only) -------------------------------------------------------
+    def _amqp_transport(self) -> Any:
+        """py-amqp's transport under our connection, or None (Redis, or a client without ``_write``)."""
+        if not self.is_rabbitmq or self._conn is None:
+            return None
+        transport = getattr(getattr(self._conn, "connection", None), "transport", None)
+        return transport if transport is not None and hasattr(transport, "_write") else None
+
+    @contextmanager
+    def _coalesced_writes(self) -> Iterator[None]:
+        """Collect the frames of a batch and hand them to the socket in a few large writes.
+
+        py-amqp writes every frame with its own ``sendall``, from a buffer it reuses (so each chunk is
+        copied here). Frames are flushed every ``WRITE_CHUNK`` bytes and at the end; if publishing
+        raises, what was collected is dropped and the error propagates (the batch is then left
+        pending, as for any broken publish). After each mid-batch flush the confirms that have
+        arrived are read without waiting, so a large batch never leaves the broker blocked on a full
+        socket towards us while we block writing to it. Without py-amqp this is a no-op.
+        """
+        transport = self._amqp_transport()
+        if transport is None:
+            yield
+            return
+        original = transport._write
+        chunks: list[bytes] = []
+        size = 0
+
+        def collect(data: Any) -> None:
+            nonlocal size
+            chunks.append(bytes(data))
+            size += len(data)
+            if size >= WRITE_CHUNK:
+                flush()
+                with suppress(socket.timeout):
+                    self._conn.drain_events(timeout=0)
+
+        def flush() -> None:
+            nonlocal size
+            if chunks:
+                data = b"".join(chunks)
+                chunks.clear()
+                size = 0
+                original(data)
+
+        transport._write = collect
+        try:
+            yield
+        finally:
+            transport._write = original
+        flush()
+
+    def _quiet_blocked_check(self) -> None:
+        """Stop py-amqp's per-publish ``drain_events(timeout=0)`` on this connection only.
+
+        py-amqp drains the socket before EVERY publish when the client announced the
+        ``connection.blocked`` capability (issue 14 measured it in the publish step). The capability
+        was already sent to the broker in the handshake, so the broker still tells us when it blocks;
+        we read it once per batch (``_send``) and while waiting for confirms, instead of per message.
+        The connection gets its own copy of the properties: py-amqp's defaults are shared.
+        """
+        inner = getattr(self._conn, "connection", None)
+        props = getattr(inner, "client_properties", None)
+        if inner is None or not isinstance(props, dict):
+            return
+        caps = dict(props.get("capabilities") or {})
+        if caps.get("connection.blocked"):
+            caps["connection.blocked"] = False
+            inner.client_properties = {**props, "capabilities": caps}
+
     # -- Publisher -------------------------------------------------------------------------------
     def publish_batch(self, messages: Sequence[TaskMessage]) -> PublishReport:
+        return self.send_batch(messages)()
+
+    def send_batch(self, messages: Sequence[TaskMessage]) -> Callable[[], PublishReport]:
+        """Write the batch now; the returned call waits for its confirms (``SendsAhead``)."""
         if not messages:
-            return PublishReport(count=0)
+            empty = PublishReport(count=0)
+            return lambda: empty
         errors = self._errors()
         try:
-            return self._publish(messages)
+            self._send(messages)
         except errors as e:
             self._reset()
             raise BrokerUnavailableError(f"broker unavailable: {e.__class__.__name__}: {e}") from e
 
-    def _publish(self, messages: Sequence[TaskMessage]) -> PublishReport:
+        def wait() -> PublishReport:
+            try:
+                return self._await(messages)
+            except errors as e:
+                self._reset()
+                raise BrokerUnavailableError(f"broker unavailable: {e.__class__.__name__}: {e}") from e
+
+        return wait
+
+    def _send(self, messages: Sequence[TaskMessage]) -> None:
         producer = self._ensure()
         self._nacked.clear()
         self._returned.clear()
+        self._outstanding.clear()
         confirm = self.is_rabbitmq and self.confirm_mode == "confirm"
-        for i, m in enumerate(messages):
-            if m.exchange is None:  # an event to one consumer: the namespace's events exchange
-                producer.publish(
-                    m.body, routing_key=m.routing_key, headers=m.headers, content_type="application/json",
-                    content_encoding="utf-8", delivery_mode=2, mandatory=self.is_rabbitmq, retry=False,
-                    **m.properties,
-                )
-            else:  # a task enqueued through the outbox: where Celery would have sent it
-                if m.queue is not None:
-                    self._declare_task_queue(m.queue)
-                self._task_producer.publish(
-                    m.body, exchange=m.exchange or None, routing_key=m.routing_key, headers=m.headers,
-                    content_type="application/json", content_encoding="utf-8", delivery_mode=m.delivery_mode,
-                    mandatory=self.is_rabbitmq, retry=False, **m.properties,
-                )
-            if confirm:
-                self._next_tag += 1
-                self._outstanding[self._next_tag] = i
-        if confirm:
+        if self._amqp_transport() is not None:
+            with suppress(socket.timeout):
+                self._conn.drain_events(timeout=0)  # once per batch: a blocked/closed connection shows here
+        for m in messages:  # declaring is a round trip: never inside the collected writes
+            if m.exchange is not None and m.queue is not None:
+                self._declare_task_queue(m.queue)
+        with self._coalesced_writes():
+            for i, m in enumerate(messages):
+                if confirm:  # registered before the write: its ack may be read during the batch
+                    self._next_tag += 1
+                    self._outstanding[self._next_tag] = i
+                if m.exchange is None:  # an event to one consumer: the namespace's events exchange
+                    producer.publish(
+                        m.body, routing_key=m.routing_key, headers=m.headers, content_type="application/json",
+                        content_encoding="utf-8", delivery_mode=2, mandatory=self.is_rabbitmq, retry=False,
+                        **m.properties,
+                    )
+                else:  # a task enqueued through the outbox: where Celery would have sent it (queue declared above)
+                    self._task_producer.publish(
+                        m.body, exchange=m.exchange or None, routing_key=m.routing_key, headers=m.headers,
+                        content_type="application/json", content_encoding="utf-8", delivery_mode=m.delivery_mode,
+                        mandatory=self.is_rabbitmq, retry=False, **m.properties,
+                    )
+
+    def _await(self, messages: Sequence[TaskMessage]) -> PublishReport:
+        if self.is_rabbitmq and self.confirm_mode == "confirm":
             deadline = time.monotonic() + self.timeout_s
             while self._outstanding:
                 remaining = deadline - time.monotonic()

@@ -14,7 +14,9 @@ from celery_outbox.cli.common import get_outbox, handle_errors
 @click.command("relay")
 @click.option("--once", is_flag=True, help="Drain every due row, then exit (exit 1 if the broker is down).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
-              help="Rows per batch (default OUTBOX_RELAY_BATCH_SIZE).")
+              help="First and smallest batch (default OUTBOX_RELAY_BATCH_SIZE).")
+@click.option("--max-in-flight", type=click.IntRange(min=1), default=None,
+              help="Largest batch: rows published but not yet marked (default OUTBOX_RELAY_MAX_IN_FLIGHT_ROWS).")
 @click.option("--poll-interval", type=click.FloatRange(min=0.001), default=None,
               help="Seconds between polls when no NOTIFY arrives (default OUTBOX_RELAY_POLL_INTERVAL_S).")
 @click.option("--no-listen", is_flag=True, help="Do not LISTEN for Postgres NOTIFY; poll only.")
@@ -22,13 +24,18 @@ from celery_outbox.cli.common import get_outbox, handle_errors
               help="RabbitMQ durability per batch (default OUTBOX_RELAY_CONFIRM_MODE).")
 @click.pass_context
 @handle_errors
-def relay(ctx: click.Context, once: bool, batch_size: int | None, poll_interval: float | None,
-          no_listen: bool, confirm_mode: str | None) -> None:
+def relay(ctx: click.Context, once: bool, batch_size: int | None, max_in_flight: int | None,
+          poll_interval: float | None, no_listen: bool, confirm_mode: str | None) -> None:
     """Publish pending outbox rows to the broker: publish first, mark after."""
     outbox = get_outbox(ctx)
     changes: dict[str, object] = {}
     if batch_size is not None:
         changes["relay_batch_size"] = batch_size
+        # A larger first batch raises the ceiling with it unless one was given (the batch never exceeds it).
+        if max_in_flight is None:
+            changes["relay_max_in_flight_rows"] = max(batch_size, outbox.settings.relay_max_in_flight_rows)
+    if max_in_flight is not None:
+        changes["relay_max_in_flight_rows"] = max_in_flight
     if poll_interval is not None:
         changes["relay_poll_interval_s"] = poll_interval
     if confirm_mode is not None:

@@ -30,8 +30,18 @@ from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.ops.retention import PruneReport
 from celery_outbox.ops.schedule import PRUNE_EVERY_MS, scheduled_prune
 from celery_outbox.relay import lease
+from celery_outbox.relay.adaptive import AdaptiveBatch
 from celery_outbox.relay.breaker import CircuitBreaker
-from celery_outbox.relay.dispatch import BatchResult, CrashPointsLike, breaker_from_settings, dispatch_with_settings
+from celery_outbox.relay.dispatch import (
+    BatchResult,
+    Claimed,
+    CrashPointsLike,
+    breaker_from_settings,
+    claim_batch,
+    dispatch_with_settings,
+    finish_batch,
+    send_claimed,
+)
 from celery_outbox.relay.publisher import Publisher
 from celery_outbox.relay.reconcile import ReconcileResult, reconcile
 from celery_outbox.relay.single_flight import single_flight, sqlite_lock_path
@@ -137,7 +147,7 @@ class RelayLoop:
                  poll_interval_s: float | None = None, listen: bool = True,
                  max_batches_per_drain: int = 10_000,
                  routes: Mapping[str, Sequence[str]] | None = None,
-                 on_drain: Callable[[DrainResult], None] | None = None) -> None:
+                 on_drain: Callable[[DrainResult], None] | None = None, pipelined: bool = True) -> None:
         self.settings = settings
         self.tables = tables
         self.routes = settings.routes if routes is None else routes
@@ -146,8 +156,14 @@ class RelayLoop:
         self.clock = clock or SystemClock()
         self.breaker = breaker or breaker_from_settings(settings)
         self.crash_points = crash_points
+        # An explicit ``batch_size`` is a fixed size; from the settings the size adapts (relay/adaptive.py)
+        # between relay_batch_size and relay_max_in_flight_rows.
         self.batch_size = batch_size or settings.relay_batch_size
+        self.sizer = AdaptiveBatch(minimum=self.batch_size,
+                                   maximum=batch_size or max(self.batch_size, settings.relay_max_in_flight_rows))
         bind = session_factory.kw.get("bind")
+        # Postgres: batches overlap (``_drain_pipelined``); SQLite's one write lock keeps them in sequence.
+        self.pipelined = pipelined and bind is not None and bind.dialect.name == "postgresql"
         self._lock_path = sqlite_lock_path(bind.url.render_as_string(hide_password=False) if bind is not None else "")
         self.poll_interval_s = poll_interval_s or settings.relay_poll_interval_s
         self.listen = listen
@@ -179,20 +195,20 @@ class RelayLoop:
 
     # -- work ------------------------------------------------------------------------------------
     def drain_once(self) -> DrainResult:
-        """Publish due rows batch after batch until none is left or the broker is unreachable."""
+        """Publish due rows batch after batch until none is left or the broker is unreachable.
+
+        On Postgres the batches are pipelined (``_drain_pipelined``); on SQLite (one write lock, one
+        relay) they run one after another.
+        """
         total = DrainResult()
         with single_flight(self._lock_path) as mine:
             if not mine:
                 self.stats.skipped_busy += 1
                 return total
-            for _ in range(self.max_batches_per_drain):
-                with self.session_factory() as session:
-                    result = dispatch_with_settings(session, self.publisher, self.clock, self.settings, tables=self.tables,
-                                                    breaker=self.breaker, crash_points=self.crash_points,
-                                                    batch_size=self.batch_size, routes=self.routes)
-                total.add(result)
-                if result.broker_unavailable or result.claimed == 0 or self.stopping:
-                    break
+            if self.pipelined:
+                self._drain_pipelined(total)
+            else:
+                self._drain_sequential(total)
         self.stats.drains += 1
         self.stats.published += total.published
         if total.broker_unavailable:
@@ -203,6 +219,86 @@ class RelayLoop:
             except Exception:
                 log.exception("on_drain callback failed; the drain itself is done")
         return total
+
+    def _drain_sequential(self, total: DrainResult) -> None:
+        """Claim, publish, confirm, mark, commit; then the next batch (until an empty one)."""
+        for _ in range(self.max_batches_per_drain):
+            asked = self.sizer.size
+            with self.session_factory() as session:
+                result = dispatch_with_settings(session, self.publisher, self.clock, self.settings, tables=self.tables,
+                                                breaker=self.breaker, crash_points=self.crash_points,
+                                                batch_size=asked, routes=self.routes)
+            total.add(result)
+            if not result.breaker_open:
+                self.sizer.observe(asked=asked, claimed=result.claimed)
+            if result.broker_unavailable or result.claimed == 0 or self.stopping:
+                break
+
+    def _claim_next(self) -> Claimed | BatchResult:
+        """Claim and build the next batch on a session of its own (the caller closes it)."""
+        now = self.clock.now_ms()
+        if not self.breaker.allow(now):
+            return BatchResult(broker_unavailable=True, breaker_open=True, error=self.breaker.last_error)
+        session = self.session_factory()
+        try:
+            return claim_batch(session, self.clock, tables=self.tables,
+                               limit=self.breaker.batch_limit(now, self.sizer.size), routes=self.routes,
+                               max_message_bytes=self.settings.max_message_bytes, namespace=self.settings.namespace)
+        except BaseException:
+            session.close()
+            raise
+
+    def _drain_pipelined(self, total: DrainResult) -> None:
+        """Overlap batch N+1's database work with batch N's broker round trip (Postgres only).
+
+        For each batch N: put N on the wire; while the broker confirms it, claim and build N+1 on
+        its own session (``FOR UPDATE SKIP LOCKED`` passes over N's rows, which N's open transaction
+        still locks); then wait for N's confirms, mark N and commit; then send N+1. Publish first,
+        mark after holds for every row, and only ONE batch is ever published and unmarked, so a
+        crash re-publishes at most ``relay_max_in_flight_rows`` rows (the inbox absorbs them); N+1
+        was not published yet, its claim dies with its connection. The next batch is claimed only
+        after a full one: a short batch means the outbox is drained for now.
+        """
+        settings, crash_points = self.settings, self.crash_points
+        nxt = self._claim_next()
+        try:
+            batches = 0
+            while True:
+                if isinstance(nxt, BatchResult):  # the breaker refused: nothing was claimed
+                    total.add(nxt)
+                    return
+                claimed = nxt
+                if not claimed.rows:
+                    total.add(claimed.result)
+                    return
+                flight = send_claimed(claimed, self.publisher, self.clock, tables=self.tables, breaker=self.breaker,
+                                      crash_points=crash_points)
+                if isinstance(flight, BatchResult):  # the broker is away: every row left pending
+                    total.add(flight)
+                    return
+                batches += 1
+                self.sizer.observe(asked=claimed.limit, claimed=len(claimed.rows))
+                more = (len(claimed.rows) >= claimed.limit and not self.stopping
+                        and batches < self.max_batches_per_drain)
+                nxt = self._claim_next() if more else BatchResult()
+                if crash_points is not None and isinstance(nxt, Claimed) and nxt.rows:
+                    crash_points.reached("relay_in_flight_next_claimed")
+                try:
+                    result = finish_batch(flight, self.clock, tables=self.tables,
+                                          max_attempts=settings.relay_max_attempts,
+                                          base_delay_ms=settings.relay_base_delay_ms,
+                                          max_delay_ms=settings.relay_max_delay_ms, breaker=self.breaker,
+                                          crash_points=crash_points)
+                finally:
+                    claimed.session.close()
+                total.add(result)
+                if result.broker_unavailable or not more:
+                    return
+        finally:
+            if isinstance(nxt, Claimed):  # claimed but never sent: give the rows back
+                with contextlib.suppress(Exception):
+                    nxt.session.rollback()
+                nxt.session.close()
 
     def run(self, *, handle_signals: bool = True) -> None:
         """Loop until ``stop()`` or SIGTERM; exceptions are logged and the loop goes on."""

@@ -10,7 +10,7 @@ absorbs), never lost.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol, runtime_checkable
@@ -55,3 +55,16 @@ class Publisher(Protocol):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None: ...
+
+
+@runtime_checkable
+class SendsAhead(Protocol):
+    """A publisher that can put a batch on the wire and return before the broker answers.
+
+    ``send_batch`` writes every message and returns a call that waits for the confirms and returns
+    the ``PublishReport`` (both may raise ``BrokerUnavailableError``). Between the two the relay
+    claims and builds its next batch (relay/loop.py), so database work overlaps the broker's. Only
+    one batch may be outstanding: the next ``send_batch`` comes after the previous wait returned.
+    """
+
+    def send_batch(self, messages: Sequence[TaskMessage]) -> Callable[[], PublishReport]: ...

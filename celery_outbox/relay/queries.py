@@ -1,28 +1,56 @@
-"""The relay's SQL: due pending rows in seq order, served by the partial index ``ix_outbox_pending``."""
+"""The relay's SQL: due pending rows in seq order (served by the partial index ``ix_outbox_pending``),
+and the Postgres mark that stamps a batch and counts it in one statement."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
 
-from celery_outbox.schema import OutboxRow, Tables
+from celery_outbox.schema import Tables
+
+# The columns ``dispatch.claim_due`` copies into a ``ClaimedRow``, in this order.
+CLAIM_COLUMNS = ("seq", "message_id", "type", "payload", "headers", "created_at_ms", "attempts")
 
 
-def due_pending(now_ms: int, limit: int, *, tables: Tables, skip_locked: bool = False) -> sa.Select[OutboxRow]:
+def due_pending(now_ms: int, limit: int, *, tables: Tables, skip_locked: bool = False) -> sa.Select[Any]:
     """Pending (not published, not dead-lettered) rows whose backoff has passed, oldest first.
 
-    The WHERE clause repeats the partial index's predicate word for word so the planner can use it;
-    with ``skip_locked`` (Postgres) concurrent relays claim disjoint rows.
+    Selects plain columns (Core rows, no ORM objects). The WHERE clause repeats the partial index's
+    predicate word for word so the planner can use it; with ``skip_locked`` (Postgres) concurrent
+    relays, and the pipelined relay's next batch, claim disjoint rows.
     """
+    outbox = tables.table(tables.outbox)
     stmt = (
-        sa.select(tables.outbox)
+        sa.select(*(outbox.c[name] for name in CLAIM_COLUMNS))
         .where(
-            tables.outbox.published_at_ms.is_(None),
-            tables.outbox.dead_lettered_at_ms.is_(None),
-            tables.outbox.next_attempt_at_ms <= now_ms,
+            outbox.c.published_at_ms.is_(None),
+            outbox.c.dead_lettered_at_ms.is_(None),
+            outbox.c.next_attempt_at_ms <= now_ms,
         )
-        .order_by(tables.outbox.seq)
+        .order_by(outbox.c.seq)
         .limit(limit)
     )
     if skip_locked:
         stmt = stmt.with_for_update(skip_locked=True)
     return stmt
+
+
+def mark_published_pg(tables: Tables, dialect: sa.Dialect) -> sa.TextClause:
+    """Postgres: stamp ``published_at_ms`` on the rows ``:ids`` (one array parameter) and add the
+    number stamped to the relay's ``published`` counter, in ONE statement (a data-modifying CTE);
+    returns that number. Rows another relay stamped first are not stamped or counted again.
+
+    Parameters: ``now`` (ms), ``ids`` (list of seq), ``scope`` and ``name`` (the counter's key).
+    """
+    quote = dialect.identifier_preparer.format_table
+    outbox, counters = quote(tables.table(tables.outbox)), quote(tables.table(tables.counters))
+    return sa.text(
+        f"WITH marked AS (UPDATE {outbox} SET published_at_ms = :now "
+        f"WHERE seq = ANY(:ids) AND published_at_ms IS NULL RETURNING 1), "
+        f"counted AS (INSERT INTO {counters} (consumer, name, value) "
+        f"SELECT :scope, :name, m.n FROM (SELECT count(*) AS n FROM marked) AS m WHERE m.n > 0 "
+        f"ON CONFLICT (consumer, name) DO UPDATE SET value = {counters}.value + EXCLUDED.value) "
+        f"SELECT count(*) FROM marked"
+    ).bindparams(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)))

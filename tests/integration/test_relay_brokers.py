@@ -124,3 +124,30 @@ def test_rabbitmq_unroutable_message_is_reported_rejected_not_confirmed(
     assert set(report.rejected) == {1} and "unroutable" in report.rejected[1]
     assert again.confirmed == (0,)
     assert len(consume_all(rabbitmq_url, settings.queue_name("shipping"))) == 2
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_a_batch_larger_than_one_socket_write_is_confirmed_whole_with_unroutables_reported(
+        rabbitmq_url: str, namespace: str, cleanup: list[tuple[str, Settings]]) -> None:
+    from celery_outbox.celery.kombu_publisher import WRITE_CHUNK
+
+    # Given one batch several times larger than the publisher's collected write, with an unroutable
+    # message near the end (its return and the acks arrive while the batch is still being written)
+    settings = Settings(namespace=namespace, broker_url=rabbitmq_url, routes={"OrderPlaced": ("shipping",)})
+    cleanup.append((rabbitmq_url, settings))
+    msgs = [celery_task_message(Envelope(message_id=uuid.uuid4(), type="OrderPlaced", payload={"pad": "x" * 500}),
+                                consumer="shipping", routing_key=settings.queue_name("shipping"))
+            for _ in range(3000)]
+    msgs[2900] = celery_task_message(Envelope(message_id=uuid.uuid4(), type="OrderPlaced", payload={}),
+                                     consumer="nobody", routing_key=settings.queue_name("nobody"))
+    assert sum(len(m.body) for m in msgs) > 4 * WRITE_CHUNK
+    with KombuPublisher(broker_url=rabbitmq_url, settings=settings) as pub:
+        # When it is sent ahead and then awaited
+        wait = pub.send_batch(msgs)
+        report = wait()
+        # And the connection serves the next batch
+        again = pub.publish_batch(msgs[:2])
+    # Then every message is confirmed but the unroutable one, which is reported against its index
+    assert set(report.rejected) == {2900} and "unroutable" in report.rejected[2900]
+    assert len(report.confirmed) == 2999 and again.confirmed == (0, 1)
+    assert len(consume_all(rabbitmq_url, settings.queue_name("shipping"))) == 3001

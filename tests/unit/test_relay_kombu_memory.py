@@ -91,3 +91,24 @@ def test_cli_relay_once_drains_and_exits(settings: Settings, sqlite_url: str, tm
     assert result.exit_code == 0, result.output
     assert "published 2" in result.output
     assert {h["outbox_message_id"] for h, _, _ in drain_queue("memory://", settings.queue_name("search"))} == ids
+
+
+@pytest.mark.parametrize(("args", "expect_exit", "expect_text"), [
+    (["--batch-size", "2000"], 0, "published 3"),  # a first batch above the default ceiling raises the ceiling
+    (["--batch-size", "2", "--max-in-flight", "2"], 0, "published 3"),
+    (["--batch-size", "20", "--max-in-flight", "10"], 2, "OUTBOX_RELAY_MAX_IN_FLIGHT_ROWS"),
+])
+def test_cli_relay_batch_and_in_flight_options(args: list[str], expect_exit: int, expect_text: str, settings: Settings,
+                                               sqlite_url: str, tmp_home: Path, sqlite_sessions: sessionmaker[Session],
+                                               clock: ManualClock, tables: Tables,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_outbox.cli import cli
+
+    monkeypatch.delitem(sys.modules, "relay.app", raising=False)
+    insert(sqlite_sessions, clock, tables, 3)
+    env = {"OUTBOX_DATABASE_URL": sqlite_url, "OUTBOX_BROKER_URL": "memory://",
+           "OUTBOX_NAMESPACE": settings.namespace, "OUTBOX_HOME": str(tmp_home)}
+    result = CliRunner().invoke(cli, ["relay", "--once", *args], env=env)
+    assert result.exit_code == expect_exit, result.output
+    assert expect_text in result.output
+    assert "Traceback" not in result.output

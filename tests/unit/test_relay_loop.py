@@ -35,9 +35,9 @@ def wait_for(cond: Any, what: str, deadline_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def make_settings(tmp_path: Path, sqlite_url: str) -> Settings:
+def make_settings(tmp_path: Path, sqlite_url: str, *, max_in_flight: int = 10) -> Settings:
     return Settings(home=tmp_path, database_url=sqlite_url, namespace="tl", relay_batch_size=10,
-                    relay_poll_interval_s=0.05)
+                    relay_max_in_flight_rows=max_in_flight, relay_poll_interval_s=0.05)
 
 
 def test_drain_once_publishes_batch_after_batch_until_empty(tmp_path: Path, sqlite_url: str,
@@ -50,6 +50,26 @@ def test_drain_once_publishes_batch_after_batch_until_empty(tmp_path: Path, sqli
     result = loop.drain_once()
     assert (result.batches, result.published) == (4, 25)  # 10 + 10 + 5 + the empty one that proves it
     assert set(pub.message_ids()) == ids and pending(sqlite_sessions, tables) == 0
+    loop.close()
+
+
+def test_the_batch_grows_while_batches_come_back_full_and_never_past_the_in_flight_bound(
+        tmp_path: Path, sqlite_url: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+        tables: Tables) -> None:
+    # Given 100 pending rows, batches starting at 10 and at most 40 rows in flight
+    ids = insert(sqlite_sessions, clock, tables, 100)
+    sizes: list[int] = []
+    pub = InMemoryPublisher(before_publish=lambda msgs: sizes.append(len(msgs)))
+    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url, max_in_flight=40), tables=tables,
+                     session_factory=sqlite_sessions, publisher=pub, clock=clock)
+    # When it drains
+    result = loop.drain_once()
+    # Then the batches doubled while full, capped at 40 rows (four consumers routed: 4 messages a row)
+    assert sizes == [40, 80, 160, 120] and result.published == 100 and set(pub.message_ids()) == ids
+    # And an idle outbox shrinks the batch again: the empty batch that ended the drain halved it
+    assert loop.sizer.size == 20
+    loop.drain_once()
+    assert loop.sizer.size == 10
     loop.close()
 
 

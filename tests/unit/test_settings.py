@@ -616,3 +616,14 @@ def test_settings_module_reads_no_environment_on_import() -> None:
     code = "import os; os.environ['OUTBOX_RELAY_BATCH_SIZE'] = 'x'; import celeryconfig, celery_outbox.settings; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_first_batch_may_not_exceed_the_in_flight_bound() -> None:
+    # Given a starting batch larger than the rows allowed in flight (the bound on duplicates after a crash)
+    # Then the settings are refused naming both variables
+    with pytest.raises(ConfigError, match=r"OUTBOX_RELAY_BATCH_SIZE .*OUTBOX_RELAY_MAX_IN_FLIGHT_ROWS"):
+        Settings(relay_batch_size=2_000, relay_max_in_flight_rows=1_000)
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_MAX_IN_FLIGHT_ROWS"):
+        Settings.from_env({"OUTBOX_RELAY_BATCH_SIZE": "50", "OUTBOX_RELAY_MAX_IN_FLIGHT_ROWS": "49"})
+    s = Settings.from_env({"OUTBOX_RELAY_BATCH_SIZE": "50", "OUTBOX_RELAY_MAX_IN_FLIGHT_ROWS": "50"})
+    assert (s.relay_batch_size, s.relay_max_in_flight_rows) == (50, 50)

@@ -1,0 +1,60 @@
+"""The adaptive batch size as a pure object (relay/adaptive.py): no clock, no database, no broker."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from celery_outbox.errors import ConfigError
+from celery_outbox.relay.adaptive import AdaptiveBatch
+
+
+def test_full_batches_double_the_size_up_to_the_in_flight_bound() -> None:
+    sizer = AdaptiveBatch(minimum=100, maximum=1000)
+    sizes = [sizer.size]
+    for _ in range(6):
+        sizes.append(sizer.observe(asked=sizer.size, claimed=sizer.size))
+    assert sizes == [100, 200, 400, 800, 1000, 1000, 1000]
+
+
+def test_an_idle_outbox_halves_the_size_down_to_the_minimum() -> None:
+    sizer = AdaptiveBatch(minimum=100, maximum=1000)
+    sizer.size = 1000
+    sizes = [sizer.observe(asked=sizer.size, claimed=0) for _ in range(5)]
+    assert sizes == [500, 250, 125, 100, 100]
+
+
+def test_a_partly_full_batch_keeps_the_size() -> None:
+    # Given a batch that came back more than a quarter but less than fully full: a steady trickle
+    sizer = AdaptiveBatch(minimum=10, maximum=1000)
+    sizer.size = 400
+    assert sizer.observe(asked=400, claimed=101) == 400
+    assert sizer.observe(asked=400, claimed=399) == 400
+    # a quarter or less is idle enough to shrink
+    assert sizer.observe(asked=400, claimed=100) == 200
+
+
+def test_a_small_probe_batch_does_not_count_as_full() -> None:
+    # Given the circuit breaker asked for a 5-row probe while the size is 400, and got 5 rows
+    sizer = AdaptiveBatch(minimum=10, maximum=1000)
+    sizer.size = 400
+    # Then the size does not grow on the probe's account (it was not asked to take 400)
+    assert sizer.observe(asked=5, claimed=5) == 400
+
+
+@pytest.mark.parametrize(("minimum", "maximum"), [(0, 10), (11, 10), (-1, 5)])
+def test_bounds_are_checked(minimum: int, maximum: int) -> None:
+    with pytest.raises(ConfigError, match="minimum <= maximum"):
+        AdaptiveBatch(minimum=minimum, maximum=maximum)
+
+
+@given(minimum=st.integers(1, 50), extra=st.integers(0, 500),
+       fills=st.lists(st.tuples(st.floats(0, 1.5), st.booleans()), max_size=60))
+def test_the_size_always_stays_between_the_bounds(minimum: int, extra: int, fills: list[tuple[float, bool]]) -> None:
+    sizer = AdaptiveBatch(minimum=minimum, maximum=minimum + extra)
+    for fraction, probe in fills:
+        asked = min(sizer.size, 3) if probe else sizer.size
+        claimed = min(asked, int(asked * fraction))
+        size = sizer.observe(asked=asked, claimed=claimed)
+        assert minimum <= size <= minimum + extra
