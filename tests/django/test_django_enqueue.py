@@ -23,20 +23,27 @@ from celery_outbox.testing import drain
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 
+def set_routes(app: Any, routes: Any) -> None:
+    """Change ``task_routes`` on an app that may have routed already (Celery caches its router)."""
+    app.conf.task_routes = routes
+    app.amqp.flush_routes()
+    app.amqp.__dict__.pop("router", None)
+
+
 @pytest.fixture
 def confirm(shop_outbox: Any) -> Iterator[Any]:
     """A task of the shop's app (defined here for the test), routed to its own queue."""
     name = f"shop.confirm_{uuid.uuid4().hex[:8]}"
     app = shop_outbox.app
     saved = app.conf.task_routes
-    app.conf.task_routes = {**(saved or {}), name: {"queue": f"{name}.q"}}
+    set_routes(app, {**(saved or {}), name: {"queue": f"{name}.q"}})
 
     @app.task(name=name, shared=False)  # type: ignore[untyped-decorator]
     def confirm_order(order_id: str) -> str:
         return order_id
 
     yield confirm_order
-    app.conf.task_routes = saved
+    set_routes(app, saved)
     app.tasks.unregister(name)
 
 

@@ -10,107 +10,25 @@ and the inbox in Postgres.
 from __future__ import annotations
 
 import subprocess
-import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from kombu import Connection, Exchange, Queue
-from sqlalchemy.orm import Session, sessionmaker
 
-from celery_outbox.celery.enqueue import publishing_directly
-from celery_outbox.db import make_engine, make_session_factory
-from celery_outbox.inbox.handle import DUPLICATES
 from celery_outbox.schema import Tables
-from celeryconfig import Settings
-from devtools.processes import Child, settings_env
+from devtools.processes import settings_env
 from tests.tasks import idempotent_app as ia
+from tests.tasks.worker_env import OUTBOX_CLI, ROOT, Env, task_env
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
-OUTBOX_CLI = str(Path(sys.executable).with_name("outbox"))
-
-
-@dataclass
-class Env:
-    settings: Settings
-    built: ia.TaskApp
-    sessions: sessionmaker[Session]
-    tables: Tables
-    tmp: Path
-    workers: list[Child]
-
-    def start_worker(self, *, crash_points: str = "") -> Child:
-        queue = ia.tasks_queue(self.built.settings)
-        argv = [sys.executable, "-m", "celery", "-A", "tests.tasks.idempotent_app", "worker", "-Q", queue,
-                "-P", "prefork", "-c", "1", "--without-gossip", "--without-mingle", "--without-heartbeat",
-                "-n", f"idem-{self.settings.namespace}-{len(self.workers)}@%h", "-l", "INFO"]
-        env = settings_env(self.settings, broker_url=self.settings.broker_url,
-                           extra={"OUTBOX_CRASH_POINTS": crash_points})
-        child = Child(name="worker", argv=argv, env=env, log_path=self.tmp / f"worker-{len(self.workers)}.log",
-                      cwd=ROOT).start()
-        self.workers.append(child)
-        return child
-
-    def send(self, task: object, *args: object, task_id: str, copies: int = 1) -> None:
-        """Publish the task message ``copies`` times, same task id (a relay duplicate, a redelivery)."""
-        with publishing_directly():
-            for _ in range(copies):
-                task.apply_async(args=list(args), task_id=task_id)  # type: ignore[attr-defined]
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {w.log_path.name} ---\n{w.log_tail(80)}" for w in self.workers)
-
-    def wait(self, what: str, observe: Callable[[Session], object], expected: object, timeout_s: float = 90) -> None:
-        """Poll ``observe`` until it returns ``expected`` (a wait, not a timing assertion)."""
-        deadline = time.monotonic() + timeout_s
-        last: object = None
-        while time.monotonic() < deadline:
-            with self.sessions() as s:
-                last = observe(s)
-            if last == expected:
-                return
-            if any(not w.alive for w in self.workers[-1:]):
-                pytest.fail(f"the worker exited while waiting for {what}\n{self.logs()}")
-            time.sleep(0.25)
-        pytest.fail(f"timed out waiting for {what}: expected {expected!r}, last {last!r}\n{self.logs()}")
-
-    def duplicates(self, s: Session, key: str) -> int:
-        counters = self.tables.counters
-        return int(s.execute(sa.select(counters.value).where(counters.consumer == key, counters.name == DUPLICATES))
-                   .scalar() or 0)
-
-    def calls(self, task: str, key: str) -> int:
-        return ia.calls(self.built.settings, task, key)
 
 
 @pytest.fixture
 def env(redis_url: str, pg_url: str, namespace: str, tmp_path: Path, tables: Tables) -> Iterator[Env]:
-    home = tmp_path / "home"
-    home.mkdir()
-    settings = Settings(home=home, database_url=pg_url, broker_url=redis_url, namespace=namespace, routes={},
-                        consumer_retry_backoff_s=1, consumer_retry_backoff_max_s=2)
-    engine = make_engine(pg_url)
-    ia.metadata.create_all(engine)
-    built = ia.build(settings, broker_url=redis_url)
-    built.outbox._tables = tables
-    e = Env(settings=settings, built=built, sessions=make_session_factory(engine), tables=tables, tmp=tmp_path,
-            workers=[])
-    try:
+    with task_env(broker_url=redis_url, pg_url=pg_url, namespace=namespace, tmp_path=tmp_path, tables=tables) as e:
         yield e
-    finally:
-        for w in e.workers:
-            w.stop()
-        queue = ia.tasks_queue(built.settings)
-        with Connection(redis_url) as conn:
-            Queue(queue, Exchange(queue), routing_key=queue)(conn.channel()).delete()
-        ia.metadata.drop_all(engine)  # the session's shared Postgres database keeps only its own tables
-        built.app.close()
-        engine.dispose()
 
 
 def test_same_task_message_delivered_twice_one_effect(env: Env) -> None:

@@ -91,8 +91,12 @@ class DjangoConsumerSpec(ConsumerSpec):
     using: str | None = None
 
     def handle(self, session: Session, envelope: Envelope, *, tables: Tables, clock: Clock,
-               crash_points: CrashSite | None = None, fast_path: bool | None = None) -> Outcome:
-        """The inbox step for ``deliver``: PROCESSED, or DUPLICATE (counted); a handler error propagates."""
+               crash_points: CrashSite | None = None, fast_path: bool | None = None,
+               park_timeout_ms: int | None = None) -> Outcome:
+        """The inbox step for ``deliver``: PROCESSED, or DUPLICATE (counted); a handler error propagates.
+
+        ``park_timeout_ms`` belongs to ordered consumers, which Django consumers are not (``ordering=True``
+        is refused at declaration): accepted for the shared signature, unused."""
         if not self.accepts(envelope.type):
             raise UnknownEventTypeError(
                 f"consumer {self.name!r} does not handle event type {envelope.type!r} "

@@ -13,8 +13,8 @@ back with the view's data. The view's body keeps its ``.delay()``:
 
 Outside ``atomic()`` (autocommit) nothing is captured here, and ``OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION``
 decides (raise, or send directly). Django's ``TestCase`` wraps every test in ``atomic()``: a task sent
-in such a test is a row the test's rollback removes (run the relay with ``drain`` from
-``celery_outbox.testing`` inside the test to see the message).
+in such a test is an uncommitted row the test's rollback removes, invisible to the relay (another
+connection); ``celery_outbox.contrib.django.testing`` shows and runs it inside the test.
 """
 
 from __future__ import annotations

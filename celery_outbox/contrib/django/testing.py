@@ -1,0 +1,92 @@
+"""Tasks enqueued inside a Django ``TestCase``: see them, and run them, inside the test's own transaction.
+
+``TestCase`` wraps each test in ``atomic()``, so ``on_commit`` never fires and a task sent with
+``.delay()`` stays a pending outbox row (contrib/django/enqueue.py) that the test's rollback removes;
+the relay (another connection) cannot even see it. These helpers read the rows on Django's own
+connection, build each message with the relay's own ``messages.task_row_message`` (so a row the relay
+would refuse fails here too), and run the task eagerly in this process (docs/django.md, "Tests"):
+
+    class PlaceOrderTest(TestCase):
+        def test_confirmation_is_sent(self):
+            self.client.post("/orders", {...})                      # the view calls send_confirmation.delay()
+            [message] = enqueued_tasks(outbox)                     # what the relay would publish
+            assert message.headers["task"] == "shop.send_confirmation"
+            run_enqueued_tasks(outbox)                              # and what a worker would run
+
+Tasks run with Celery's ``Task.apply`` on this thread, so a task writing through the Django ORM sees
+and writes the test's uncommitted data; a countdown or eta is not waited for. A task that ``.delay()``s
+another one (or a chain's next step) writes a new row, run in the next round.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from celery import signature
+from django.db import router
+
+from celery_outbox.errors import ConfigError
+from celery_outbox.messages import TaskMessage, is_task_row, task_row_message
+
+__all__ = ["enqueued_tasks", "run_enqueued_tasks"]
+
+
+def _pending_task_rows(using: str | None) -> list[Any]:
+    from celery_outbox.contrib.django.models import OutboxMessage
+
+    alias = using or router.db_for_write(OutboxMessage)
+    rows = OutboxMessage.objects.using(alias).filter(published_at_ms__isnull=True, dead_lettered_at_ms__isnull=True)
+    return [row for row in rows.order_by("seq") if is_task_row(row.headers)]
+
+
+def _message(outbox: Any, row: Any) -> TaskMessage:
+    return task_row_message(message_id=row.message_id, type=row.type, payload=row.payload, headers=row.headers,
+                            max_bytes=outbox.settings.max_message_bytes)
+
+
+def enqueued_tasks(outbox: Any, *, using: str | None = None) -> list[TaskMessage]:
+    """The task messages pending in the outbox, in order, as the relay would publish them (nothing is marked)."""
+    return [_message(outbox, row) for row in _pending_task_rows(using)]
+
+
+def run_enqueued_tasks(outbox: Any, *, using: str | None = None, max_rounds: int = 100, throw: bool = True,
+                       ) -> list[Any]:
+    """Mark every pending task row published and run its task eagerly, in order; then again for the rows
+    those tasks wrote, until none is left. Returns Celery's ``EagerResult`` of each run.
+
+    ``throw=False`` keeps going after a failing task (its result says FAILURE). Raises ``ConfigError``
+    for a task this process does not register, or when tasks keep enqueuing tasks past ``max_rounds``.
+    """
+    results: list[Any] = []
+    for _ in range(max_rounds):
+        rows = _pending_task_rows(using)
+        if not rows:
+            return results
+        for row in rows:
+            message = _message(outbox, row)
+            row.published_at_ms = outbox.clock.now_ms()  # the relay's mark: the row never runs twice
+            row.save(update_fields=["published_at_ms"])
+            results.append(_run(outbox, message, throw=throw))
+    raise ConfigError(f"tasks were still enqueuing tasks after {max_rounds} rounds; a task that enqueues itself?")
+
+
+def _run(outbox: Any, message: TaskMessage, *, throw: bool) -> Any:
+    """What a worker does with ``message``: the task with its id, arguments, links and chain."""
+    app = outbox.app
+    name = str(message.headers["task"])
+    if name not in app.tasks:
+        raise ConfigError(f"task {name!r} is enqueued but not registered in this process: import the module that "
+                          "defines it (a worker would reject it too)")
+    args, kwargs, embed = json.loads(message.body)
+    embed = embed or {}
+    links = [signature(s, app=app) for s in embed.get("callbacks") or ()]
+    errbacks = [signature(s, app=app) for s in embed.get("errbacks") or ()]
+    result = app.tasks[name].apply(args=args, kwargs=kwargs, task_id=str(message.headers["id"]),
+                                   retries=message.headers.get("retries") or 0, link=links or None,
+                                   link_error=errbacks or None, throw=throw)
+    chain = list(embed.get("chain") or ())
+    if chain and result.successful():  # as Celery's tracer does: the next step gets the result
+        following = signature(chain.pop(), app=app)
+        following.apply_async((result.result,), chain=chain or None)
+    return result
