@@ -121,12 +121,17 @@ def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename
         "result_backend": None,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
+        # One unacked message per pool process: a larger prefetch lets a busy process hold messages an
+        # idle one could run (a longer latency tail) and hands back more on a worker crash.
         "worker_prefetch_multiplier": 1,
         # After a reconnect Celery lowers the prefetch count and raises it back as in-flight tasks
         # ack; acks of tasks delivered on the dead connection fail, and a worker was seen stuck,
         # consuming nothing, after a RabbitMQ outage (chaos run; celery/celery#9512). Prefetch is 1
         # per process here, so there is nothing to protect by reducing it.
         "worker_enable_prefetch_count_reduction": False,
+        # Task events for Flower without -E. Their cost (docs/scaling.md): in prefork the worker's parent
+        # process sends three per task, on RabbitMQ each waiting for its publisher confirm, and that
+        # parent is one thread; turning them off doubled a 2-process worker's sustained throughput.
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "task_queues": [*queues, relay_queue],
@@ -134,6 +139,8 @@ def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename
         "task_default_exchange": relay_queue.exchange.name,
         "task_default_routing_key": relay_queue.routing_key,
         "task_create_missing_queues": False,
+        # Redis: no ``polling_interval`` (kombu 5.7 reads it as the BRPOP timeout; BRPOP returns as soon
+        # as a message arrives, so it bounds nothing but idle wake-ups).
         "broker_transport_options": {"confirm_publish": True}
         if broker_is_rabbitmq(broker_url)
         else redis_transport_options(settings),

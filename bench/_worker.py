@@ -1,0 +1,169 @@
+"""The benches' worker app: the reference deployment's app, plus hop timestamps and plain-Celery twins.
+
+``celery -A bench._worker worker`` runs ``relay.factory.create_outbox()`` (settings from ``OUTBOX_*``,
+consumers from ``consumers.register``, so it follows whatever the deployment declares) and adds:
+
+- for every declared consumer, a plain task ``bench.plain.<consumer>`` on the same queue that runs the
+  consumer's own ``prepare`` + handler in one session and commits: the same effect with no inbox (what
+  ``.delay()`` after commit would run);
+- ``BENCH_WORKER_CONF`` (a JSON object) overrides Celery settings, to measure one knob against the
+  deployment's default in the same bench;
+- when ``BENCH_HOPS_DIR`` is set, one JSON line per task and stage, written by the process that saw it:
+  ``recv`` (``task_received``, the worker parent took the message off the broker), ``pre``
+  (``task_prerun``, a pool process starts it; with the message id and task name) and ``post``
+  (``task_postrun``, its commit is done), joined on the task id.
+
+Nothing here is library code: the relay and the consumers are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+import uuid
+from typing import IO, Any
+
+from celery import Celery, signals
+
+from celery_outbox import Envelope, Outbox
+from celery_outbox.inbox.handle import NOW_KEY
+
+PLAIN_PREFIX = "bench.plain."
+HOPS_ENV = "BENCH_HOPS_DIR"
+CONF_ENV = "BENCH_WORKER_CONF"  # JSON object of Celery settings laid over the deployment's (knob experiments)
+
+
+def plain_task_name(consumer: str) -> str:
+    return f"{PLAIN_PREFIX}{consumer}"
+
+
+def envelope_dict(*, message_id: uuid.UUID, payload: dict[str, Any], entity_key: str, created_at_ms: int) -> dict[str, Any]:
+    """The plain task's argument: the same fields an outbox envelope carries (JSON)."""
+    return {"message_id": str(message_id), "type": "OrderPlaced", "payload": payload,
+            "headers": {"entity_key": entity_key, "entity_version": 1}, "created_at_ms": created_at_ms}
+
+
+def add_plain_tasks(outbox: Outbox) -> None:
+    """One plain task per declared consumer: prepare + handler + commit, no inbox, no retry machinery."""
+    app = outbox.app
+    for spec in outbox.registry:
+        def run(body: dict[str, Any], _spec: Any = spec) -> None:
+            env = Envelope(message_id=uuid.UUID(body["message_id"]), type=body["type"], payload=body["payload"],
+                           headers=dict(body["headers"]), created_at_ms=int(body["created_at_ms"]))
+            with outbox.sessions()() as s:
+                s.info[NOW_KEY] = outbox.clock.now_ms()
+                if _spec.prepare is not None:
+                    _spec.prepare(s, env)
+                _spec.handler(s, env)
+                s.commit()
+
+        app.task(name=plain_task_name(spec.name), acks_late=True, ignore_result=True, shared=False)(run)
+
+
+class HopLog:
+    """Append-only JSON lines, one file per process (no interleaving between processes)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._file: IO[str] | None = None
+        self._pid = 0
+
+    def write(self, kind: str, task_id: Any, **extra: str) -> None:
+        t = time.time() * 1000.0
+        if self._file is None or self._pid != os.getpid():  # a forked pool process opens its own file
+            self._pid = os.getpid()
+            self._file = open(os.path.join(self.directory, f"hops-{self._pid}.jsonl"), "a", buffering=1)  # noqa: SIM115
+        self._file.write(json.dumps({"k": kind, "id": str(task_id), "t": t, **extra}) + "\n")
+
+
+def message_id_of(args: Any) -> str:
+    """The delivery's message id from the task's one argument (the envelope, as JSON text or a dict)."""
+    try:
+        body = args[0]
+        if isinstance(body, str):
+            body = json.loads(body)
+        return str(body["message_id"])
+    except (LookupError, TypeError, ValueError):
+        return ""
+
+
+def install_hops(directory: str) -> None:
+    """Record, per task id, when the parent received it and when a pool process started and ended it.
+
+    The outbox's consumer tasks are rebuilt by the library's strategy with canonical headers only, so
+    the message id comes from the argument, read in the pool process (task_prerun), not the parent.
+    """
+    log = HopLog(directory)
+
+    def on_received(request: Any = None, **_: Any) -> None:
+        log.write("recv", getattr(request, "id", None))
+
+    def on_prerun(task_id: Any = None, task: Any = None, args: Any = None, **_: Any) -> None:
+        log.write("pre", task_id, mid=message_id_of(args), task=str(getattr(task, "name", "")))
+
+    def on_postrun(task_id: Any = None, **_: Any) -> None:
+        log.write("post", task_id)
+
+    signals.task_received.connect(on_received, weak=False)
+    signals.task_prerun.connect(on_prerun, weak=False)
+    signals.task_postrun.connect(on_postrun, weak=False)
+
+
+def build() -> Outbox:
+    from relay.factory import create_outbox
+
+    outbox = create_outbox()
+    outbox.app.conf.update(json.loads(os.environ.get(CONF_ENV) or "{}"))
+    add_plain_tasks(outbox)
+    directory = os.environ.get(HOPS_ENV)
+    if directory:
+        install_hops(directory)
+    return outbox
+
+
+@functools.cache
+def _app() -> Celery:
+    return build().app
+
+
+def __getattr__(name: str) -> Any:
+    """``celery -A bench._worker`` looks up ``app``: built on first access, not at import."""
+    if name == "app":
+        return _app()
+    raise AttributeError(name)
+
+
+# -- the plain twin's sending side (bench/e2e_latency.py, bench/_plain_web.py) -----------------------
+def plain_celery(settings: Any) -> Celery:
+    """A plain Celery app with the deployment's Celery configuration and no ``Outbox`` on it (the outbox
+    app refuses a ``send_task`` outside a transaction): what an application without the outbox runs."""
+    from celeryconfig import celery_config
+
+    app = Celery("plain", set_as_current=False)
+    app.conf.update(celery_config(settings, settings.broker_url))
+    return app
+
+
+def place_plain_order(session: Any, req: Any, *, now_ms: int) -> None:
+    """``place_order`` without the outbox row: the order and its lines, one commit."""
+    from orders.models import Order, OrderLine
+
+    session.add(Order(id=req.order_id, customer_id=req.customer_id, email=req.email, currency=req.currency,
+                      total_cents=req.total_cents, status="placed", created_at_ms=now_ms,
+                      lines=[OrderLine(sku=li.sku, quantity=li.quantity, unit_price_cents=li.unit_price_cents)
+                             for li in req.lines]))
+    session.commit()
+
+
+def send_plain(app: Celery, settings: Any, consumers: Any, req: Any, *, now_ms: int) -> str:
+    """After the commit, one task per consumer (what ``.delay()`` does); returns the message id they carry."""
+    from orders.service import order_placed_payload
+
+    mid = uuid.uuid4()
+    body = envelope_dict(message_id=mid, payload=order_placed_payload(req), entity_key=f"order:{req.order_id}",
+                         created_at_ms=now_ms)
+    for consumer in consumers:
+        app.send_task(plain_task_name(consumer), args=[body], queue=settings.queue_name(consumer))
+    return str(mid)
