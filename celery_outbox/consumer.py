@@ -32,7 +32,7 @@ class ConsumerSpec:
     handler: Handler
     prepare: Prepare | None = None
     ordering: bool = False
-    fast_path: bool = True
+    fast_path: bool = True  # with ``prepare`` only: read the inbox before the external call (inbox/handle.py)
     policy: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __call__(self, session: Session, envelope: Envelope) -> None:
@@ -42,8 +42,10 @@ class ConsumerSpec:
         return event_type in self.events
 
     def handle(self, session: Session, envelope: Envelope, *, tables: Tables, clock: Clock, crash_points: CrashSite | None = None,
-               fast_path: bool | None = None) -> Outcome:
-        """``inbox.handle`` with this consumer's options; an event it does not accept is an error."""
+               fast_path: bool | None = None, park_timeout_ms: int | None = None) -> Outcome:
+        """``inbox.handle`` with this consumer's options; an event it does not accept is an error.
+
+        ``park_timeout_ms`` is passed (by ``delivery.deliver``) only to consumers with ``ordering``."""
         if not self.accepts(envelope.type):
             raise UnknownEventTypeError(
                 f"consumer {self.name!r} does not handle event type {envelope.type!r} "
@@ -51,7 +53,8 @@ class ConsumerSpec:
             )
         return inbox.handle(session, envelope, tables=tables, consumer=self.name, handler=self.handler, clock=clock,
                             fast_path=self.fast_path if fast_path is None else fast_path,
-                            ordering=self.ordering, crash_points=crash_points, prepare=self.prepare)
+                            ordering=self.ordering, crash_points=crash_points, prepare=self.prepare,
+                            park_timeout_ms=park_timeout_ms)
 
 
 def consumer(*, name: str, event: str | Iterable[str], ordering: bool = False, fast_path: bool = True,
@@ -59,7 +62,10 @@ def consumer(*, name: str, event: str | Iterable[str], ordering: bool = False, f
              retry_backoff_max: float | None = None, retry_jitter: bool = False) -> Callable[[Handler], ConsumerSpec]:
     """Declare ``handler`` as the idempotent consumer ``name`` of ``event`` (one type or several).
 
-    The retry options mean what they mean on ``@app.task`` (see ``RetryPolicy``).
+    The retry options mean what they mean on ``@app.task`` (see ``RetryPolicy``). ``fast_path``
+    matters only with ``prepare``: the inbox is read before the external call, so a message already
+    handled does not call the provider again (the plain path needs no read: its claim reports the
+    duplicate; see inbox/handle.py).
     """
     check_name(name)
     events = frozenset([event] if isinstance(event, str) else event)
@@ -119,6 +125,6 @@ class ConsumerRegistry:
         return tuple(self._specs)
 
     def with_options(self, *, fast_path: bool | None = None) -> ConsumerRegistry:
-        """A copy with options overridden on every spec (tests: the fast path switched off)."""
+        """A copy with options overridden on every spec (tests: the pre-check of ``prepare`` switched off)."""
         specs = [s if fast_path is None else replace(s, fast_path=fast_path) for s in self]
         return ConsumerRegistry(specs=specs)

@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import tracing
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec
+from celery_outbox.db import wrap_driver_errors
 from celery_outbox.errors import DatabaseError, MalformedMessageError, SerializationError, UnknownEventTypeError
-from celery_outbox.inbox import attempts, dead_letters, ordering
+from celery_outbox.inbox import attempts, dead_letters
 from celery_outbox.inbox.handle import DUPLICATES, CrashSite, already_seen, increment_counter
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import (
@@ -82,7 +85,32 @@ def _error_text(e: BaseException) -> str:
     return storable_text(text, limit=ERROR_MAX_CHARS)
 
 
-def delivery_key(body: Any, request_id: str | None, raw: str) -> uuid.UUID:
+class RawBody:
+    """The delivered body as raw text, encoded only when asked for.
+
+    A worker's task receives JSON text, which is its own raw form; a body given as a dict (eager
+    calls, idempotent tasks) is encoded once, for the size check or a dead letter, never twice.
+    """
+
+    def __init__(self, body: Any, malformed: MalformedDelivery | None) -> None:
+        self._body = body
+        self._value: str | bytes | None = malformed.body if malformed is not None else (
+            body if isinstance(body, (str, bytes)) else None)
+
+    @property
+    def value(self) -> str | bytes:
+        """What a dead letter stores as the body (``raw_text`` of a body that is not text yet)."""
+        if self._value is None:
+            self._value = raw_text(self._body)
+        return self._value
+
+    @property
+    def text(self) -> str:
+        raw = self.value
+        return raw if isinstance(raw, str) else raw.decode("utf-8", "backslashreplace")
+
+
+def delivery_key(body: Any, request_id: str | None, raw: str | RawBody) -> uuid.UUID:
     """The envelope's message_id when it has one; else the task id; else a hash of the raw body."""
     if isinstance(body, Mapping):
         try:
@@ -94,18 +122,21 @@ def delivery_key(body: Any, request_id: str | None, raw: str) -> uuid.UUID:
             return uuid.UUID(str(request_id))
         except ValueError:
             pass
+    if isinstance(raw, RawBody):
+        raw = raw.text
     try:
         return uuid.uuid5(TASK_ID_NAMESPACE, raw)
     except UnicodeEncodeError:  # lone surrogates: hash their exact code units instead
         return uuid.uuid5(TASK_ID_NAMESPACE, "surrogates:" + raw.encode("utf-8", "surrogatepass").hex())
 
 
-def _parse(spec: ConsumerSpec, body: Any, raw: str | bytes, settings: Settings,
+def _parse(spec: ConsumerSpec, body: Any, mapping: Mapping[str, Any] | None, raw: RawBody, settings: Settings,
            malformed: MalformedDelivery | None) -> Envelope:
     if malformed is not None:
         raise MalformedMessageError(malformed.error)
-    check_size(raw, limit=settings.max_message_bytes, what=f"message for {spec.name}")
-    envelope = Envelope.from_dict(body, max_depth=settings.max_json_depth)
+    check_size(raw.value, limit=settings.max_message_bytes, what=f"message for {spec.name}")
+    # The body was decoded once already (``_as_mapping``, same depth bound): validate that, do not decode again.
+    envelope = Envelope.from_dict(mapping if mapping is not None else body, max_depth=settings.max_json_depth)
     if not spec.accepts(envelope.type):
         raise UnknownEventTypeError(
             f"consumer {spec.name!r} does not handle event type {storable_text(repr(envelope.type), limit=220)} "
@@ -140,17 +171,16 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
     both. Any other delivery is counted at its start, which bounds a message that kills its worker.
     """
     malformed = MalformedDelivery.decode(body) if isinstance(body, str) else None
-    raw: str | bytes = malformed.body if malformed is not None else (body if isinstance(body, bytes) else raw_text(body))
-    as_text = raw if isinstance(raw, str) else raw.decode("utf-8", "backslashreplace")
+    raw = RawBody(body, malformed)
     mapping = _as_mapping(body, malformed, settings.max_json_depth)
-    key = delivery_key(mapping if mapping is not None else body, request_id, as_text)
+    key = delivery_key(mapping if mapping is not None else body, request_id, raw)
     btype, bheaders = _body_meta(mapping)
     # The delivery's span continues the trace the envelope carries (a no-op without OpenTelemetry).
     with tracing.consuming(consumer=spec.name, destination=settings.queue_name(spec.name), message_id=str(key),
                            event_type=btype, headers=bheaders) as span:
         result = _deliver(sessions, spec, body, tables=tables, settings=settings, clock=clock,
                           crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
-                          malformed=malformed, raw=raw, key=key, btype=btype, bheaders=bheaders)
+                          malformed=malformed, mapping=mapping, raw=raw, key=key, btype=btype, bheaders=bheaders)
         span.record(result.outcome.value, deliveries=result.deliveries, error=result.error,
                     failed=result.outcome in (Outcome.RETRY, Outcome.DEAD_LETTERED))
     return result
@@ -158,14 +188,19 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
 
 def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, tables: Tables, settings: Settings,
              clock: Clock, crash_points: CrashSite | None, first_delivery: bool, redelivered: bool,
-             malformed: MalformedDelivery | None, raw: str | bytes, key: uuid.UUID, btype: str | None,
-             bheaders: Mapping[str, Any]) -> Delivery:
+             malformed: MalformedDelivery | None, mapping: Mapping[str, Any] | None, raw: RawBody, key: uuid.UUID,
+             btype: str | None, bheaders: Mapping[str, Any]) -> Delivery:
     policy = spec.policy.resolve(settings)
     name, limit = spec.name, policy.max_deliveries
     if malformed is not None:
         bheaders = {"broker_headers": malformed.headers, "content_type": malformed.content_type,
                     "content_encoding": malformed.content_encoding}
-    with sessions() as session:
+    try:
+        connection = _connect(sessions)
+    except DatabaseError as e:  # the database is down: redeliver, do not count (as ``count`` below)
+        return Delivery(outcome=Outcome.RETRY, deliveries=0, error=_error_text(e), retry_in_s=backoff_s(1, policy=policy))
+    with connection if connection is not None else nullcontext(), \
+            sessions() if connection is None else sessions(bind=connection) as session:
 
         def count() -> AttemptRow | Delivery:
             try:
@@ -183,11 +218,15 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
                 return counted
             row = counted
             if row.deliveries > limit:
-                return _worker_lost(session, row, tables=tables, spec=spec, raw=raw, type_=btype, headers=bheaders, clock=clock,
-                                    limit=limit)
+                return _worker_lost(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders,
+                                    clock=clock, limit=limit)
         try:
-            envelope = _parse(spec, body, raw, settings, malformed)
-            outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=crash_points)
+            envelope = _parse(spec, body, mapping, raw, settings, malformed)
+            if spec.ordering:  # the delivery also dead-letters parked messages past the timeout (inbox/handle.py)
+                outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=crash_points,
+                                      park_timeout_ms=settings.consumer_park_timeout_ms)
+            else:
+                outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=crash_points)
         except Exception as e:
             session.rollback()
             error = _error_text(e)
@@ -197,21 +236,34 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
                     return counted
                 row = counted
                 if row.deliveries > limit:  # a dead-lettered copy came back
-                    return _worker_lost(session, row, tables=tables, spec=spec, raw=raw, type_=btype, headers=bheaders,
+                    return _worker_lost(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders,
                                         clock=clock, limit=limit)
-            return _failed(session, row, tables=tables, spec=spec, raw=raw, type_=btype, headers=bheaders, error=error,
+            return _failed(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders, error=error,
                            clock=clock, limit=limit,
                            retry_in_s=backoff_s(row.deliveries, policy=policy))
-        deliveries = row.deliveries if row is not None else 1
+        if row is None:  # a first delivery that went through: nothing was counted, nothing to clear
+            return Delivery(outcome=outcome, deliveries=1)
+        deliveries = row.deliveries  # read before ``forget`` deletes the row under it
         try:
-            if row is not None:
-                attempts.forget(session, tables=tables, key=key, consumer=name)
-            if spec.ordering:
-                ordering.expire_parked(session, tables=tables, consumer=name, now_ms=clock.now_ms(),
-                                       timeout_ms=settings.consumer_park_timeout_ms)
+            attempts.forget(session, tables=tables, key=key, consumer=name)
         except DatabaseError:
             session.rollback()  # bookkeeping only; the effect is committed and the message must be acked
         return Delivery(outcome=outcome, deliveries=deliveries)
+
+
+def _connect(sessions: sessionmaker[Session]) -> sa.Connection | None:
+    """ONE pooled connection for the whole delivery (None when ``sessions`` is not bound to an engine).
+
+    A delivery may run several short transactions (a ``prepare`` step's read and the external
+    call's own, the delivery count, the inbox transaction); a session bound to the engine returns
+    its connection to the pool after each, and every checkout costs a round trip when the engine
+    pre-pings (``db.make_engine``). Raises ``DatabaseError`` when no connection can be had.
+    """
+    bind = sessions.kw.get("bind")
+    if not isinstance(bind, sa.Engine):
+        return None
+    with wrap_driver_errors("connecting for a delivery"):
+        return bind.connect()
 
 
 def _body_meta(body: Mapping[str, Any] | None) -> tuple[str | None, Mapping[str, Any]]:

@@ -1,24 +1,30 @@
-"""The inbox key: claiming ``(message_id, consumer)`` inside the effect's transaction, and the fast path.
+"""The inbox key: claiming ``(message_id, consumer)`` inside the effect's transaction.
 
 Shared by ``handle`` (the plain path) and ``ordering`` (the per-entity path), so neither imports the other.
+
+The claim is ONE statement, ``INSERT ... ON CONFLICT DO NOTHING``, whose row count says whether this
+delivery owns the key: 1 = claimed (run the effect), 0 = the key is already there (a duplicate).
+No read comes first and no unique violation aborts the transaction. The composite primary key is
+still the guarantee: on Postgres an insert of a key that a concurrent, uncommitted transaction has
+just inserted waits for that transaction to end, then inserts nothing if it committed (or the row if
+it rolled back); SQLite serialises writers on its database lock (``BEGIN IMMEDIATE``, db.py). See
+docs/design.md, rule 6.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import sqlalchemy as sa
-from sqlalchemy import exc
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from celery_outbox.clock import SystemClock
-from celery_outbox.db import is_unique_violation, wrap_driver_errors
-from celery_outbox.errors import DatabaseError
+from celery_outbox.db import is_postgres, wrap_driver_errors
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
-from celery_outbox.sql import insert_for, upsert
 
 Handler = Callable[[Session, Envelope], None]
 """The effect: write with the given session, never commit (the inbox commits)."""
@@ -28,6 +34,9 @@ Prepare = Callable[[Session, Envelope], None]
 
 NOW_KEY = "outbox_consumer_now_ms"
 DUPLICATES = "duplicates"
+_KEY_COLUMNS = ("message_id", "consumer")
+_STATEMENTS_KEY = "celery_outbox.inbox.statements"
+S = TypeVar("S")
 
 
 class CrashSite(Protocol):
@@ -47,36 +56,64 @@ def effect_now_ms(session: Session) -> int:
 
 
 def already_seen(session: Session, message_id: uuid.UUID, consumer: str, *, tables: Tables) -> bool:
-    """The fast path: a plain read. Correctness never depends on it."""
+    """A plain read of the inbox key. Correctness never depends on it: ``handle`` uses it only before a
+    ``prepare`` step (to spare the external call), ``delivery`` on its rare worker-lost path."""
     stmt = sa.select(sa.literal(1)).where(tables.inbox.message_id == message_id, tables.inbox.consumer == consumer)
     with wrap_driver_errors(f"inbox lookup for {consumer}"):
         return session.execute(stmt).first() is not None
 
 
-def claim(session: Session, envelope: Envelope, *, tables: Tables, consumer: str, now_ms: int) -> None:
-    """INSERT the inbox row now (flushed), inside the caller's transaction.
+def table_of(model: type[Any]) -> sa.Table:
+    """The Core table of one of the library's mapped classes (Core statements skip the ORM's work)."""
+    return cast(sa.Table, model.__table__)
 
-    Raises ``DuplicateDelivery`` on a unique violation (SQLite or Postgres); on Postgres a parallel
-    claim of the same key blocks here until the first transaction ends, then fails or proceeds.
+
+def insert_into(session: Session, table: sa.Table) -> Any:
+    """``INSERT`` into ``table`` with ``on_conflict_do_*`` for the session's dialect (both share the API)."""
+    return (postgresql if is_postgres(session) else sqlite).insert(table)
+
+
+def insert_if_absent(session: Session, model: type[Any], keys: tuple[str, ...], values: dict[str, Any]) -> bool:
+    """``INSERT ... ON CONFLICT (keys) DO NOTHING`` of one row, in the session's transaction; True when
+    it inserted it.
+
+    The hot path of every delivery (bench/consumer_overhead.py), so it skips what it does not need:
+    a Core statement (no ORM unit of work), built once per pooled connection and kept in that
+    connection's ``info`` (no module-level state), the values passed as execute parameters (no bound
+    parameter objects built per call).
     """
-    stmt = insert_for(session, tables.inbox).values(
-        message_id=envelope.message_id, consumer=consumer, type=envelope.type, processed_at_ms=now_ms,
-    )
-    try:
-        session.execute(stmt)
-    except exc.IntegrityError as e:
-        if is_unique_violation(e):
-            raise DuplicateDelivery(f"{envelope.message_id}/{consumer}") from None
-        raise DatabaseError(f"inbox insert for {consumer} failed: {e.orig}") from e
-    except exc.DBAPIError as e:
-        raise DatabaseError(f"inbox insert for {consumer} failed: {e.orig}") from e
+    table = table_of(model)
+    connection, stmt = statement(session, ("insert_if_absent", table, keys),
+                                 lambda: insert_into(session, table).on_conflict_do_nothing(index_elements=list(keys)))
+    result = connection.execute(stmt, values)
+    return bool(result.rowcount == 1)
+
+
+def statement(session: Session, key: tuple[Any, ...], build: Callable[[], S]) -> tuple[sa.Connection, S]:
+    """The session's connection (in its transaction) and the statement ``build()`` made for ``key``,
+    built once per pooled connection and kept in that connection's ``info`` (no module-level state).
+
+    For statements with ``bindparam`` placeholders that run on every delivery: building a statement
+    and its cache key each time costs more CPU than executing it (bench/consumer_overhead.py).
+    """
+    connection = session.connection()
+    statements: dict[tuple[Any, ...], Any] = connection.info.setdefault(_STATEMENTS_KEY, {})
+    stmt = statements.get(key)
+    if stmt is None:
+        stmt = statements[key] = build()
+    return connection, cast(S, stmt)
 
 
 def claim_if_absent(session: Session, envelope: Envelope, *, tables: Tables, consumer: str, now_ms: int) -> bool:
-    """Like ``claim`` but ``ON CONFLICT DO NOTHING``: True when this call inserted the row."""
-    stmt = upsert(session, tables.inbox, {
-        "message_id": envelope.message_id, "consumer": consumer, "type": envelope.type, "processed_at_ms": now_ms,
-    }, keys=("message_id", "consumer"))
+    """Claim the inbox key inside the caller's transaction: True when this call inserted the row,
+    False when the key is already there (a duplicate; nothing was written, the transaction is intact)."""
     with wrap_driver_errors(f"inbox insert for {consumer}"):
-        result = session.execute(stmt)
-    return bool(getattr(result, "rowcount", 0) == 1)
+        return insert_if_absent(session, tables.inbox, _KEY_COLUMNS, {
+            "message_id": envelope.message_id, "consumer": consumer, "type": envelope.type, "processed_at_ms": now_ms,
+        })
+
+
+def claim(session: Session, envelope: Envelope, *, tables: Tables, consumer: str, now_ms: int) -> None:
+    """``claim_if_absent`` that raises ``DuplicateDelivery`` when the key is already there."""
+    if not claim_if_absent(session, envelope, tables=tables, consumer=consumer, now_ms=now_ms):
+        raise DuplicateDelivery(f"{envelope.message_id}/{consumer}")

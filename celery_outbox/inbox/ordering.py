@@ -1,11 +1,20 @@
 """Per-entity ordering, opt-in per consumer: skip versions already passed, park early ones.
 
 An event opts in with headers ``entity_key`` + ``entity_version`` (1, 2, 3, ...). All deliveries of
-one entity for one consumer serialise on that entity's ``EntityVersion`` row (``FOR UPDATE`` on
-Postgres; SQLite's ``BEGIN IMMEDIATE`` serialises everything), so "is the gap filled?" is never a
-race. A version at or below the applied one is STALE (recorded in the inbox, no effect); the next
-version is applied, then any parked successors in order; a later one is PARKED (no inbox row, so a
-timed-out parked message can be dead-lettered and replayed through the same path).
+one entity for one consumer serialise on that entity's ``EntityVersion`` row (an upsert that locks
+it: ``ON CONFLICT DO UPDATE`` on Postgres; SQLite's ``BEGIN IMMEDIATE`` serialises everything), so
+"is the gap filled?" is never a race. A version at or below the applied one is STALE (recorded in the
+inbox, no effect); the next version is applied, then any parked successors in order; a later one is
+PARKED (no inbox row, so a timed-out parked message can be dead-lettered and replayed through the
+same path).
+
+Statement budget of the happy path (the next version), all in the delivery's one transaction
+(inbox/handle.py): the inbox claim; ONE statement that both records and locks the new version when it
+is the next one (``INSERT ... ON CONFLICT DO NOTHING`` of version 1 for an entity never seen, else
+``UPDATE ... WHERE version = <this one - 1>``); ONE read of the parked messages that matter (this
+entity's, and with ``expire_cutoff_ms`` any of the consumer's parked before the cutoff); the effect.
+Only when that first statement changes nothing (an early, stale or concurrent delivery) does the
+locking upsert find the applied version, and a version update follow.
 """
 
 from __future__ import annotations
@@ -13,17 +22,22 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import exc
 from sqlalchemy.orm import Session
 
-from celery_outbox.db import is_postgres, is_unique_violation, wrap_driver_errors
-from celery_outbox.errors import DatabaseError
+from celery_outbox.db import wrap_driver_errors
 from celery_outbox.inbox import dead_letters
-from celery_outbox.inbox.claim import DuplicateDelivery, Handler, claim, claim_if_absent
+from celery_outbox.inbox.claim import (
+    DuplicateDelivery,
+    Handler,
+    claim_if_absent,
+    insert_if_absent,
+    insert_into,
+    statement,
+    table_of,
+)
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope, encode_json
 from celery_outbox.schema import Tables
-from celery_outbox.sql import upsert
 
 
 def entity_of(envelope: Envelope) -> tuple[str, int] | None:
@@ -36,60 +50,134 @@ def entity_of(envelope: Envelope) -> tuple[str, int] | None:
 
 
 def _lock_entity(session: Session, consumer: str, key: str, *, tables: Tables) -> int:
-    """Create the entity's version row if needed and lock it; returns the applied version (0 = none)."""
-    session.execute(upsert(session, tables.entity_versions, {"consumer": consumer, "entity_key": key, "version": 0},
-                           keys=("consumer", "entity_key")))
-    stmt = sa.select(tables.entity_versions.version).where(tables.entity_versions.consumer == consumer,
-                                                  tables.entity_versions.entity_key == key)
-    if is_postgres(session):
-        stmt = stmt.with_for_update()
-    return int(session.execute(stmt).scalar_one())
+    """Create the entity's version row if needed and lock it, in one statement; returns the applied
+    version (0 = none). ``DO UPDATE`` (a no-op assignment) takes the row lock that ``DO NOTHING`` would
+    not, and waits for a concurrent holder, then returns the version it committed."""
+    table = table_of(tables.entity_versions)
+    connection, stmt = statement(session, ("lock_entity", table), lambda: (
+        insert_into(session, table)
+        .on_conflict_do_update(index_elements=["consumer", "entity_key"], set_={"version": table.c.version})
+        .returning(table.c.version)))
+    return int(connection.execute(stmt, {"consumer": consumer, "entity_key": key, "version": 0}).scalar_one())
 
 
-def apply(session: Session, envelope: Envelope, *, tables: Tables, consumer: str, handler: Handler, now_ms: int) -> Outcome:
-    """The ordering branch of ``inbox.handle``: runs inside its transaction, never commits."""
+def _set_version(session: Session, consumer: str, key: str, version: int, *, tables: Tables) -> None:
+    table = table_of(tables.entity_versions)
+    connection, stmt = statement(session, ("set_version", table), lambda: (
+        sa.update(table).where(table.c.consumer == sa.bindparam("b_consumer"),
+                               table.c.entity_key == sa.bindparam("b_key"))
+        .values(version=sa.bindparam("b_version"))))
+    connection.execute(stmt, {"b_consumer": consumer, "b_key": key, "b_version": version})
+
+
+def _advance(session: Session, consumer: str, key: str, version: int, *, tables: Tables) -> bool:
+    """Record ``version`` as applied if it is the next one, in one statement that also locks the row;
+    True when it did. False says nothing yet (the row may be missing, behind, ahead or locked by a
+    delivery that has since moved it): the caller locks and reads it (``_lock_entity``).
+
+    Under READ COMMITTED an ``UPDATE`` whose row a concurrent transaction holds waits, then re-checks
+    its condition on the committed row, so it never advances from a version that has changed.
+    """
+    table = table_of(tables.entity_versions)
+    if version == 1:
+        return insert_if_absent(session, tables.entity_versions, ("consumer", "entity_key"),
+                                {"consumer": consumer, "entity_key": key, "version": 1})
+    connection, stmt = statement(session, ("advance_version", table), lambda: (
+        sa.update(table).where(table.c.consumer == sa.bindparam("b_consumer"),
+                               table.c.entity_key == sa.bindparam("b_key"),
+                               table.c.version == sa.bindparam("b_previous"))
+        .values(version=sa.bindparam("b_version"))))
+    result = connection.execute(stmt, {"b_consumer": consumer, "b_key": key, "b_previous": version - 1,
+                                       "b_version": version})
+    return bool(result.rowcount == 1)
+
+
+def apply(session: Session, envelope: Envelope, *, tables: Tables, consumer: str, handler: Handler, now_ms: int,
+          expire_cutoff_ms: int | None = None) -> tuple[Outcome, bool]:
+    """The ordering branch of ``inbox.handle``: runs inside its transaction, never commits.
+
+    Returns the outcome (DUPLICATE, with nothing written, when the inbox already holds the key) and,
+    with ``expire_cutoff_ms``, whether the consumer has parked messages parked at or before it (for
+    ``expire_parked`` after the commit). Raises ``DuplicateDelivery`` when the message is already
+    parked (the caller rolls back).
+    """
+    if not claim_if_absent(session, envelope, tables=tables, consumer=consumer, now_ms=now_ms):
+        return Outcome.DUPLICATE, False
     entity = entity_of(envelope)
     if entity is None:
-        claim(session, envelope, tables=tables, consumer=consumer, now_ms=now_ms)
         handler(session, envelope)
-        return Outcome.PROCESSED
+        return Outcome.PROCESSED, _has_expired(session, tables, consumer, expire_cutoff_ms)
     key, version = entity
     with wrap_driver_errors(f"locking entity {key!r} for {consumer}"):
-        current = _lock_entity(session, consumer, key, tables=tables)
-        parked_already = session.get(tables.parked, (envelope.message_id, consumer)) is not None
-    if parked_already:
-        raise DuplicateDelivery(f"{envelope.message_id}/{consumer}")
+        recorded = _advance(session, consumer, key, version, tables=tables)
+        current = version - 1 if recorded else _lock_entity(session, consumer, key, tables=tables)
     if version <= current:
-        claim(session, envelope, tables=tables, consumer=consumer, now_ms=now_ms)
-        return Outcome.STALE
+        return Outcome.STALE, _has_expired(session, tables, consumer, expire_cutoff_ms)  # claim kept: no effect
     if version > current + 1:
-        session.add(tables.parked(message_id=envelope.message_id, consumer=consumer, entity_key=key,
-                                  entity_version=version, envelope=envelope.to_dict(), parked_at_ms=now_ms))
-        try:
-            session.flush()
-        except exc.IntegrityError as e:
-            if is_unique_violation(e):
-                raise DuplicateDelivery(f"{envelope.message_id}/{consumer}") from None
-            raise DatabaseError(f"parking {envelope.message_id} for {consumer} failed: {e.orig}") from e
-        return Outcome.PARKED
-    claim(session, envelope, tables=tables, consumer=consumer, now_ms=now_ms)
+        with wrap_driver_errors(f"parking {envelope.message_id} for {consumer}"):
+            parked = insert_if_absent(session, tables.parked, ("message_id", "consumer"), {
+                "message_id": envelope.message_id, "consumer": consumer, "entity_key": key, "entity_version": version,
+                "envelope": envelope.to_dict(), "parked_at_ms": now_ms,
+            })
+            if not parked:
+                raise DuplicateDelivery(f"{envelope.message_id}/{consumer}")
+            # A parked message has no inbox row (module docstring): give back the claim.
+            inbox = table_of(tables.inbox)
+            session.execute(sa.delete(inbox).where(inbox.c.message_id == envelope.message_id,
+                                                   inbox.c.consumer == consumer))
+        return Outcome.PARKED, _has_expired(session, tables, consumer, expire_cutoff_ms)
     handler(session, envelope)
-    current = version
-    current = _drain_parked(session, tables=tables, consumer=consumer, key=key, current=current, handler=handler, now_ms=now_ms)
-    session.execute(sa.update(tables.entity_versions)
-                    .where(tables.entity_versions.consumer == consumer, tables.entity_versions.entity_key == key)
-                    .values(version=current))
-    return Outcome.PROCESSED
+    with wrap_driver_errors(f"advancing entity {key!r} for {consumer}"):
+        rows = _parked_rows(session, tables, consumer, key, expire_cutoff_ms)
+        applied = _drain_parked(session, [r for r in rows if r.entity_key == key], tables=tables, consumer=consumer,
+                                current=version, handler=handler, now_ms=now_ms)
+        if applied != version or not recorded:
+            _set_version(session, consumer, key, applied, tables=tables)
+    expired = expire_cutoff_ms is not None and any(
+        r.entity_key != key and r.parked_at_ms <= expire_cutoff_ms for r in rows)
+    return Outcome.PROCESSED, expired
 
 
-def _drain_parked(session: Session, *, tables: Tables, consumer: str, key: str, current: int, handler: Handler,
-                  now_ms: int) -> int:
-    """Apply parked successors while the next version is there; drop parked ones now stale."""
-    parked = session.execute(
-        sa.select(tables.parked).where(tables.parked.consumer == consumer, tables.parked.entity_key == key)
-        .order_by(tables.parked.entity_version, tables.parked.message_id)
-    ).scalars().all()
-    for row in parked:
+def _has_expired(session: Session, tables: Tables, consumer: str, cutoff_ms: int | None) -> bool:
+    if cutoff_ms is None:
+        return False
+    with wrap_driver_errors(f"looking for expired parked messages of {consumer}"):
+        return has_expired(session, tables=tables, consumer=consumer, cutoff_ms=cutoff_ms)
+
+
+def has_expired(session: Session, *, tables: Tables, consumer: str, cutoff_ms: int) -> bool:
+    """True when ``consumer`` has a parked message parked at or before ``cutoff_ms`` (one cheap read)."""
+    table = table_of(tables.parked)
+    connection, stmt = statement(session, ("has_expired", table), lambda: (
+        sa.select(sa.literal(1)).where(table.c.consumer == sa.bindparam("b_consumer"),
+                                       table.c.parked_at_ms <= sa.bindparam("b_cutoff")).limit(1)))
+    return connection.execute(stmt, {"b_consumer": consumer, "b_cutoff": cutoff_ms}).first() is not None
+
+
+def _parked_rows(session: Session, tables: Tables, consumer: str, key: str, cutoff_ms: int | None) -> list[Any]:
+    """The consumer's parked messages of entity ``key`` and, with ``cutoff_ms``, those parked at or before it
+    (one read for both questions), in version order."""
+    table = table_of(tables.parked)
+    columns = (table.c.message_id, table.c.entity_key, table.c.entity_version, table.c.envelope, table.c.parked_at_ms)
+    mine = table.c.entity_key == sa.bindparam("b_key")
+    if cutoff_ms is None:
+        connection, stmt = statement(session, ("parked_of_entity", table), lambda: (
+            sa.select(*columns).where(table.c.consumer == sa.bindparam("b_consumer"), mine)
+            .order_by(table.c.entity_version, table.c.message_id)))
+        return list(connection.execute(stmt, {"b_consumer": consumer, "b_key": key}).all())
+    connection, stmt = statement(session, ("parked_of_entity_or_expired", table), lambda: (
+        sa.select(*columns).where(table.c.consumer == sa.bindparam("b_consumer"),
+                                  sa.or_(mine, table.c.parked_at_ms <= sa.bindparam("b_cutoff")))
+        .order_by(table.c.entity_version, table.c.message_id)))
+    return list(connection.execute(stmt, {"b_consumer": consumer, "b_key": key, "b_cutoff": cutoff_ms}).all())
+
+
+def _drain_parked(session: Session, rows: list[Any], *, tables: Tables, consumer: str, current: int,
+                  handler: Handler, now_ms: int) -> int:
+    """Apply parked successors (``rows``: the entity's, in version order) while the next version is
+    there; drop parked ones now stale. Returns the version applied last."""
+    table = table_of(tables.parked)
+    for row in rows:
         if row.entity_version > current + 1:
             break
         env = Envelope.from_dict(row.envelope)
@@ -97,7 +185,7 @@ def _drain_parked(session: Session, *, tables: Tables, consumer: str, key: str, 
         if fresh and row.entity_version == current + 1:
             handler(session, env)
             current = row.entity_version
-        session.delete(row)
+        session.execute(sa.delete(table).where(table.c.message_id == row.message_id, table.c.consumer == consumer))
     return current
 
 

@@ -1,6 +1,8 @@
 """The inbox (rule 6): effect + (message_id, consumer) row in one transaction; the key is the guarantee.
 
 Every idempotency test runs with the "already seen?" fast path on AND off, on SQLite and Postgres.
+Only a consumer with a ``prepare`` step (e-mail) reads the inbox first; for the others the claim itself
+reports the duplicate, so both settings must give the same results.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from consumers.testing import order_placed_envelope
 
 
 def deployment_consumers() -> ConsumerRegistry:
-    """The reference deployment's four consumers, as ``consumers.register`` declares them."""
+    """The four example consumers of the reference deployment (``consumers/``), e-mail included."""
     return ConsumerRegistry(specs=[shipping, billing, search, email])
 
 

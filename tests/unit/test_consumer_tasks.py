@@ -39,7 +39,7 @@ from consumers.testing import order_placed_envelope
 
 
 def deployment_consumers() -> ConsumerRegistry:
-    """The reference deployment's four consumers, as ``consumers.register`` declares them."""
+    """The four example consumers of the reference deployment (``consumers/``), e-mail included."""
     return ConsumerRegistry(specs=[shipping, billing, search, email])
 
 
@@ -98,7 +98,8 @@ def test_register_defines_one_task_per_configured_consumer(settings: Settings, c
 
 def test_good_message_processed_and_acked(settings: Settings, clock: ManualClock,
                                           sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
-    app = make_outbox(settings, clock, sqlite_sessions, tables).app
+    # The four example consumers (the e-mail one with its ``prepare`` step), whatever the deployment registers
+    app = make_outbox(settings, clock, sqlite_sessions, tables, deployment_consumers()).app
     body = order_placed_envelope("o-1").to_dict()
     assert [apply(app, n, body) for n in ("shipping", "billing", "search", "email")] == ["processed"] * 4
     assert apply(app, "shipping", body) == dup(body)
