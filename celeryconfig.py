@@ -17,8 +17,12 @@ from celery_outbox import IntRule, PathRule
 from celery_outbox import Settings as OutboxSettings
 
 DEFAULT_ROUTES: dict[str, tuple[str, ...]] = {
-    "OrderPlaced": ("shipping", "billing", "search", "email"),
+    "OrderPlaced": ("shipping", "billing", "search"),
 }
+
+# This deployment's idempotent tasks and their queues (``<namespace>.<queue>``, declared on the events
+# exchange like a consumer's): the confirmation e-mail task (orders/tasks.py) runs on ``<namespace>.email``.
+TASK_QUEUES: dict[str, str] = {"orders.send_confirmation_email": "email"}
 
 EMBEDDED = "embedded"
 
@@ -33,11 +37,17 @@ class Settings(OutboxSettings):
     home: Path = Path("var")
     broker_url: str = EMBEDDED  # "embedded": the embedded Redis under ``home`` (started by the demo)
     routes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_ROUTES))
-    # One pool process per consumer of OrderPlaced: the relay publishes an order's four messages at once,
-    # and with fewer processes the last ones wait for a sibling to finish. At 20 orders/s, -c 2 -> -c 4
-    # took the outbox's p99 from 1.43x to 1.06x of plain Celery's on RabbitMQ (two runs back to back,
-    # docs/scaling.md).
+    # One pool process per message of an order (three OrderPlaced consumers and the e-mail task): the
+    # relay publishes an order's four messages at once, and with fewer processes the last ones wait for a
+    # sibling to finish. At 20 orders/s (then four consumers), -c 2 -> -c 4 took the outbox's p99 from
+    # 1.43x to 1.06x of plain Celery's on RabbitMQ (two runs back to back, docs/scaling.md).
     worker_concurrency: int = 4
+
+    @property
+    def worker_queues(self) -> tuple[str, ...]:
+        """What a worker of this deployment consumes: every consumer's queue, the tasks' queues, the relay's."""
+        names = dict.fromkeys((*self.consumers, *TASK_QUEUES.values()))
+        return (*(self.queue_name(n) for n in names), f"{self.namespace}.relay")
 
     def allows_broker_alias(self, url: str) -> bool:
         return url == EMBEDDED
@@ -52,9 +62,11 @@ class Settings(OutboxSettings):
 
 
 def celery_config(settings: Settings, broker_url: str) -> dict[str, Any]:
-    """The Celery configuration of this deployment (the library's recommended one, home-relative beat file,
-    ``worker_concurrency`` pool processes unless ``celery worker -c`` says otherwise)."""
+    """The Celery configuration of this deployment (the library's recommended one plus the tasks' queues,
+    home-relative beat file, ``worker_concurrency`` pool processes unless ``celery worker -c`` says otherwise)."""
     from celery_outbox import recommended_celery_config
 
-    return {**recommended_celery_config(settings, broker_url, beat_schedule_filename=settings.beat_schedule_filename),
+    return {**recommended_celery_config(settings, broker_url, beat_schedule_filename=settings.beat_schedule_filename,
+                                        consumers=tuple(TASK_QUEUES.values())),
+            "task_routes": {task: {"queue": settings.queue_name(queue)} for task, queue in TASK_QUEUES.items()},
             "worker_concurrency": settings.worker_concurrency}

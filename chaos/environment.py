@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.messages import Envelope, TaskMessage, celery_task_message, encode_json, task_id, task_name
 from celery_outbox.schema import Tables, define_tables
-from celeryconfig import Settings
+from celeryconfig import TASK_QUEUES, Settings
 from chaos.broker import RabbitBroker, RedisBroker, make_broker
 from chaos.processes import ManagedProcess, ProcessGroup, orders_argv, relay_argv, worker_argv
 from devtools.processes import wait_until
@@ -99,7 +99,7 @@ class ChaosEnvironment:
 
     def close(self) -> None:
         self.processes.kill_all()
-        queues = [self.settings.queue_name(c) for c in self.settings.consumers] + [f"{self.namespace}.relay"]
+        queues = list(self.settings.worker_queues)
         try:
             self.broker.close(namespace=self.namespace, queues=queues)
         finally:
@@ -136,6 +136,12 @@ class ChaosEnvironment:
         return self.settings.consumers
 
     @property
+    def deliveries(self) -> tuple[str, ...]:
+        """Where each committed order ends up: every consumer of OrderPlaced, then the tasks' queues (the
+        confirmation e-mail's ``email``); the keys of ``Snapshot.effects`` and ``queue_depths``."""
+        return (*self.consumers, *TASK_QUEUES.values())
+
+    @property
     def sessions(self) -> sessionmaker[Session]:
         assert self._sessions is not None, "use the environment as a context manager"
         return self._sessions
@@ -156,7 +162,10 @@ class ChaosEnvironment:
             pool = "solo" if self.kind == "redis" else "threads"
         if pool == "solo":
             concurrency = 1
-        names = [self.settings.queue_name(c) for c in (queues or self.consumers)]
+        # By default every queue but the relay's (the relay is its own process here): the consumers' and
+        # the tasks' (the confirmation e-mail, orders/tasks.py).
+        names = ([self.settings.queue_name(c) for c in queues] if queues
+                 else [q for q in self.settings.worker_queues if q != f"{self.namespace}.relay"])
         argv = worker_argv(queues=names, pool=pool, concurrency=concurrency, hostname=f"{name}-{self.namespace}")
         return self.processes.add(ManagedProcess(name=name, argv=argv, env=self.env,
                                                  log_dir=self.workdir / "logs", cwd=REPO))
@@ -209,13 +218,13 @@ class ChaosEnvironment:
             raise RuntimeError(f"broker rejected injected messages: {dict(report.rejected)}")
 
     def queue_depths(self) -> dict[str, int]:
-        """Ready messages per consumer queue, as the broker reports them (a slow consumer's backlog)."""
+        """Ready messages per consumer or task queue, as the broker reports them (a slow consumer's backlog)."""
         from kombu import Connection, Queue
 
         depths: dict[str, int] = {}
         with Connection(self.broker.url, connect_timeout=5) as conn:
             channel = conn.channel()
-            for c in self.consumers:
+            for c in self.deliveries:
                 _, count, _ = Queue(self.settings.queue_name(c), channel=channel).queue_declare()
                 depths[c] = int(count)
         return depths

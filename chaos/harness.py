@@ -119,7 +119,7 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
     committed_target = orders - len(rolled_back)
     report.rolled_back = len(rolled_back)
     kill_plan = plan_kills(kills, rng)
-    poison_consumers = [rng.choice(("shipping", "billing", "search", "email")) for _ in range(poison)]
+    poison_consumers = [rng.choice(("shipping", "billing", "search")) for _ in range(poison)]
     longest = max((len(q) for q in kill_plan.values()), default=0)
     interval_ms = max(10, int(1000 * (4 + 2.5 * longest) / max(orders, 1)))
     base = workdir or Path(tempfile.mkdtemp(prefix="outbox-chaos-"))
@@ -203,16 +203,19 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                 say(f"second relay stopped after {report.second_relay_s:.1f}s")
             if not dup_done and frac >= 0.4:
                 with env.sessions() as s:
-                    published = list(s.execute(sa.select(outbox.seq).where(
-                        outbox.published_at_ms.is_not(None))).scalars())
-                if published:
-                    chosen = rng.sample(published, min(duplicates, len(published)))
-                    repended = env.repend(chosen)
-                    extra = env.duplicate(rng.choice(published), copies=1)
-                    report.duplicates_injected = repended * len(env.consumers) + extra
+                    published = s.execute(sa.select(outbox.seq, outbox.type).where(
+                        outbox.published_at_ms.is_not(None))).all()
+                events = [seq for seq, kind in published if kind == invariants.ORDER_PLACED]
+                tasks = [seq for seq, kind in published if kind == invariants.CONFIRMATION]
+                if events:
+                    # an OrderPlaced row re-published reaches every consumer; an e-mail task row, its one task
+                    repended = env.repend(rng.sample(events, min(duplicates, len(events))))
+                    repended_tasks = env.repend(rng.sample(tasks, min(duplicates, len(tasks))))
+                    extra = env.duplicate(rng.choice(events), copies=1)
+                    report.duplicates_injected = repended * len(env.consumers) + repended_tasks + extra
                     dup_done = True
-                    say(f"injected {report.duplicates_injected} duplicate deliveries "
-                        f"({repended} rows re-published, 1 event sent twice at once)")
+                    say(f"injected {report.duplicates_injected} duplicate deliveries ({repended} events and "
+                        f"{repended_tasks} e-mail tasks re-published, 1 event sent twice at once)")
             if outage_at is None and frac >= 0.5:
                 quiet_outage(env, relays=[roles["relay"], relay2])
                 outage_at = time.monotonic()

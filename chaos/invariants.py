@@ -1,9 +1,12 @@
 """What must hold after any chaos run, however many processes died: read from the database alone.
 
-1. write side: every committed order has exactly one OrderPlaced outbox row and every row an order;
-   no planned-to-fail order left a row anywhere (order, outbox, inbox, effect);
+1. write side: every committed order has exactly one OrderPlaced outbox row and one confirmation
+   e-mail task row (orders/tasks.py), and every row an order; no planned-to-fail order left a row
+   anywhere (order, outbox, inbox, effect);
 2. relay: nothing pending and nothing dead-lettered by the relay at quiescence;
 3. consumers: every committed order has exactly one inbox row and exactly one effect per consumer;
+   the e-mail task: one inbox row per task and exactly one confirmation e-mail per order (distinct
+   provider keys, however often the provider was called);
 4. dead letters are exactly the injected poison (by consumer and message id), nothing else;
 5. duplicates: the inbox absorbed at least the duplicates the run injected (counted, reported).
 """
@@ -19,11 +22,16 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.schema import Tables
 from consumers.models import Invoice, SearchDocument, SentEmail, Shipment
 from orders.models import Order
+from orders.tasks import NAME
 
 ORDER_PLACED = "OrderPlaced"
+CONFIRMATION = NAME  # the confirmation e-mail task (orders/tasks.py)
+EMAIL = "email"
+CONFIRMATION_KEY = task_key(CONFIRMATION)  # the inbox ``consumer`` of the e-mail task
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +74,7 @@ def effect_counts_by_order(session: Session, *, tables: Tables) -> dict[str, Cou
         rows = session.execute(sa.select(column, sa.func.count()).group_by(column)).all()
         return Counter({str(k): int(n) for k, n in rows})
 
-    by_message = order_message_ids(session, tables=tables)
+    by_message = confirmation_task_ids(session, tables=tables)
     emails: Counter[str] = Counter()
     for key, n in session.execute(sa.select(SentEmail.idempotency_key, sa.func.count())
                                   .group_by(SentEmail.idempotency_key)).all():
@@ -80,7 +88,7 @@ def effect_counts_by_order(session: Session, *, tables: Tables) -> dict[str, Cou
         "shipping": grouped(Shipment.order_id),
         "billing": grouped(Invoice.order_id),
         "search": grouped(SearchDocument.order_id),
-        "email": emails,
+        EMAIL: emails,
     }
 
 
@@ -103,16 +111,34 @@ def order_message_ids(session: Session, *, tables: Tables) -> dict[uuid.UUID, st
     return {mid: str((payload or {}).get("order_id")) for mid, payload in rows}
 
 
+def confirmation_task_ids(session: Session, *, tables: Tables) -> dict[uuid.UUID, str]:
+    """Confirmation e-mail task id (= its outbox message id) -> order id, from the task rows' arguments."""
+    rows = session.execute(sa.select(tables.outbox.message_id, tables.outbox.payload)
+                           .where(tables.outbox.type == CONFIRMATION)).all()
+
+    def order_of(payload: Any) -> str:
+        body = (payload or {}).get("body") if isinstance(payload, dict) else None
+        args = body[0] if isinstance(body, list) and body and isinstance(body[0], list) else []
+        return str(args[0]) if args else "?"
+
+    return {mid: order_of(payload) for mid, payload in rows}
+
+
 def quiescent(session: Session, *, tables: Tables, consumers: Sequence[str], expected_dead_letters: int) -> bool:
     """Nothing left to do: no pending row, every order seen by every consumer, all poison dead."""
     pending = session.execute(sa.select(sa.func.count()).select_from(tables.outbox).where(
         tables.outbox.published_at_ms.is_(None), tables.outbox.dead_lettered_at_ms.is_(None))).scalar_one()
     if pending:
         return False
-    messages = session.execute(sa.select(sa.func.count()).select_from(tables.outbox)).scalar_one()
-    inbox = session.execute(sa.select(sa.func.count()).select_from(tables.inbox).where(
-        tables.inbox.consumer.in_(list(consumers)))).scalar_one()
-    if inbox < messages * len(consumers):
+    def rows(kind: str) -> int:
+        return int(session.execute(sa.select(sa.func.count()).select_from(tables.outbox)
+                                   .where(tables.outbox.type == kind)).scalar_one())
+
+    def inbox(names: Sequence[str]) -> int:
+        return int(session.execute(sa.select(sa.func.count()).select_from(tables.inbox).where(
+            tables.inbox.consumer.in_(list(names)))).scalar_one())
+
+    if inbox(consumers) < rows(ORDER_PLACED) * len(consumers) or inbox([CONFIRMATION_KEY]) < rows(CONFIRMATION):
         return False
     dead = session.execute(sa.select(sa.func.count()).select_from(tables.dead_letters)).scalar_one()
     return bool(dead >= expected_dead_letters)
@@ -132,7 +158,7 @@ def snapshot(session: Session, *, tables: Tables, consumers: Sequence[str], now_
                                        .group_by(tables.inbox.consumer)).all():
         snap.inbox_rows[consumer] = int(n)
     counts = effect_counts_by_order(session, tables=tables)
-    snap.effects = {c: int(sum(counts.get(c, Counter()).values())) for c in consumers}
+    snap.effects = {c: int(sum(counts.get(c, Counter()).values())) for c in (*consumers, EMAIL)}
     snap.dead_letters = session.execute(sa.select(sa.func.count()).select_from(tables.dead_letters)).scalar_one()
     snap.duplicates_absorbed = duplicates_absorbed(session, tables=tables)
     return snap
@@ -167,8 +193,20 @@ def check(session: Session, *, tables: Tables, consumers: Sequence[str], rolled_
         v.append(Violation(invariant="no event without its order",
                            detail=f"{len(orphan_rows)} OrderPlaced row(s) for no committed order: "
                                   f"{_sample(orphan_rows)}"))
+    tasks = confirmation_task_ids(session, tables=tables)
+    tasks_per_order = Counter(tasks.values())
+    wrong_tasks = {o: tasks_per_order.get(o, 0) for o in orders if tasks_per_order.get(o, 0) != 1}
+    if wrong_tasks:
+        v.append(Violation(invariant="order has its e-mail task",
+                           detail=f"{len(wrong_tasks)} committed order(s) without exactly one {CONFIRMATION} row: "
+                                  f"{_sample(f'{o}={n}' for o, n in wrong_tasks.items())}"))
+    orphan_tasks = set(tasks_per_order) - orders
+    if orphan_tasks:
+        v.append(Violation(invariant="no event without its order",
+                           detail=f"{len(orphan_tasks)} {CONFIRMATION} row(s) for no committed order: "
+                                  f"{_sample(orphan_tasks)}"))
     rolled = set(rolled_back)
-    leaked = rolled & (orders | set(rows_per_order))
+    leaked = rolled & (orders | set(rows_per_order) | set(tasks_per_order))
     if leaked:
         v.append(Violation(invariant="rolled-back order leaves nothing",
                            detail=f"{len(leaked)} rolled-back order(s) found in orders/outbox: {_sample(leaked)}"))
@@ -198,6 +236,22 @@ def check(session: Session, *, tables: Tables, consumers: Sequence[str], rolled_
         if ghosts:
             v.append(Violation(invariant=f"{consumer}: no effect without a committed order",
                                detail=f"effects for {len(ghosts)} unknown/rolled-back order(s): {_sample(ghosts)}"))
+
+    task_inbox = inbox.get(CONFIRMATION_KEY, set())
+    unseen = {o for m, o in tasks.items() if m not in task_inbox}
+    if unseen:
+        v.append(Violation(invariant=f"{EMAIL}: every order seen once",
+                           detail=f"{len(unseen)} e-mail task(s) without an inbox row: {_sample(unseen)}"))
+    sent = counts.get(EMAIL, Counter())
+    wrong_sent = {o: sent.get(o, 0) for o in orders if sent.get(o, 0) != 1}
+    if wrong_sent:
+        v.append(Violation(invariant=f"{EMAIL}: exactly one effect per order",
+                           detail=f"{len(wrong_sent)} order(s) with confirmation e-mails != 1: "
+                                  f"{_sample(f'{o}={n}' for o, n in wrong_sent.items())}"))
+    ghosts = (set(sent) - orders) | (rolled & set(sent))
+    if ghosts:
+        v.append(Violation(invariant=f"{EMAIL}: no effect without a committed order",
+                           detail=f"e-mails for {len(ghosts)} unknown/rolled-back order(s): {_sample(ghosts)}"))
 
     dead = Counter((c, m) for c, m in session.execute(
         sa.select(tables.dead_letters.consumer, tables.dead_letters.message_id)).all())

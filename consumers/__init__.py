@@ -1,4 +1,9 @@
-"""The reference deployment's consumers: Shipping, Billing, Search and Email, each an idempotent consumer."""
+"""The reference deployment's consumers: Shipping, Billing and Search, each an idempotent consumer.
+
+The confirmation e-mail is not a consumer: the Orders service enqueues it as an idempotent task
+(orders/tasks.py). ``consumers.email`` stays as the documented example of a consumer with a
+``prepare`` step (an effect outside the database); this deployment does not register it.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,12 @@ from celery_outbox import ConsumerRegistry, Outbox
 
 
 def default_registry() -> ConsumerRegistry:
-    """A new registry with the shipped consumers: shipping, billing, search, email."""
+    """A new registry with the shipped consumers: shipping, billing, search."""
     from consumers.billing import billing
-    from consumers.email import email
     from consumers.search import search
     from consumers.shipping import shipping
 
-    return ConsumerRegistry(specs=[shipping, billing, search, email])
+    return ConsumerRegistry(specs=[shipping, billing, search])
 
 
 def register(outbox: Outbox) -> None:

@@ -1,4 +1,9 @@
-"""E-mail: the order confirmation, an effect OUTSIDE the database.
+"""E-mail as a consumer of OrderPlaced: the example of a consumer with a ``prepare`` step.
+
+This deployment sends its confirmation e-mail as an idempotent task enqueued with the order
+(orders/tasks.py, the one way it sends it) and does not register this consumer; it is kept as the
+library's documented example of an effect OUTSIDE the database handled by a consumer, which the
+tests of the prepare step use.
 
 The provider call is the consumer's ``prepare`` step: it runs before the inbox transaction (no
 database lock held during a slow remote call) with an idempotency key from (message_id, consumer).

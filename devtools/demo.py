@@ -1,6 +1,7 @@
-"""The main job on the embedded default: orders in, events out, one effect per consumer, checked.
+"""The main job on the embedded default: orders in, events and e-mail tasks out, one effect per consumer
+and one confirmation e-mail per order, checked.
 
-Runs a real ``celery worker`` (consumers + relay task) and a real ``celery beat`` (schedules the
+Runs a real ``celery worker`` (consumers, the e-mail task, the relay task) and a real ``celery beat`` (schedules the
 relay) against the embedded Redis and a SQLite file, places orders through the Flask app, then
 provokes the failure this system exists for, a relay that published but died before marking (the
 rows are marked pending again, so they are published twice), and shows the inbox absorbing it.
@@ -22,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.errors import OutboxError
+from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.schema import Tables, define_tables
 from celeryconfig import EMBEDDED, Settings
 from consumers.effects import duplicates_absorbed, effect_counts
@@ -29,7 +31,13 @@ from devtools.embedded import EmbeddedRedis
 from devtools.processes import Child, beat, wait_until, worker
 from orders import migrate
 from orders.models import Order
+from orders.service import ORDER_PLACED
+from orders.tasks import NAME as CONFIRMATION
 from orders.web import create_app
+
+EMAIL = "email"  # the confirmation e-mail task's name in the summary (consumers.effects counts it so)
+CONFIRMATION_KEY = task_key(CONFIRMATION)
+ROWS_PER_ORDER = 2  # its OrderPlaced event and its confirmation e-mail task
 
 
 @dataclass(kw_only=True)
@@ -68,17 +76,19 @@ def read_counts(sessions: sessionmaker[Session], *, tables: Tables) -> DemoCount
                                                          outbox.dead_lettered_at_ms.is_(None))),
             dead_lettered=n(sa.select(sa.func.count()).where(outbox.dead_lettered_at_ms.is_not(None))),
             effects=effect_counts(s),
-            duplicates=duplicates_absorbed(s, tables),
+            # the e-mail task's inbox key reads as "email", like the consumers' names
+            duplicates={EMAIL if k == CONFIRMATION_KEY else k: v for k, v in duplicates_absorbed(s, tables).items()},
         )
 
 
 def check(counts: DemoCounts, *, orders: int, duplicates: int, consumers: tuple[str, ...]) -> list[str]:
+    """``consumers``: what each order reaches, the OrderPlaced consumers and ``email`` (the e-mail task)."""
     problems = []
     if counts.orders != orders:
         problems.append(f"{counts.orders} orders stored, {orders} placed")
-    if counts.published != orders or counts.pending or counts.dead_lettered:
+    if counts.published != orders * ROWS_PER_ORDER or counts.pending or counts.dead_lettered:
         problems.append(f"outbox: {counts.published} published, {counts.pending} pending, "
-                        f"{counts.dead_lettered} dead-lettered (want {orders}/0/0)")
+                        f"{counts.dead_lettered} dead-lettered (want {orders * ROWS_PER_ORDER}/0/0)")
     for c in consumers:
         if counts.effects.get(c, 0) != orders:
             problems.append(f"{c}: {counts.effects.get(c, 0)} effects for {orders} orders")
@@ -94,7 +104,7 @@ def summary_table(result: DemoResult) -> Table:
     table.add_column("count", justify="right")
     table.add_column("expected", justify="right")
     table.add_row("orders placed", str(c.orders), str(result.expected_orders))
-    table.add_row("outbox published", str(c.published), str(result.expected_orders))
+    table.add_row("outbox published", str(c.published), str(result.expected_orders * ROWS_PER_ORDER))
     table.add_row("outbox pending", str(c.pending), "0")
     table.add_row("outbox dead-lettered", str(c.dead_lettered), "0")
     for name in result.consumers:
@@ -144,8 +154,8 @@ def run_demo(*, settings: Settings, orders: int, duplicates: int = 5, timeout_s:
                                                      if embedded else ""))
     engine = make_engine(url)
     sessions = make_session_factory(engine)
-    consumers = settings.consumers
-    queues = [settings.queue_name(c) for c in consumers] + [f"{settings.namespace}.relay"]
+    consumers = (*settings.consumers, EMAIL)  # the e-mail is a task (orders/tasks.py), counted like a consumer
+    queues = list(settings.worker_queues)
     children = [
         worker(settings, broker_url=broker_url, log_dir=log_dir, queues=queues,
                concurrency=settings.worker_concurrency),
@@ -173,7 +183,7 @@ def run_demo(*, settings: Settings, orders: int, duplicates: int = 5, timeout_s:
                     progress.advance(placing)
                 want = [f"effects: {c}" for c in consumers]
                 tasks = {w: progress.add_task(w, total=orders) for w in want}
-                published = progress.add_task("outbox published", total=orders)
+                published = progress.add_task("outbox published", total=orders * ROWS_PER_ORDER)
 
                 def settled(dups: int) -> bool:
                     c = read_counts(sessions, tables=tables)
@@ -185,13 +195,15 @@ def run_demo(*, settings: Settings, orders: int, duplicates: int = 5, timeout_s:
                 ok = wait_until(lambda: settled(0), timeout_s=timeout_s, interval_s=0.5)
                 if ok and duplicates:
                     # Provoke "crash after publish, before mark": the rows go back to pending, so the
-                    # relay publishes them a second time; every consumer's inbox must drop them.
+                    # relay publishes them a second time; every consumer's inbox and the e-mail task's
+                    # must drop them (the first ``duplicates`` events and as many e-mail tasks).
                     with sessions() as s:
                         outbox = tables.outbox
-                        seqs = s.scalars(sa.select(outbox.seq).order_by(outbox.seq).limit(duplicates)).all()
+                        seqs = [seq for kind in (ORDER_PLACED, CONFIRMATION) for seq in s.scalars(
+                            sa.select(outbox.seq).where(outbox.type == kind).order_by(outbox.seq).limit(duplicates))]
                         s.execute(sa.update(outbox).where(outbox.seq.in_(seqs)).values(published_at_ms=None))
                         s.commit()
-                    console.print(f"[bold]provoked[/] {len(seqs)} events published twice "
+                    console.print(f"[bold]provoked[/] {len(seqs)} rows (events and e-mail tasks) published twice "
                                   "(relay died after publish, before mark)")
                     wait_until(lambda: settled(duplicates), timeout_s=timeout_s, interval_s=0.5)
             for child in children:

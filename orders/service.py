@@ -1,4 +1,4 @@
-"""place_order(): the order and its OrderPlaced outbox row, in one commit or not at all."""
+"""place_order(): the order, its OrderPlaced event and its confirmation e-mail task, in one commit or not at all."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from celery_outbox import CrashPoints, DatabaseError, Event, Outbox, ValidationError, is_unique_violation
 from orders.models import Order, OrderLine
+from orders.tasks import confirmation_email_task
 
 ORDER_PLACED = "OrderPlaced"
 # Every pattern is anchored with \A...\Z (``$`` also matches before a trailing newline) and ASCII-only.
@@ -156,10 +157,11 @@ def order_placed_payload(req: OrderRequest) -> dict[str, Any]:
 
 def place_order(session: Session, req: OrderRequest, *, outbox: Outbox, correlation_id: str | None = None,
                 crash_points: CrashPoints | None = None) -> Order:
-    """Write the order and its ``OrderPlaced`` event in ONE commit.
+    """Write the order, its ``OrderPlaced`` event and its confirmation e-mail task in ONE commit.
 
-    A failed commit (duplicate id, database down) rolls back both and raises; there is never an
-    order without its event nor an event without its order.
+    The task is enqueued with a plain ``.delay()`` inside ``outbox.transaction(session)`` (orders/tasks.py):
+    it is an outbox row like the event. A failed commit (duplicate id, database down) rolls back all
+    three and raises; there is never an order without its event and e-mail, nor either without the order.
 
     Errors carry no database text (it names hosts, ports and SQL): ``OrderDataError`` when the
     database refused the values, ``DatabaseError`` when it failed; the driver error is ``__cause__``.
@@ -172,9 +174,11 @@ def place_order(session: Session, req: OrderRequest, *, outbox: Outbox, correlat
                for li in req.lines],
     )
     try:
-        session.add(order)
-        outbox.publish(session, Event(ORDER_PLACED, order_placed_payload(req), correlation_id=correlation_id,
-                                      entity_key=f"order:{req.order_id}", entity_version=1))
+        with outbox.transaction(session):  # the task below becomes an outbox row of this transaction
+            session.add(order)
+            outbox.publish(session, Event(ORDER_PLACED, order_placed_payload(req), correlation_id=correlation_id,
+                                          entity_key=f"order:{req.order_id}", entity_version=1))
+            confirmation_email_task(outbox).delay(req.order_id)
         session.commit()
         (crash_points or outbox.crash_points).reached("after_order_commit")
     except exc.IntegrityError as e:

@@ -1,4 +1,4 @@
-"""Build this deployment's ``Outbox``: its Celery app, its settings, its four consumers."""
+"""Build this deployment's ``Outbox``: its Celery app, its settings, its three consumers, its e-mail task."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from celery.beat import PersistentScheduler
 from sqlalchemy.orm import Session, sessionmaker
 
 import consumers
+import orders.tasks
 from celery_outbox import Clock, Outbox
 from celeryconfig import Settings, celery_config
 from devtools.embedded import resolve_broker_url
@@ -49,6 +50,7 @@ def create_outbox(settings: Settings | None = None, *, broker_url: str | None = 
     settings = settings.replace(database_url=settings.effective_database_url, broker_url=url)
     outbox = Outbox(app, settings=settings, session_factory=session_factory, clock=clock)
     consumers.register(outbox)
+    orders.tasks.register(outbox)
     return outbox
 
 

@@ -127,8 +127,12 @@ class _Recorder:
     """A stand-in producer: records the one publish Celery's sender makes, publishes nothing."""
 
     def __init__(self, real: Any) -> None:
-        self.connection = getattr(real, "connection", None)
-        self.channel = getattr(real, "channel", None)
+        # Never ``real.channel`` (nor ``real.connection``, which falls back to it): on a kombu Producer that
+        # property opens the broker connection, and enqueueing must work with the broker down (the relay
+        # publishes later; tests/chaos/test_failure_matrix.py::test_broker_down_backlog_drains_nothing_dead_lettered).
+        # The pooled producer's Connection object, not connected, is all Celery's sender may read.
+        self.connection = getattr(real, "__connection__", None)
+        self.channel = None
         self.call: tuple[Any, dict[str, Any]] | None = None
 
     def publish(self, body: Any, **kwargs: Any) -> None:

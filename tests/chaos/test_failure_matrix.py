@@ -24,6 +24,7 @@ from orders.models import Order
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
 
 KILLED = -signal.SIGKILL
+ROWS = 2  # outbox rows per order: its OrderPlaced event and its confirmation e-mail task (orders/tasks.py)
 
 
 def settle(env: ChaosEnvironment, *, rolled_back: Iterable[str] = (), poison: Iterable[tuple[str, str]] = (),
@@ -67,7 +68,7 @@ def test_order_commit_fails_leaves_neither_order_nor_event(redis_chaos: ChaosEnv
     # When: the real order writer runs it, then relay and worker run
     place(env, items)
     assert env.count(Order) == 3
-    assert env.count(env.tables.outbox) == 3
+    assert env.count(env.tables.outbox) == 3 * ROWS
     env.relay().start()
     env.worker().start()
     # Then: exactly the committed orders have effects; the rolled-back ones nothing anywhere
@@ -83,7 +84,7 @@ def test_crash_after_order_commit_then_relay_publishes(redis_chaos: ChaosEnviron
     assert loader.sigkills == ["after_order_commit@2"], env.logs()
     # Then: the committed orders are there with their pending rows, nothing was lost with the process
     assert env.count(Order) == 2
-    assert env.pending() == 2
+    assert env.pending() == 2 * ROWS
     # When: the writer restarts (skipping committed orders), and a relay and worker run
     place(env, items)
     env.relay().start()
@@ -101,7 +102,7 @@ def test_relay_killed_after_claim_before_publish(redis_chaos: ChaosEnvironment) 
     relay.start(crash_points="after_claim_before_publish")
     died_by_sigkill(relay, env)
     # Then: its lock died with its connection; every row is still pending, nothing was sent
-    assert env.pending() == 5
+    assert env.pending() == 5 * ROWS
     # When: the relay restarts
     relay.start()
     env.worker().start()
@@ -121,12 +122,13 @@ def test_relay_killed_after_publish_before_mark_inbox_drops_duplicate(broker: st
     relay = env.relay()
     relay.start(crash_points="after_publish_before_mark")
     died_by_sigkill(relay, env)
-    assert env.pending() == 5
+    assert env.pending() == 5 * ROWS
     # When: the relay restarts and publishes the same 5 events again
     relay.start()
-    # Then: the inbox absorbed one duplicate per (event, consumer); each order has exactly one effect
-    report = settle(env, min_duplicates=5 * len(env.consumers))
-    assert report.snapshot.effects == {c: 5 for c in env.consumers}
+    # Then: the inbox absorbed one duplicate per (event, consumer) and per e-mail task; each order has
+    # exactly one effect per consumer and one confirmation e-mail
+    report = settle(env, min_duplicates=5 * len(env.deliveries))
+    assert report.snapshot.effects == {c: 5 for c in env.deliveries}
 
 
 def test_relay_killed_after_mark_loses_nothing(redis_chaos: ChaosEnvironment) -> None:
@@ -161,7 +163,7 @@ def test_broker_down_backlog_drains_nothing_dead_lettered(chaos_env: ChaosEnviro
     env.broker.outage_begin()
     place(env, plan(8))
     # When: the outage lasts far longer than max_attempts x backoff (3 x 200 ms) would allow
-    env.wait(lambda: env.count(env.tables.outbox) == 10, what="orders written during the outage")
+    env.wait(lambda: env.count(env.tables.outbox) == 10 * ROWS, what="orders written during the outage")
     time.sleep(4)  # the outage itself: the relay must ride it out (no assertion on time)
     assert relay.alive(), env.logs()
     with env.sessions() as s:
@@ -169,7 +171,7 @@ def test_broker_down_backlog_drains_nothing_dead_lettered(chaos_env: ChaosEnviro
         dead = s.execute(sa.select(sa.func.count()).select_from(outbox)
                          .where(outbox.dead_lettered_at_ms.is_not(None))).scalar_one()
         charged = s.execute(sa.select(sa.func.max(outbox.attempts))).scalar_one()
-    assert env.pending() == 8
+    assert env.pending() == 8 * ROWS
     assert dead == 0
     assert charged == 0  # an unreachable broker is nobody's message's fault (the breaker backs off)
     # Then: the broker returns and the backlog drains by itself; nothing dead-lettered
@@ -220,7 +222,8 @@ def test_same_message_delivered_in_parallel_one_effect(redis_chaos: ChaosEnviron
     env.wait(lambda: env.pending() == 0, what="order published")
     # Given: the same event three times on every consumer's queue
     with env.sessions() as s:
-        seq = s.execute(sa.select(env.tables.outbox.seq)).scalar_one()
+        seq = s.execute(sa.select(env.tables.outbox.seq)
+                        .where(env.tables.outbox.type == invariants.ORDER_PLACED)).scalar_one()
     injected = env.duplicate(seq, copies=2)
     # When: a 4-thread worker takes the copies at once
     env.worker(pool="threads", concurrency=4).start()
@@ -266,8 +269,8 @@ def test_slow_consumer_fast_relay_backlog_is_visible_then_drains(redis_chaos: Ch
     env.wait(lambda: env.pending() == 0, what="orders published")
     # Then: the backlog sits in the broker queues, where queue depth shows it
     depths = env.queue_depths()
-    assert depths == {c: 12 for c in env.consumers}, depths
+    assert depths == {c: 12 for c in env.deliveries}, depths
     # When: the consumer catches up
     env.worker().start()
     settle(env)
-    assert env.queue_depths() == {c: 0 for c in env.consumers}
+    assert env.queue_depths() == {c: 0 for c in env.deliveries}

@@ -43,14 +43,14 @@ def test_relay_killed_with_a_batch_in_flight_and_the_next_claimed_loses_nothing(
     loader = env.orders(plan(ORDERS))
     loader.start()
     assert loader.wait_exit(timeout_s=60) == 0, env.logs()
-    assert env.pending() == ORDERS
+    assert env.pending() == 2 * ORDERS  # an OrderPlaced row and a confirmation e-mail task row per order
     # When: the relay is SIGKILLed with batch N published-unmarked and batch N+1 claimed
     relay = env.relay()
     relay.start(crash_points="relay_in_flight_next_claimed")
     code = relay.wait_exit(timeout_s=60)
     assert code == -signal.SIGKILL, f"relay exit code {code}, expected SIGKILL\n{env.logs()}"
     # Then: nothing was marked (N was not marked, N+1 not even published), and the claim died with it
-    assert env.pending() == ORDERS
+    assert env.pending() == 2 * ORDERS  # an OrderPlaced row and a confirmation e-mail task row per order
     # When: the relay restarts and the workers run
     relay.start()
     env.worker().start()
@@ -66,5 +66,5 @@ def test_relay_killed_with_a_batch_in_flight_and_the_next_claimed_loses_nothing(
     # Then: every invariant holds (no loss, one effect per order and consumer), and the duplicates are
     # bounded by the one batch that was in flight
     assert report.ok, f"{report.violations}\n{env.logs()}"
-    assert report.snapshot.effects == {c: ORDERS for c in env.consumers}
+    assert report.snapshot.effects == {c: ORDERS for c in env.deliveries}
     assert report.snapshot.duplicates_absorbed <= IN_FLIGHT * len(env.consumers), env.logs()

@@ -65,6 +65,7 @@ def db(request: pytest.FixtureRequest, settings: Settings, clock: ManualClock) -
 
 
 def counts(sessions: sessionmaker[Session], tables: Tables) -> tuple[int, int]:
+    """(orders, outbox rows): an order writes two rows, its OrderPlaced event and its confirmation e-mail task."""
     with sessions() as s:
         return (int(s.scalar(sa.select(sa.func.count()).select_from(Order)) or 0),
                 int(s.scalar(sa.select(sa.func.count()).select_from(tables.outbox)) or 0))
@@ -266,14 +267,14 @@ def test_idempotency_key_makes_a_retry_return_the_original(db: tuple[FlaskClient
     # Then it gets the original 201 and order, marked as a replay, and nothing is written twice
     assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
     assert assert_clean(again) == first.json
-    assert counts(sessions, tables) == (1, 1)
+    assert counts(sessions, tables) == (1, 2)
     # And the same key with another body is refused (422), still one order, one event
     other = client.post("/orders", json={**body, "email": "b@example.com"}, headers=key)
     assert other.status_code == 422 and "Idempotency-Key" in assert_clean(other)["error"]
     # And a key that disagrees with the body's order_id is a 400
     clash = client.post("/orders", json={**body, "order_id": "o-other"}, headers=key)
     assert clash.status_code == 400 and assert_clean(clash)
-    assert counts(sessions, tables) == (1, 1)
+    assert counts(sessions, tables) == (1, 2)
 
 
 def test_without_a_key_a_reused_order_id_stays_409(client: FlaskClient) -> None:

@@ -131,7 +131,7 @@ def test_real_worker_fan_out_duplicates_and_poison(worker: Worker, tables: Table
     poison = Envelope(message_id=uuid.uuid4(), type="OrderPlaced", payload="not json", headers={})
     orders = [order_placed_envelope(f"o-{i}") for i in range(3)]
     items: list[tuple[Envelope, str]] = [(poison, "shipping")]
-    # And three orders fanned out to all four consumers behind it, the first one's shipping copy
+    # And three orders fanned out to every consumer of the deployment behind it, the first one's shipping copy
     # published three times (a relay that crashed before marking, twice)
     items += [(env, c) for env in orders for c in CONSUMERS]
     items += [(orders[0], "shipping"), (orders[0], "shipping")]

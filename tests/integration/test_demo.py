@@ -25,6 +25,7 @@ def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "every count adds up" in out
+    assert "effects: email" in out and "duplicates absorbed: email" in out  # the e-mail task, counted too
     # the embedded redis-server it started is stopped again
     assert not (tmp_path / "var" / "redis" / "redis.port").exists(), out
 

@@ -157,7 +157,7 @@ def test_the_readme_commands_run_as_written(fresh_database: str, redis_url: str,
             "lines": [{"sku": "sku-1", "quantity": 2, "unit_price_cents": 1250}]})
         assert status == 201, (order, logs())
 
-        # Then it takes effect once in each of the four consumers
+        # Then it takes effect once in each of the three consumers, and its confirmation e-mail task sends one e-mail
         def effects() -> dict[str, int]:
             with sessions() as s:
                 return effect_counts(s)

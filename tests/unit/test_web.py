@@ -27,6 +27,7 @@ def client(settings: Settings, sqlite_sessions: sessionmaker[Session], clock: Ma
 
 
 def rows(sessions: sessionmaker[Session], tables: Tables) -> tuple[int, int]:
+    """(orders, outbox rows): an order writes two rows, its OrderPlaced event and its confirmation e-mail task."""
     with sessions() as s:
         return (int(s.scalar(sa.select(sa.func.count()).select_from(Order)) or 0),
                 int(s.scalar(sa.select(sa.func.count()).select_from(tables.outbox)) or 0))
@@ -38,7 +39,7 @@ def test_post_then_get(client: FlaskClient, sqlite_sessions: sessionmaker[Sessio
     assert r.json is not None and r.json["total_cents"] == 999
     g = client.get("/orders/o-1")
     assert g.status_code == 200 and g.json is not None and g.json["lines"][0]["sku"] == "sku-1"
-    assert rows(sqlite_sessions, tables) == (1, 1)
+    assert rows(sqlite_sessions, tables) == (1, 2)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +68,7 @@ def test_duplicate_order_is_409_and_keeps_one_event(client: FlaskClient, sqlite_
     assert client.post("/orders", json=ORDER).status_code == 201
     r = client.post("/orders", json=ORDER)
     assert r.status_code == 409 and r.json is not None and "already exists" in r.json["error"]
-    assert rows(sqlite_sessions, tables) == (1, 1)
+    assert rows(sqlite_sessions, tables) == (1, 2)
 
 
 def test_unknown_order_is_404(client: FlaskClient) -> None:

@@ -1,4 +1,4 @@
-"""Rule 1: the order and its outbox row commit together, or neither does."""
+"""Rule 1: the order and its outbox rows (the event, the e-mail task) commit together, or none does."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from celery_outbox.errors import (
 from celery_outbox.schema import Tables
 from orders.models import Order, OrderLine
 from orders.service import ORDER_PLACED, DuplicateOrderError, parse_order, place_order
+from orders.tasks import NAME as CONFIRMATION
 
 ORDER = {"order_id": "o-1", "customer_id": "c-1", "email": "a@example.com", "currency": "EUR",
          "lines": [{"sku": "sku-1", "quantity": 2, "unit_price_cents": 500}]}
@@ -34,11 +35,16 @@ def test_order_and_outbox_row_commit_together(any_sessions: sessionmaker[Session
     # When it is placed
     with any_sessions() as s:
         place_order(s, req, outbox=outbox)
-    # Then the order, its line and one pending OrderPlaced row exist
+    # Then the order, its line, one pending OrderPlaced row and one pending confirmation e-mail task row exist
     with any_sessions() as s:
-        row = s.scalars(sa.select(tables.outbox)).one()
+        rows = {r.type: r for r in s.scalars(sa.select(tables.outbox))}
         assert s.get(Order, "o-1") is not None
     assert count(any_sessions, OrderLine) == 1
+    assert sorted(rows) == sorted([ORDER_PLACED, CONFIRMATION])
+    row, task = rows[ORDER_PLACED], rows[CONFIRMATION]
+    assert task.headers["outbox_kind"] == "task" and task.published_at_ms is None
+    assert task.payload["body"][:2] == [["o-1"], {}]  # .delay(order_id): args, kwargs
+    assert task.headers["queue"]["name"] == outbox.settings.queue_name("email")
     assert row.type == ORDER_PLACED
     assert row.payload["order_id"] == "o-1" and row.payload["total_cents"] == 1000
     assert row.published_at_ms is None and row.dead_lettered_at_ms is None
@@ -54,9 +60,9 @@ def test_failed_commit_leaves_neither_order_nor_outbox_row(any_sessions: session
     # When a second order with the same primary key is placed
     with any_sessions() as s, pytest.raises(DuplicateOrderError, match="already exists"):
         place_order(s, parse_order({**ORDER, "email": "b@example.com"}), outbox=outbox)
-    # Then the commit failed as a whole: still one order and ONE outbox row, not two
+    # Then the commit failed as a whole: still one order and its two outbox rows (event, e-mail task), not four
     assert count(any_sessions, Order) == 1
-    assert count(any_sessions, tables.outbox) == 1
+    assert count(any_sessions, tables.outbox) == 2
 
 
 def test_caller_rollback_discards_the_event(sqlite_sessions: sessionmaker[Session], clock: ManualClock,
