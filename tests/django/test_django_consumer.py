@@ -111,7 +111,7 @@ def test_without_the_fast_path_the_inbox_key_still_guarantees_one_effect(deliver
     msg = envelope()
     # When the message is delivered three times
     outcomes = [delivered(spec, msg).outcome for _ in range(3)]
-    # Then the unique violation on the inbox made the later two duplicates, rolled back, one effect
+    # Then the inbox key (a claim that inserted nothing) made the later two duplicates, one effect
     assert outcomes == [Outcome.PROCESSED, Outcome.DUPLICATE, Outcome.DUPLICATE]
     assert Shipment.objects.count() == 1 and len(calls) == 1
     assert ConsumerCounter.objects.get(consumer=CONSUMER, name=DUPLICATES).value == 2
@@ -188,7 +188,7 @@ def test_two_parallel_deliveries_one_processed_one_duplicate_one_effect(sa_engin
     msg = envelope()
     # When two threads, each with its own connection, deliver the same message at the same time
     outcomes = run_in_threads(2, lambda: delivered(spec, msg).outcome)
-    # Then one processed it, the other got the unique violation -> DUPLICATE, and there is one effect
+    # Then one processed it, the other's claim waited and inserted nothing -> DUPLICATE, and there is one effect
     assert sorted(o.value for o in outcomes) == ["duplicate", "processed"]
     assert len(calls) == 1
     assert Shipment.objects.count() == 1 and InboxEntry.objects.count() == 1

@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
 from django.db import DatabaseError as DjangoDatabaseError
 from sqlalchemy.orm import Session
 
@@ -35,9 +35,6 @@ from celery_outbox.messages import Envelope
 from celery_outbox.names import check_name
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.schema import Tables
-
-if TYPE_CHECKING:
-    from celery_outbox.contrib.django.models import InboxEntry
 
 log = logging.getLogger(__name__)
 
@@ -67,20 +64,30 @@ def already_processed(message_id: Any, consumer: str, *, using: str | None = Non
                 .filter(message_id=message_id, consumer=consumer).exists())
 
 
-def _claim(envelope: Envelope, consumer: str, alias: str, now_ms: int) -> InboxEntry:
+def _claim(envelope: Envelope, consumer: str, alias: str, now_ms: int) -> bool:
+    """One ``INSERT ... ON CONFLICT DO NOTHING`` (SQLite and Postgres): True when this call inserted the row.
+
+    The same one-statement claim as ``celery_outbox.inbox.claim.claim_if_absent``: no read first, and a
+    duplicate is a row count of 0 rather than an aborted transaction. On Postgres a parallel claim of
+    the same key waits for the first transaction, then inserts nothing (or inserts, if it rolled back).
+    Django's ``bulk_create(ignore_conflicts=True)`` cannot say whether it inserted, hence the SQL.
+    """
     from celery_outbox.contrib.django.models import InboxEntry
 
+    connection = connections[alias]
+    meta = InboxEntry._meta
+    fields = [meta.get_field(name) for name in ("message_id", "consumer", "type", "processed_at_ms")]
+    values = [envelope.message_id, consumer, envelope.type, now_ms]
+    qn = connection.ops.quote_name
+    sql = (f"INSERT INTO {qn(meta.db_table)} ({', '.join(qn(f.column) for f in fields)}) "
+           f"VALUES ({', '.join(['%s'] * len(fields))}) ON CONFLICT DO NOTHING")
+    params = [f.get_db_prep_value(v, connection, prepared=False) for f, v in zip(fields, values, strict=True)]
     try:
-        entry: InboxEntry = InboxEntry.objects.using(alias).create(
-            message_id=envelope.message_id, consumer=consumer, type=envelope.type, processed_at_ms=now_ms,
-        )
-    except IntegrityError as e:
-        if is_unique_violation(e):
-            raise _AlreadyProcessed from e
-        raise DatabaseError(f"inbox insert for {consumer} {envelope.message_id} failed: {e}") from e
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return bool(cursor.rowcount == 1)
     except DjangoDatabaseError as e:
         raise DatabaseError(f"inbox insert for {consumer} {envelope.message_id} failed: {e}") from e
-    return entry
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,19 +111,16 @@ class DjangoConsumerSpec(ConsumerSpec):
             )
         alias = self.using or DEFAULT_DB_ALIAS
         crash = crash_points or DISARMED
-        if (self.fast_path if fast_path is None else fast_path) and \
-                already_processed(envelope.message_id, self.name, using=alias):
-            log.info("%s: %s %s already processed (fast path)", self.name, envelope.type, envelope.message_id)
-            counters.increment(session, self.name, DUPLICATES, tables=tables)
-            return Outcome.DUPLICATE
+        # ``fast_path`` is kept for the shared signature: with a one-statement claim a read first only
+        # adds a round trip (a Django consumer has no ``prepare`` step for it to spare).
         try:
             with transaction.atomic(using=alias):
-                _claim(envelope, self.name, alias, clock.now_ms())
+                if not _claim(envelope, self.name, alias, clock.now_ms()):
+                    raise _AlreadyProcessed
                 self.effect(envelope)
                 crash.reached("consumer_before_commit")
         except _AlreadyProcessed:
-            log.info("%s: %s %s is a duplicate (inbox key), rolled back", self.name, envelope.type,
-                     envelope.message_id)
+            log.info("%s: %s %s is a duplicate (inbox key)", self.name, envelope.type, envelope.message_id)
             counters.increment(session, self.name, DUPLICATES, tables=tables)
             return Outcome.DUPLICATE
         crash.reached("consumer_after_commit_before_ack")
