@@ -2,8 +2,9 @@
 
 ``POST /orders`` does what ``orders/web.py`` does (decode, validate, write the order and its lines in one
 commit, answer 201 with the order) minus the outbox row; after the commit it sends one plain task per
-consumer the deployment routes ``OrderPlaced`` to (``bench._worker``: the same effect, no inbox). The
-baseline an application without the outbox would run.
+consumer the deployment routes ``OrderPlaced`` to and one plain confirmation e-mail task, through the
+same provider (``bench._worker``: the same effects, on the same queues, no inbox). The baseline an
+application without the outbox would run.
 """
 
 from __future__ import annotations

@@ -1,16 +1,21 @@
 """The benches' worker app: the reference deployment's app, plus hop timestamps and plain-Celery twins.
 
 ``celery -A bench._worker worker`` runs ``relay.factory.create_outbox()`` (settings from ``OUTBOX_*``,
-consumers from ``consumers.register``, so it follows whatever the deployment declares) and adds:
+consumers from ``consumers.register``, the e-mail task from ``orders.tasks.register``, so it follows
+whatever the deployment declares) and adds:
 
 - for every declared consumer, a plain task ``bench.plain.<consumer>`` on the same queue that runs the
   consumer's own ``prepare`` + handler in one session and commits: the same effect with no inbox (what
   ``.delay()`` after commit would run);
+- a plain twin of the confirmation e-mail task (``orders.send_confirmation_email``, orders/tasks.py),
+  ``bench.plain.send_confirmation_email`` on the same ``<namespace>.email`` queue: the same
+  ``send_confirmation`` through the same provider, keyed by its own task id, no inbox row;
 - ``BENCH_WORKER_CONF`` (a JSON object) overrides Celery settings, to measure one knob against the
   deployment's default in the same bench;
 - when ``BENCH_HOPS_DIR`` is set, one JSON line per task and stage, written by the process that saw it:
   ``recv`` (``task_received``, the worker parent took the message off the broker), ``pre``
-  (``task_prerun``, a pool process starts it; with the message id and task name) and ``post``
+  (``task_prerun``, a pool process starts it; with the message id and task name: the envelope's, else
+  the task id, which is the outbox message id of an enqueued task such as the e-mail) and ``post``
   (``task_postrun``, its commit is done), joined on the task id.
 
 Nothing here is library code: the relay and the consumers are untouched.
@@ -31,6 +36,7 @@ from celery_outbox import Envelope, Outbox
 from celery_outbox.inbox.handle import NOW_KEY
 
 PLAIN_PREFIX = "bench.plain."
+PLAIN_EMAIL = f"{PLAIN_PREFIX}send_confirmation_email"  # the plain twin of orders.send_confirmation_email
 HOPS_ENV = "BENCH_HOPS_DIR"
 CONF_ENV = "BENCH_WORKER_CONF"  # JSON object of Celery settings laid over the deployment's (knob experiments)
 
@@ -60,6 +66,19 @@ def add_plain_tasks(outbox: Outbox) -> None:
                 s.commit()
 
         app.task(name=plain_task_name(spec.name), acks_late=True, ignore_result=True, shared=False)(run)
+    add_plain_email_task(outbox)
+
+
+def add_plain_email_task(outbox: Outbox) -> None:
+    """The e-mail task without the outbox: ``send_confirmation`` through the deployment's provider (the fake,
+    which commits one ``sent_emails`` row per key), keyed by this task's id like the real task; no inbox."""
+    from orders.tasks import fake_provider, send_confirmation
+
+    def run(task: Any, body: dict[str, Any]) -> None:
+        with outbox.sessions()() as s:
+            send_confirmation(s, fake_provider(s), task_id=str(task.request.id), order_id=body["order_id"])
+
+    outbox.app.task(name=PLAIN_EMAIL, bind=True, acks_late=True, ignore_result=True, shared=False)(run)
 
 
 class HopLog:
@@ -78,15 +97,16 @@ class HopLog:
         self._file.write(json.dumps({"k": kind, "id": str(task_id), "t": t, **extra}) + "\n")
 
 
-def message_id_of(args: Any) -> str:
-    """The delivery's message id from the task's one argument (the envelope, as JSON text or a dict)."""
+def message_id_of(args: Any, task_id: Any) -> str:
+    """The delivery's message id: from the task's one argument (the envelope, as JSON text or a dict), else
+    the task id (an enqueued task's outbox row carries its task id as message id, enqueue.py)."""
     try:
         body = args[0]
         if isinstance(body, str):
             body = json.loads(body)
         return str(body["message_id"])
     except (LookupError, TypeError, ValueError):
-        return ""
+        return str(task_id)
 
 
 def install_hops(directory: str) -> None:
@@ -101,7 +121,7 @@ def install_hops(directory: str) -> None:
         log.write("recv", getattr(request, "id", None))
 
     def on_prerun(task_id: Any = None, task: Any = None, args: Any = None, **_: Any) -> None:
-        log.write("pre", task_id, mid=message_id_of(args), task=str(getattr(task, "name", "")))
+        log.write("pre", task_id, mid=message_id_of(args, task_id), task=str(getattr(task, "name", "")))
 
     def on_postrun(task_id: Any = None, **_: Any) -> None:
         log.write("post", task_id)
@@ -158,12 +178,16 @@ def place_plain_order(session: Any, req: Any, *, now_ms: int) -> None:
 
 
 def send_plain(app: Celery, settings: Any, consumers: Any, req: Any, *, now_ms: int) -> str:
-    """After the commit, one task per consumer (what ``.delay()`` does); returns the message id they carry."""
+    """After the commit, one task per consumer and the e-mail task (what ``.delay()`` does), on the queues
+    the deployment uses; returns the message id they carry."""
     from orders.service import order_placed_payload
+    from orders.tasks import QUEUE
 
     mid = uuid.uuid4()
     body = envelope_dict(message_id=mid, payload=order_placed_payload(req), entity_key=f"order:{req.order_id}",
                          created_at_ms=now_ms)
     for consumer in consumers:
         app.send_task(plain_task_name(consumer), args=[body], queue=settings.queue_name(consumer))
+    app.send_task(PLAIN_EMAIL, args=[{"message_id": str(mid), "order_id": req.order_id}],
+                  queue=settings.queue_name(QUEUE))
     return str(mid)

@@ -1,21 +1,25 @@
-"""The cost of safety end to end: Orders over HTTP -> relay -> every consumer, vs plain Celery.
+"""The cost of safety end to end: Orders over HTTP -> relay -> every consumer and the e-mail, vs plain Celery.
 
 Real processes on one broker (RabbitMQ by default; ``--broker redis`` runs an own redis-server with
 appendfsync always), DEFAULT settings:
 
-- ``outbox``: ``gunicorn orders.wsgi:app`` (the reference Orders service: order + outbox row in one
-  commit), ``outbox relay`` (LISTEN/NOTIFY), consumers with inbox + effect in one transaction;
-- ``plain``: ``gunicorn bench._plain_web:app`` (the same endpoint without the outbox row; after the
-  commit one ``send_task`` per consumer, what ``.delay()`` does), the same effects, no inbox.
+- ``outbox``: ``gunicorn orders.wsgi:app`` (the reference Orders service: order + OrderPlaced row +
+  the confirmation e-mail task's row in one commit), ``outbox relay`` (LISTEN/NOTIFY), consumers with
+  inbox + effect in one transaction, the e-mail task (orders/tasks.py: provider call, then its inbox row);
+- ``plain``: ``gunicorn bench._plain_web:app`` (the same endpoint without outbox rows; after the
+  commit one ``send_task`` per consumer and one for a plain e-mail task, what ``.delay()`` does), the
+  same effects through the same provider, no inbox.
 
 Both modes use the SAME ``celery worker`` (prefork, concurrency 2) of ``bench._worker`` (the
-deployment's app: ``relay.factory.create_outbox`` + ``consumers.register``, plus a plain twin of every
-consumer), the same gunicorn shape and the same database. For each offered rate (a ladder), this
-script POSTs orders at that rate for ``--seconds`` from ``--clients`` threads (keep-alive
-connections, open loop: a thread that falls behind sends at once) and times first request -> every
-consumer's effect committed (counted in the consumers' own tables, ``consumers.effects``). Completed
-orders / that time is the rate the whole pipeline sustained at that offer; a mode's figure is its best
-step. Rounds interleave the modes; prints each step, the median over rounds and outbox / plain
+deployment's app: ``relay.factory.create_outbox``, i.e. ``consumers.register`` + ``orders.tasks.register``,
+plus a plain twin of every consumer and of the e-mail task; it consumes ``Settings.worker_queues`` but
+the relay's, as the relay is its own process), the same gunicorn shape and the same database. For
+each offered rate (a ladder), this script POSTs orders at that rate for ``--seconds`` from
+``--clients`` threads (keep-alive connections, open loop: a thread that falls behind sends at once)
+and times first request -> every consumer's effect and every order's e-mail committed (counted in the
+consumers' own tables and the provider's ``sent_emails``, ``consumers.effects``). Completed orders /
+that time is the rate the whole pipeline sustained at that offer; a mode's figure is its best step.
+Rounds interleave the modes; prints each step, the median over rounds and outbox / plain
 (target >= 0.8). Writes bench/results/pipeline.json.
 
     .venv/bin/python bench/pipeline.py [--rates 20,40,80,160] [--seconds 8] [--rounds 3] [--broker rabbitmq]
@@ -45,6 +49,7 @@ from chaos.load import order_body
 from chaos.processes import BIN, ManagedProcess, worker_argv
 from consumers.effects import effect_counts
 from devtools.embedded import free_port
+from orders.service import ORDER_PLACED
 
 MODES = ("outbox", "plain")
 APPS = {"outbox": "orders.wsgi:app", "plain": "bench._plain_web:app"}
@@ -103,6 +108,7 @@ def offer(port: int, *, tag: str, rate: float, seconds: float, clients: int) -> 
 
 
 def effects_total(env: ChaosEnvironment) -> int:
+    """Every consumer's effects plus the e-mails sent (distinct provider keys: one per order either way)."""
     with env.sessions() as s:
         return sum(effect_counts(s).values())
 
@@ -142,9 +148,11 @@ def main() -> None:
     with ChaosEnvironment(broker=args.broker, workdir=work, extra_env={**default_env(), CONF_ENV: args.worker_conf}) as env:
         from relay.factory import create_outbox
 
-        per_order = len(create_outbox(env.settings, session_factory=env.sessions).routes()["OrderPlaced"])
+        # One effect per consumer of OrderPlaced plus the confirmation e-mail (orders/tasks.py).
+        per_order = len(create_outbox(env.settings, session_factory=env.sessions).routes()[ORDER_PLACED]) + 1
         env.relay().start()
-        names = [env.settings.queue_name(c) for c in env.consumers]
+        # What a worker of the deployment consumes, but the relay's queue (the relay is its own process).
+        names = [q for q in env.settings.worker_queues if q != f"{env.namespace}.relay"]
         worker = env.processes.add(ManagedProcess(
             name="worker", env=env.env, log_dir=work / "logs", cwd=REPO,
             argv=worker_argv(queues=names, pool="prefork", concurrency=2, app="bench._worker",
@@ -174,7 +182,7 @@ def main() -> None:
     ratio = med["outbox"] / med["plain"]
     print(f"\nsustained orders/s (best step, median of {args.rounds} rounds): outbox {med['outbox']:.1f} "
           f"{best['outbox']}, plain Celery {med['plain']:.1f} {best['plain']}")
-    print(f"ratio outbox / plain: {ratio:.2f} (target >= 0.8); effects per order: {per_order}")
+    print(f"ratio outbox / plain: {ratio:.2f} (target >= 0.8); effects per order: {per_order} (consumers + e-mail)")
     write_result(args.name, {"broker": args.broker, "rates": rates, "seconds_per_step": args.seconds,
                               "rounds": args.rounds, "clients": args.clients, "effects_per_order": per_order,
                               "worker_conf": args.worker_conf,
