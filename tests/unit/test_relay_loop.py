@@ -60,12 +60,14 @@ def test_the_batch_grows_while_batches_come_back_full_and_never_past_the_in_flig
     ids = insert(sqlite_sessions, clock, tables, 100)
     sizes: list[int] = []
     pub = InMemoryPublisher(before_publish=lambda msgs: sizes.append(len(msgs)))
-    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url, max_in_flight=40), tables=tables,
-                     session_factory=sqlite_sessions, publisher=pub, clock=clock)
+    settings = make_settings(tmp_path, sqlite_url, max_in_flight=40)
+    loop = RelayLoop(settings=settings, tables=tables, session_factory=sqlite_sessions, publisher=pub, clock=clock)
     # When it drains
     result = loop.drain_once()
-    # Then the batches doubled while full, capped at 40 rows (four consumers routed: 4 messages a row)
-    assert sizes == [40, 80, 160, 120] and result.published == 100 and set(pub.message_ids()) == ids
+    # Then the batches doubled while full, capped at 40 rows (one message a row per routed consumer)
+    per_row = len(settings.consumers)
+    assert sizes == [rows * per_row for rows in (10, 20, 40, 30)]
+    assert result.published == 100 and set(pub.message_ids()) == ids
     # And an idle outbox shrinks the batch again: the empty batch that ended the drain halved it
     assert loop.sizer.size == 20
     loop.drain_once()
