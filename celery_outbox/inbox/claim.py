@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, cast
+from typing import Protocol
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from celery_outbox.clock import SystemClock
-from celery_outbox.db import is_postgres, wrap_driver_errors
+from celery_outbox.db import wrap_driver_errors
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
+from celery_outbox.sql import insert_if_absent
 
 Handler = Callable[[Session, Envelope], None]
 """The effect: write with the given session, never commit (the inbox commits)."""
@@ -35,8 +35,6 @@ Prepare = Callable[[Session, Envelope], None]
 NOW_KEY = "outbox_consumer_now_ms"
 DUPLICATES = "duplicates"
 _KEY_COLUMNS = ("message_id", "consumer")
-_STATEMENTS_KEY = "celery_outbox.inbox.statements"
-S = TypeVar("S")
 
 
 class CrashSite(Protocol):
@@ -63,52 +61,11 @@ def already_seen(session: Session, message_id: uuid.UUID, consumer: str, *, tabl
         return session.execute(stmt).first() is not None
 
 
-def table_of(model: type[Any]) -> sa.Table:
-    """The Core table of one of the library's mapped classes (Core statements skip the ORM's work)."""
-    return cast(sa.Table, model.__table__)
-
-
-def insert_into(session: Session, table: sa.Table) -> Any:
-    """``INSERT`` into ``table`` with ``on_conflict_do_*`` for the session's dialect (both share the API)."""
-    return (postgresql if is_postgres(session) else sqlite).insert(table)
-
-
-def insert_if_absent(session: Session, model: type[Any], keys: tuple[str, ...], values: dict[str, Any]) -> bool:
-    """``INSERT ... ON CONFLICT (keys) DO NOTHING`` of one row, in the session's transaction; True when
-    it inserted it.
-
-    The hot path of every delivery (bench/consumer_overhead.py), so it skips what it does not need:
-    a Core statement (no ORM unit of work), built once per pooled connection and kept in that
-    connection's ``info`` (no module-level state), the values passed as execute parameters (no bound
-    parameter objects built per call).
-    """
-    table = table_of(model)
-    connection, stmt = statement(session, ("insert_if_absent", table, keys),
-                                 lambda: insert_into(session, table).on_conflict_do_nothing(index_elements=list(keys)))
-    result = connection.execute(stmt, values)
-    return bool(result.rowcount == 1)
-
-
-def statement(session: Session, key: tuple[Any, ...], build: Callable[[], S]) -> tuple[sa.Connection, S]:
-    """The session's connection (in its transaction) and the statement ``build()`` made for ``key``,
-    built once per pooled connection and kept in that connection's ``info`` (no module-level state).
-
-    For statements with ``bindparam`` placeholders that run on every delivery: building a statement
-    and its cache key each time costs more CPU than executing it (bench/consumer_overhead.py).
-    """
-    connection = session.connection()
-    statements: dict[tuple[Any, ...], Any] = connection.info.setdefault(_STATEMENTS_KEY, {})
-    stmt = statements.get(key)
-    if stmt is None:
-        stmt = statements[key] = build()
-    return connection, cast(S, stmt)
-
-
 def claim_if_absent(session: Session, envelope: Envelope, *, tables: Tables, consumer: str, now_ms: int) -> bool:
     """Claim the inbox key inside the caller's transaction: True when this call inserted the row,
     False when the key is already there (a duplicate; nothing was written, the transaction is intact)."""
     with wrap_driver_errors(f"inbox insert for {consumer}"):
-        return insert_if_absent(session, tables.inbox, _KEY_COLUMNS, {
+        return insert_if_absent(session, tables.table(tables.inbox), _KEY_COLUMNS, {
             "message_id": envelope.message_id, "consumer": consumer, "type": envelope.type, "processed_at_ms": now_ms,
         })
 

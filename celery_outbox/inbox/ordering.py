@@ -26,18 +26,11 @@ from sqlalchemy.orm import Session
 
 from celery_outbox.db import wrap_driver_errors
 from celery_outbox.inbox import dead_letters
-from celery_outbox.inbox.claim import (
-    DuplicateDelivery,
-    Handler,
-    claim_if_absent,
-    insert_if_absent,
-    insert_into,
-    statement,
-    table_of,
-)
+from celery_outbox.inbox.claim import DuplicateDelivery, Handler, claim_if_absent
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope, encode_json
 from celery_outbox.schema import Tables
+from celery_outbox.sql import insert_for, insert_if_absent, statement
 
 
 def entity_of(envelope: Envelope) -> tuple[str, int] | None:
@@ -53,16 +46,16 @@ def _lock_entity(session: Session, consumer: str, key: str, *, tables: Tables) -
     """Create the entity's version row if needed and lock it, in one statement; returns the applied
     version (0 = none). ``DO UPDATE`` (a no-op assignment) takes the row lock that ``DO NOTHING`` would
     not, and waits for a concurrent holder, then returns the version it committed."""
-    table = table_of(tables.entity_versions)
+    table = tables.table(tables.entity_versions)
     connection, stmt = statement(session, ("lock_entity", table), lambda: (
-        insert_into(session, table)
+        insert_for(session, table)
         .on_conflict_do_update(index_elements=["consumer", "entity_key"], set_={"version": table.c.version})
         .returning(table.c.version)))
     return int(connection.execute(stmt, {"consumer": consumer, "entity_key": key, "version": 0}).scalar_one())
 
 
 def _set_version(session: Session, consumer: str, key: str, version: int, *, tables: Tables) -> None:
-    table = table_of(tables.entity_versions)
+    table = tables.table(tables.entity_versions)
     connection, stmt = statement(session, ("set_version", table), lambda: (
         sa.update(table).where(table.c.consumer == sa.bindparam("b_consumer"),
                                table.c.entity_key == sa.bindparam("b_key"))
@@ -78,9 +71,9 @@ def _advance(session: Session, consumer: str, key: str, version: int, *, tables:
     Under READ COMMITTED an ``UPDATE`` whose row a concurrent transaction holds waits, then re-checks
     its condition on the committed row, so it never advances from a version that has changed.
     """
-    table = table_of(tables.entity_versions)
+    table = tables.table(tables.entity_versions)
     if version == 1:
-        return insert_if_absent(session, tables.entity_versions, ("consumer", "entity_key"),
+        return insert_if_absent(session, table, ("consumer", "entity_key"),
                                 {"consumer": consumer, "entity_key": key, "version": 1})
     connection, stmt = statement(session, ("advance_version", table), lambda: (
         sa.update(table).where(table.c.consumer == sa.bindparam("b_consumer"),
@@ -115,14 +108,14 @@ def apply(session: Session, envelope: Envelope, *, tables: Tables, consumer: str
         return Outcome.STALE, _has_expired(session, tables, consumer, expire_cutoff_ms)  # claim kept: no effect
     if version > current + 1:
         with wrap_driver_errors(f"parking {envelope.message_id} for {consumer}"):
-            parked = insert_if_absent(session, tables.parked, ("message_id", "consumer"), {
+            parked = insert_if_absent(session, tables.table(tables.parked), ("message_id", "consumer"), {
                 "message_id": envelope.message_id, "consumer": consumer, "entity_key": key, "entity_version": version,
                 "envelope": envelope.to_dict(), "parked_at_ms": now_ms,
             })
             if not parked:
                 raise DuplicateDelivery(f"{envelope.message_id}/{consumer}")
             # A parked message has no inbox row (module docstring): give back the claim.
-            inbox = table_of(tables.inbox)
+            inbox = tables.table(tables.inbox)
             session.execute(sa.delete(inbox).where(inbox.c.message_id == envelope.message_id,
                                                    inbox.c.consumer == consumer))
         return Outcome.PARKED, _has_expired(session, tables, consumer, expire_cutoff_ms)
@@ -147,7 +140,7 @@ def _has_expired(session: Session, tables: Tables, consumer: str, cutoff_ms: int
 
 def has_expired(session: Session, *, tables: Tables, consumer: str, cutoff_ms: int) -> bool:
     """True when ``consumer`` has a parked message parked at or before ``cutoff_ms`` (one cheap read)."""
-    table = table_of(tables.parked)
+    table = tables.table(tables.parked)
     connection, stmt = statement(session, ("has_expired", table), lambda: (
         sa.select(sa.literal(1)).where(table.c.consumer == sa.bindparam("b_consumer"),
                                        table.c.parked_at_ms <= sa.bindparam("b_cutoff")).limit(1)))
@@ -157,7 +150,7 @@ def has_expired(session: Session, *, tables: Tables, consumer: str, cutoff_ms: i
 def _parked_rows(session: Session, tables: Tables, consumer: str, key: str, cutoff_ms: int | None) -> list[Any]:
     """The consumer's parked messages of entity ``key`` and, with ``cutoff_ms``, those parked at or before it
     (one read for both questions), in version order."""
-    table = table_of(tables.parked)
+    table = tables.table(tables.parked)
     columns = (table.c.message_id, table.c.entity_key, table.c.entity_version, table.c.envelope, table.c.parked_at_ms)
     mine = table.c.entity_key == sa.bindparam("b_key")
     if cutoff_ms is None:
@@ -176,7 +169,7 @@ def _drain_parked(session: Session, rows: list[Any], *, tables: Tables, consumer
                   handler: Handler, now_ms: int) -> int:
     """Apply parked successors (``rows``: the entity's, in version order) while the next version is
     there; drop parked ones now stale. Returns the version applied last."""
-    table = table_of(tables.parked)
+    table = tables.table(tables.parked)
     for row in rows:
         if row.entity_version > current + 1:
             break

@@ -22,7 +22,7 @@ from celery_outbox.clock import ManualClock
 from celery_outbox.delivery import deliver
 from celery_outbox.inbox import dead_letters, ordering
 from celery_outbox.inbox import handle as inbox
-from celery_outbox.inbox.claim import claim_if_absent, table_of
+from celery_outbox.inbox.claim import claim_if_absent
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
@@ -57,7 +57,7 @@ def recorded(sessions: sessionmaker[Session]) -> Iterator[list[str]]:
 
 def kinds(statements: list[str], tables: Tables) -> list[str]:
     """Statements reduced to ``VERB table`` (or ``COMMIT``), for comparing with a budget."""
-    names = {table_of(model).name: short for short, model in (
+    names = {tables.table(model).name: short for short, model in (
         ("inbox", tables.inbox), ("parked", tables.parked), ("versions", tables.entity_versions),
         ("counters", tables.counters), ("shipments", Shipment))}
     out = []
