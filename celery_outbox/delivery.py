@@ -222,11 +222,9 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
                                     clock=clock, limit=limit)
         try:
             envelope = _parse(spec, body, mapping, raw, settings, malformed)
-            if spec.ordering:  # the delivery also dead-letters parked messages past the timeout (inbox/handle.py)
-                outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=crash_points,
-                                      park_timeout_ms=settings.consumer_park_timeout_ms)
-            else:
-                outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=crash_points)
+            # An ordered consumer's delivery also dead-letters parked messages past the timeout (inbox/handle.py).
+            outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=crash_points,
+                                  park_timeout_ms=settings.consumer_park_timeout_ms if spec.ordering else None)
         except Exception as e:
             session.rollback()
             error = _error_text(e)
