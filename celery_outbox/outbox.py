@@ -23,7 +23,7 @@ from celery import Celery, bootsteps
 from kombu import Exchange, Queue
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
-from celery_outbox.celery import consumer_tasks, idempotent_task, ops_tasks, relay_tasks
+from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, relay_tasks
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
 from celery_outbox.clock import Clock, SystemClock
@@ -63,6 +63,7 @@ class Outbox:
         relay_tasks.register(app, self)
         ops_tasks.register(app, self)
         self._install_enqueue()
+        gate.register(self)  # every task message a worker of this app takes is checked (celery/gate.py)
         app.steps["worker"].add(self._boot_check_step())
 
     # -- schema ----------------------------------------------------------------------------------

@@ -27,8 +27,16 @@ anything sent from inside a running worker task (chain steps, callbacks) or by `
 
 Refused with a clear error, inside the caller's transaction and before anything is written: arguments
 or headers that are not plain JSON (never pickled), a message over ``max_message_bytes``, a chord (its
-counter lives in the result backend, outside the transaction), a task id that is not a UUID, a task
-this app neither registers nor routes, a non-JSON serializer or a compression.
+counter lives in the result backend, outside the transaction), a task this app neither registers nor
+routes, a non-JSON serializer or a compression, a task id the caller chose that an outbox row already
+holds, and everything ``celery_outbox.task_rules`` refuses (the same table the worker's gate applies:
+arguments nested deeper than ``max_json_depth``, NUL or lone surrogates, a task id that is not a UUID,
+callbacks naming tasks the outbox does not carry, arguments that do not fit the task's signature). A
+UUID task id in another spelling (upper case, no dashes, braces, ``urn:uuid:``) is normalised to the
+canonical form, as the worker's gate does.
+
+The reused-id check costs one indexed lookup, and only for an id the caller chose (``task_id=...``,
+or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never collide.
 """
 
 from __future__ import annotations
@@ -41,13 +49,21 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol
 
+import sqlalchemy as sa
 from celery import signals
 from kombu import Exchange, Queue
 from sqlalchemy.orm import Session
 
-from celery_outbox.errors import ConfigError, SerializationError, TransactionRequiredError, ValidationError
-from celery_outbox.messages import TASK_KIND, TYPE_MAX_CHARS, QueueSpec, check_size, encode_json
+from celery_outbox.errors import (
+    ConfigError,
+    MalformedMessageError,
+    SerializationError,
+    TransactionRequiredError,
+    ValidationError,
+)
+from celery_outbox.messages import TASK_KIND, QueueSpec, check_size, encode_json
 from celery_outbox.schema import Tables
+from celery_outbox.task_rules import TaskRules, check_call
 
 OWN_PREFIXES = ("celery.", "celery_outbox.")
 DELIVERY_MODES = {"persistent": 2, "transient": 1, 1: 1, 2: 2}
@@ -57,10 +73,18 @@ _PUBLISH_ARGS = frozenset({"exchange", "routing_key", "serializer", "compression
                            "immediate", "content_type", "content_encoding"})
 
 
+# Canvas containers an embedded chain may name; their members are checked one by one.
+CANVAS_TASKS = frozenset({"celery.group", "celery.chain"})
+
+
 class Writer(Protocol):
     """Where a captured task message goes: a row in the caller's open transaction."""
 
     def write(self, values: dict[str, Any]) -> None: ...
+
+    def holds(self, message_id: uuid.UUID) -> bool:
+        """True when an outbox row (this transaction's or a committed one) already has ``message_id``."""
+        ...
 
 
 class SessionWriter:
@@ -73,10 +97,20 @@ class SessionWriter:
     def write(self, values: dict[str, Any]) -> None:
         self.session.add(self.tables.outbox(**values))
 
+    def holds(self, message_id: uuid.UUID) -> bool:
+        model = self.tables.outbox
+        if any(isinstance(o, model) and o.message_id == message_id for o in self.session.new):
+            return True
+        with self.session.no_autoflush:  # the caller's pending objects are flushed when the caller says so
+            stmt = sa.select(sa.literal(1)).where(model.message_id == message_id).limit(1)
+            return self.session.execute(stmt).first() is not None
+
 
 # (outbox, writer) pairs bound by ``Outbox.transaction``, innermost last.
 _BOUND: ContextVar[tuple[tuple[object, Writer], ...]] = ContextVar("celery_outbox_bound", default=())
 _DIRECT: ContextVar[bool] = ContextVar("celery_outbox_direct", default=False)
+# True while ``app.send_task`` runs with a task id its caller passed (``ChosenIds``).
+_CHOSEN: ContextVar[bool] = ContextVar("celery_outbox_chosen_id", default=False)
 # Ambient transactions (Django's atomic()): each returns a writer for ``outbox`` or None.
 AMBIENT: list[Callable[[Any], Writer | None]] = []
 _process = {"beat": False}
@@ -171,7 +205,11 @@ class Interceptor:
                 "(or Django's transaction.atomic()), use outbox.enqueue(session, signature), or set "
                 "OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION=publish to send it directly (it is then lost if the process "
                 "dies, and runs even if your transaction rolls back); nothing was sent")
-        writer.write(self.row_values(producer, name, message, options))
+        values = self.row_values(producer, name, message, options)
+        if _CHOSEN.get() and writer.holds(values["message_id"]):
+            raise ValidationError(f"task {name!r} has task_id {str(values['message_id'])!r}, which an outbox row "
+                                  "already holds (a task id is the message id: use a new one); nothing was written")
+        writer.write(values)
         return None
 
     def captures(self, name: str, headers: Mapping[str, Any]) -> bool:
@@ -192,19 +230,22 @@ class Interceptor:
                 "the result backend and would exist before your transaction commits. Enqueue the header as a group "
                 f"and start the callback from a task, or list {name!r} in OUTBOX_ENQUEUE_EXCLUDE; nothing was written")
         self._check_known(name)
-        task_id = task_headers.get("id")
-        try:
-            message_id = uuid.UUID(str(task_id))
-        except ValueError:
-            raise ValidationError(f"task {name!r} has task_id {task_id!r}: through the outbox a task id must be a "
-                                  "UUID (it is the outbox message id); nothing was written") from None
-        if len(name) > TYPE_MAX_CHARS:
-            raise ValidationError(f"task name {name[:60]!r}... is over {TYPE_MAX_CHARS} characters")
+        # Celery's sender merges ``apply_async(headers=...)`` into the message headers: check them merged.
+        merged = {**task_headers, **(options.get("headers") or {})}
+        try:  # the one rule table the worker's gate applies too (celery_outbox/task_rules.py)
+            call = check_call(merged, body, rules=self.rules(name))
+        except MalformedMessageError as e:
+            raise ValidationError(f"task {name[:200]!r}: {e}; nothing was written") from None
+        message_id = uuid.UUID(call.task_id)
+        properties = dict(_properties)
+        if properties.get("correlation_id") == task_headers.get("id"):
+            properties["correlation_id"] = call.task_id
+        task_headers = call.headers
         what = f"task {name!r} arguments (the outbox carries JSON only: str, int, float, bool, None, list, dict)"
         encode_json(list(body) if isinstance(body, tuple) else body, what=what)  # refuse early, before Celery's encoder
         recorder = _Recorder(producer)
-        options = {k: v for k, v in options.items() if k != "event_dispatcher"}
-        self.original(recorder, name, (task_headers, _properties, body, None), **options)
+        options = {k: v for k, v in options.items() if k not in ("event_dispatcher", "headers")}
+        self.original(recorder, name, (task_headers, properties, body, None), **options)
         if recorder.call is None:  # pragma: no cover - Celery's sender always publishes once
             raise ConfigError(f"Celery did not build a message for task {name!r}")
         sent_body, publish = recorder.call
@@ -234,6 +275,13 @@ class Interceptor:
         return {"message_id": message_id, "type": name, "payload": payload, "headers": json.loads(encoded)["headers"],
                 "created_at_ms": now, "next_attempt_at_ms": now, "attempts": 0}
 
+    def rules(self, name: str) -> TaskRules:
+        """The rule table's view from this app: which callbacks it carries, the task's signature."""
+        task = self.outbox.app.tasks.get(name)
+        return TaskRules(max_depth=self.outbox.settings.max_json_depth, captured=True,
+                         known=lambda callback: carried(self.outbox, callback),
+                         arity=getattr(task, "__header__", None) if task is not None and task.typing else None)
+
     def _check_known(self, name: str) -> None:
         app = self.outbox.app
         if name in app.tasks or app.amqp.router.lookup_route(name) is not None:
@@ -242,6 +290,18 @@ class Interceptor:
             f"task {name!r} is neither registered on this Celery app nor routed by its task_routes: the relay would "
             "publish a message no worker of this app runs. Register the task, route it in task_routes, or list it "
             "in OUTBOX_ENQUEUE_EXCLUDE to send it directly; nothing was written")
+
+
+def carried(outbox: Any, name: str) -> bool:
+    """True when task ``name`` is one the outbox carries (an embedded callback may name it): this app
+    registers or routes it, and it is neither a library task, a consumer's task nor Celery's own
+    (except the canvas containers, whose members are checked themselves)."""
+    if name in CANVAS_TASKS:
+        return True
+    if name.startswith(OWN_PREFIXES) or name in own_task_names(outbox):
+        return False
+    app = outbox.app
+    return name in app.tasks or app.amqp.router.lookup_route(name) is not None
 
 
 def own_task_names(outbox: Any) -> frozenset[str]:
@@ -270,6 +330,27 @@ def _is_json(value: Any) -> bool:
     return True
 
 
+class ChosenIds:
+    """``app.send_task`` noting whether its caller chose the task id (only those can be reused).
+
+    ``Task.apply_async`` passes ``task_id`` by keyword, None unless the caller (or a canvas Celery
+    froze) set one; ``send_task`` then makes a fresh uuid4."""
+
+    _TASK_ID_POSITION = 5  # send_task(name, args, kwargs, countdown, eta, task_id, ...)
+
+    def __init__(self, send_task: Callable[..., Any]) -> None:
+        self.send_task = send_task
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        chosen = kwargs.get("task_id") if "task_id" in kwargs else (
+            args[self._TASK_ID_POSITION] if len(args) > self._TASK_ID_POSITION else None)
+        token = _CHOSEN.set(bool(chosen))
+        try:
+            return self.send_task(*args, **kwargs)
+        finally:
+            _CHOSEN.reset(token)
+
+
 def install(outbox: Any) -> Interceptor:
     """Wrap ``outbox.app``'s ``amqp.send_task_message`` (once); a second Outbox on one app is refused."""
     amqp = outbox.app.amqp
@@ -280,6 +361,9 @@ def install(outbox: Any) -> Interceptor:
         raise ConfigError("this Celery app already has an Outbox: build one Outbox per Celery app")
     interceptor = Interceptor(outbox, amqp)
     amqp.send_task_message = interceptor  # an instance attribute over Celery's cached property
+    app = outbox.app
+    if not isinstance(app.__dict__.get("send_task"), ChosenIds):
+        app.send_task = ChosenIds(app.send_task)  # an instance attribute over Celery's method
     with _beat_hook:
         signals.beat_init.connect(_on_beat_init, weak=False, dispatch_uid="celery_outbox.enqueue.beat")
     return interceptor

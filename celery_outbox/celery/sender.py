@@ -1,9 +1,11 @@
 """Replays go back to a consumer's queue as ordinary task messages, sent through the outbox's own Celery app.
 
-A dead letter of an idempotent task (``@outbox.task``; its consumer column holds the task's key,
-``inbox.task_keys``, never a consumer name) goes back as the same task: same name, arguments and task
-id, routed as the app routes that task, published straight to the broker (never into the outbox),
-so the inbox still guards it: a call that did commit after all is absorbed as a duplicate.
+A dead letter of a task (an ``@outbox.task`` call, or a task message the worker's gate
+dead-lettered, ``celery.gate``; its consumer column holds the task's key, ``inbox.task_keys``, never
+a consumer name) goes back as the same task: same name, arguments and task id, routed as the app
+routes that task, published straight to the broker (never into the outbox), so the inbox still
+guards an ``@outbox.task``: a call that did commit after all is absorbed as a duplicate. A plain
+task has no inbox: its dead letter is marked replayed, so it is re-sent once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from celery import Celery
 from celery_outbox.celery.enqueue import publishing_directly
 from celery_outbox.errors import BrokerUnavailableError, NotFoundError, PublishError, ValidationError
 from celery_outbox.inbox.dead_letters import check_consumer
-from celery_outbox.inbox.task_keys import is_task_key
+from celery_outbox.inbox.task_keys import is_task_key, task_key
 from celery_outbox.messages import task_id, task_name
 from celery_outbox.runtime import Context
 
@@ -54,9 +56,10 @@ class ReplaySender:
                                   "replayed as a task; inspect its body and purge it")
         name, tid, args, kwargs = call
         task = self.app.tasks.get(name)
-        if task is None or getattr(task, "outbox_task_key", None) != consumer:
-            raise NotFoundError(f"no idempotent task {name!r} (key {consumer!r}) is defined on this app; import "
-                                "the module that declares it with @outbox.task before replaying")
+        # An idempotent task's own key, or (a plain task's message the worker's gate dead-lettered) its name's key.
+        if task is None or getattr(task, "outbox_task_key", task_key(name)) != consumer:
+            raise NotFoundError(f"no task {name!r} (key {consumer!r}) is defined on this app; import the module "
+                                "that declares it (@outbox.task or @app.task) before replaying")
         return task, tid, args, kwargs
 
 

@@ -25,8 +25,8 @@ consumer task runs ``delivery.deliver`` on it like any other delivery: counted i
 retried with backoff, dead-lettered after the consumer's maximum deliveries and then acked. So the
 database work happens in the pool under the task's time limit, and a database that is down while a
 poison message arrives costs a redelivery, never the message. Messages on a consumer queue that do
-not name a consumer task at all (no ``task`` header, an unknown task) never reach a strategy: Celery
-rejects those itself without crashing.
+not name a consumer task at all (no ``task`` header, an unknown task) never reach this strategy: the
+worker-wide gate (``celery_outbox.celery.gate``) dead-letters those, and guards every other task.
 """
 
 from __future__ import annotations
@@ -155,27 +155,27 @@ def canonical_message(message: Any, *, task_name: str, settings: Settings, route
     except Exception:
         headers_in = None
     headers = headers_in if isinstance(headers_in, Mapping) else {}
-    tid = _task_id(headers.get("id"), raw)
+    tid = stable_task_id(headers.get("id"), raw)
     eta = None
     try:
         arg = _envelope_text(message, raw, headers_in, task_name=task_name, settings=settings)
         eta = _eta(headers.get("eta"), max_eta_s=max_eta_s, now=now)
     except OutboxError as e:
-        arg = _malformed(message, raw, headers_in, tid, str(e), settings)
+        arg = malformed_text(message, raw, headers_in, tid, str(e), settings)
     except Exception as e:  # anything unforeseen is still only this message's problem
-        arg = _malformed(message, raw, headers_in, tid, f"unreadable message ({e.__class__.__name__}: {e})", settings)
+        arg = malformed_text(message, raw, headers_in, tid, f"unreadable message ({e.__class__.__name__}: {e})", settings)
     canonical_headers: dict[str, Any] = {
         "lang": "py", "task": task_name, "id": tid, "root_id": tid, "parent_id": None, "group": None,
         "retries": _retries(headers.get("retries")), "eta": eta, "expires": None, "timelimit": [None, None],
         "argsrepr": _text_header(headers.get("argsrepr")) or f"({tid})", "kwargsrepr": "{}",
         "origin": _text_header(headers.get("origin")), "ignore_result": True,
     }
-    info = _mapping_attr(message, "delivery_info")
+    info = mapping_attr(message, "delivery_info")
     exchange, routing_key = route
     if exchange is None:
         exchange = _text_header(info.get("exchange"))
         routing_key = _text_header(info.get("routing_key"))
-    properties = _mapping_attr(message, "properties")
+    properties = mapping_attr(message, "properties")
     priority = properties.get("priority")
     return CanonicalMessage(
         message, headers=canonical_headers, payload=[[arg], {}, dict(EMBED)],
@@ -216,7 +216,7 @@ def _envelope_text(message: Any, raw: bytes, headers: Any, *, task_name: str, se
     return envelope if isinstance(envelope, str) else encode_json(envelope, what="envelope")
 
 
-def _malformed(message: Any, raw: bytes, headers: Any, tid: str, error: str, settings: Settings) -> str:
+def malformed_text(message: Any, raw: bytes, headers: Any, tid: str, error: str, settings: Settings) -> str:
     keep = raw[: settings.max_message_bytes]
     if len(keep) < len(raw):
         error += f" (body cut to its first {len(keep)} of {len(raw)} bytes)"
@@ -232,7 +232,7 @@ def _malformed(message: Any, raw: bytes, headers: Any, tid: str, error: str, set
     ).encode()
 
 
-def _mapping_attr(message: Any, name: str) -> Mapping[str, Any]:
+def mapping_attr(message: Any, name: str) -> Mapping[str, Any]:
     try:
         value = getattr(message, name, None)
     except Exception:
@@ -240,7 +240,7 @@ def _mapping_attr(message: Any, name: str) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
-def _task_id(value: Any, raw: bytes) -> str:
+def stable_task_id(value: Any, raw: bytes) -> str:
     """The message's task id when it is a UUID; else one derived from the body (stable on redelivery)."""
     if isinstance(value, str) and len(value) <= 64:
         try:

@@ -33,6 +33,7 @@ from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.db import wrap_driver_errors
 from celery_outbox.errors import MalformedMessageError, NotFoundError, ValidationError
+from celery_outbox.inbox.task_keys import is_task_key
 from celery_outbox.messages import DEFAULT_MAX_JSON_DEPTH, TYPE_MAX_CHARS, decode_json, is_storable, storable_text
 from celery_outbox.schema import DeadLetterRow, Tables
 
@@ -192,12 +193,24 @@ def envelope_of(row: DeadLetterRow, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) 
         body = decode_json(body_of(row.body), max_depth=max_depth, what=f"dead letter {row.id}")
     except MalformedMessageError:
         body = None
+    if isinstance(body, list) and is_task_key(row.consumer):
+        body = _task_call(row, body)
     if not isinstance(body, dict):
         raise ValidationError(
             f"dead letter {row.id} ({row.consumer}) is not an envelope object, so it cannot be replayed "
             f"as-is; inspect its body and purge it"
         )
     return body
+
+
+def _task_call(row: DeadLetterRow, body: list[Any]) -> dict[str, Any] | None:
+    """A task message the worker's gate dead-letters keeps its raw protocol-2 body ``[args, kwargs,
+    embed]`` (celery_outbox/celery/gate.py): as the task call ``idempotent_task.envelope_for`` builds,
+    so replay re-sends it as that task with its task id (the embed is not re-sent)."""
+    if not (len(body) == 3 and isinstance(body[0], list) and isinstance(body[1], dict) and row.type):
+        return None
+    return {"message_id": row.message_id, "type": row.type, "payload": {"args": body[0], "kwargs": body[1]},
+            "headers": {"outbox_kind": "task", "task": row.type, "task_id": row.message_id}, "created_at_ms": 0}
 
 
 def _forget_attempts(session: Session, *, tables: Tables, consumer: str, message_id: str) -> None:

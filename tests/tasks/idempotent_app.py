@@ -41,6 +41,11 @@ def tasks_queue(settings: Settings) -> str:
     return f"{settings.namespace}.tasks"
 
 
+def plain_queue(settings: Settings) -> str:
+    """A second queue the app declares (nothing routes to it): hostile tests publish a plain task's messages there."""
+    return f"{settings.namespace}.plain"
+
+
 def calls_file(settings: Settings, task: str, key: str) -> Path:
     return Path(settings.home) / "calls" / f"{task}-{key}"
 
@@ -91,7 +96,9 @@ def build(settings: Settings, *, broker_url: str | None = None, session_factory:
     app = Celery("idempotent-tasks", set_as_current=False)
     app.conf.update(celery_config(settings, broker_url or settings.broker_url))
     queue = tasks_queue(settings)
-    app.conf.task_queues = [*app.conf.task_queues, Queue(queue, Exchange(queue), routing_key=queue, durable=True)]
+    second = plain_queue(settings)
+    app.conf.task_queues = [*app.conf.task_queues, Queue(queue, Exchange(queue), routing_key=queue, durable=True),
+                            Queue(second, Exchange(second), routing_key=second, durable=True)]
     add_task_routes(app, {RECORD: {"queue": queue}, FLAKY: {"queue": queue}, BROKEN: {"queue": queue},
                           PLAIN: {"queue": queue}})
     box = Outbox(app, settings=settings, session_factory=session_factory, clock=clock)

@@ -283,7 +283,7 @@ def test_a_task_dead_letter_this_app_cannot_run_is_refused_before_anything_chang
     send = replay_sender(tasks.app, tasks.outbox)
     # When both are replayed in one batch
     # Then the batch is refused up front, naming the task, and nothing was sent or marked
-    refused = r"consumer:\d+: no idempotent task 'elsewhere\.task'.*nothing was changed"
+    refused = r"consumer:\d+: no task 'elsewhere\.task'.*nothing was changed"
     with any_sessions() as s, pytest.raises(ValidationError, match=refused):
         dl.replay(s, [f"consumer:{good}", f"consumer:{unknown}"], tables=tables, clock=clock, send=send,
                   known_consumers=tasks.outbox.known_consumers())

@@ -51,9 +51,11 @@ class Env:
     def node(self, index: int) -> str:
         return f"idem-{self.settings.namespace}-{index}@{socket.gethostname()}"
 
-    def start_worker(self, *, crash_points: str = "", heartbeat: bool = False) -> Child:
-        """A prefork worker (one pool process) on the tasks queue; ``heartbeat`` for Flower to see it online."""
-        queue = ia.tasks_queue(self.built.settings)
+    def start_worker(self, *, crash_points: str = "", heartbeat: bool = False,
+                     extra_queues: Sequence[str] = ()) -> Child:
+        """A prefork worker (one pool process) on the tasks queue (and ``extra_queues``); ``heartbeat`` for
+        Flower to see it online."""
+        queue = ",".join([ia.tasks_queue(self.built.settings), *extra_queues])
         argv = [sys.executable, "-m", "celery", "-A", "tests.tasks.idempotent_app", "worker", "-Q", queue,
                 "-P", "prefork", "-c", "1", "--without-gossip", "--without-mingle",
                 *([] if heartbeat else ["--without-heartbeat"]),

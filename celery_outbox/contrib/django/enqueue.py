@@ -15,10 +15,15 @@ Outside ``atomic()`` (autocommit) nothing is captured here, and ``OUTBOX_ENQUEUE
 decides (raise, or send directly). Django's ``TestCase`` wraps every test in ``atomic()``: a task sent
 in such a test is an uncommitted row the test's rollback removes, invisible to the relay (another
 connection); ``celery_outbox.contrib.django.testing`` shows and runs it inside the test.
+
+The refusals are the SQLAlchemy path's (the capture is shared): everything
+``celery_outbox.task_rules`` refuses, and a chosen task id an outbox row already holds, each a
+``ValidationError`` raised inside the ``atomic()`` block before anything is written.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from django.db import DatabaseError as DjangoDatabaseError
@@ -41,6 +46,16 @@ class DjangoWriter:
             OutboxMessage.objects.using(self.alias).create(**values)
         except DjangoDatabaseError as e:
             raise DatabaseError(f"writing the outbox row of task {values['type']!r} ({values['message_id']}) failed: "
+                                f"{e.__class__.__name__}: {e}") from e
+
+    def holds(self, message_id: uuid.UUID) -> bool:
+        """True when an outbox row on this connection (this ``atomic()`` block's included) has ``message_id``."""
+        from celery_outbox.contrib.django.models import OutboxMessage
+
+        try:
+            return bool(OutboxMessage.objects.using(self.alias).filter(message_id=message_id).exists())
+        except DjangoDatabaseError as e:
+            raise DatabaseError(f"checking task id {message_id} against the outbox failed: "
                                 f"{e.__class__.__name__}: {e}") from e
 
 

@@ -1,0 +1,271 @@
+"""The one rule table of a Celery task message the outbox carries: enqueue refuses what the worker dead-letters.
+
+Two doors see a task message: ``task.delay()`` inside a transaction (``celery/enqueue.py``, which
+refuses with a ``ValidationError`` before anything is written) and the worker's gate in front of
+Celery's own unpacking (``celery/gate.py``, which turns the message into a dead letter with its raw
+bytes). Both call ``check_call`` (the worker calls ``decode_body`` first, for the bytes), so a message
+the gate would dead-letter can never be enqueued, and one that enqueue accepts always runs
+(tests/unit/test_task_rules.py feeds the same hostile cases to both doors).
+
+Two strengths, chosen by ``TaskRules.captured``:
+
+* a task the outbox captures or defines (``@outbox.task``, a plain ``@app.task`` sent through the
+  outbox): every rule below;
+* any other task of the app (Celery's built-ins, the library's own periodic tasks, names in
+  ``OUTBOX_ENQUEUE_EXCLUDE``): only what keeps the worker alive and the message from being dropped
+  with a log line (shape, types, readable ETA/expiry/time limits, a task id), since Celery sends
+  those itself (chords, non-UUID ids) and the outbox never stores them.
+
+The rules of a captured task, each a ``MalformedMessageError`` saying what is wrong:
+
+* the task name: 1-200 printable characters, no NUL or lone surrogate (it is the row's ``type``);
+* the task id: a UUID; any spelling ``uuid.UUID`` reads (upper case, no dashes, braces,
+  ``urn:uuid:``) is normalised to the canonical lower-case dashed form, at enqueue and at the worker;
+* ``[args, kwargs, embed]``: a list, an object, and ``null`` or an object with only ``callbacks``,
+  ``errbacks``, ``chain`` and ``chord``; no chord (its counter lives in the result backend);
+* every argument nested at most ``max_json_depth`` levels (``OUTBOX_MAX_JSON_DEPTH``; the check is
+  iterative, so 5,000 levels is a clear refusal, not a ``RecursionError``);
+* no NUL and no lone surrogate in any string or key of the arguments, the embedded signatures or
+  the headers (no database column stores them);
+* every task an embedded callback, errback or chain step names is one ``known`` accepts (a task of
+  this app that the outbox captures), never a library task or a consumer's;
+* the arguments fit the task's signature (Celery's own ``__header__`` check), when the task is known;
+* headers: ``eta``/``expires`` ISO-8601 text or null, ``timelimit`` two positive numbers or nulls,
+  ``retries`` an integer 0..1,000,000, ``shadow`` at most 200 characters, text headers text.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_outbox.errors import MalformedMessageError as Bad
+from celery_outbox.messages import TYPE_MAX_CHARS, check_depth, decode_json, is_storable, storable_text
+
+CONTENT_TYPE = "application/json"
+CONTENT_ENCODINGS = ("utf-8", "utf8")
+EMBED_KEYS = ("callbacks", "errbacks", "chain", "chord")
+MAX_RETRIES_HEADER = 1_000_000
+ID_MAX_CHARS = 255  # the longest task id string read at all (``urn:uuid:`` and braces fit easily)
+# An embed holds signatures whose arguments may themselves nest ``max_depth`` levels: chain list,
+# signature object, its args, its options' links... this much room above an argument's own bound.
+EMBED_EXTRA_DEPTH = 8
+# The body [args, kwargs, embed] and the embed add levels above any one argument.
+BODY_EXTRA_DEPTH = EMBED_EXTRA_DEPTH + 2
+_TEXT_HEADERS = ("lang", "origin", "argsrepr", "kwargsrepr", "group", "root_id", "parent_id", "shadow")
+_SIGNATURE_KEYS = frozenset({"task", "args", "kwargs", "options"})
+
+Known = Callable[[str], bool]
+Arity = Callable[..., Any]
+
+
+def _never(name: str) -> bool:
+    return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskRules:
+    """What a door knows when it checks one message.
+
+    ``known`` says whether an embedded callback may name a task; ``arity`` is the task's Celery
+    ``__header__`` (None when the task is not known here: no signature to check against)."""
+
+    max_depth: int
+    captured: bool = True
+    known: Known = field(default=_never)
+    arity: Arity | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskCall:
+    """A task message that passed: its headers (ids normalised), and its body, ready for Celery."""
+
+    name: str
+    task_id: str
+    headers: dict[str, Any]
+    args: list[Any]
+    kwargs: dict[str, Any]
+    embed: dict[str, Any] | None
+
+    @property
+    def body(self) -> list[Any]:
+        return [self.args, self.kwargs, self.embed]
+
+
+def canonical_task_id(value: Any) -> str:
+    """The canonical lower-case dashed spelling of a UUID task id; anything else is refused."""
+    if not isinstance(value, str) or not value or len(value) > ID_MAX_CHARS:
+        raise Bad(f"task id must be a UUID (through the outbox it is the message id), got {_short(value)}")
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise Bad(f"task id must be a UUID (through the outbox it is the message id), got {_short(value)}") from None
+
+
+def _maybe_canonical(value: Any) -> Any:
+    """A UUID-looking header (root_id, parent_id) in the canonical spelling; anything else unchanged."""
+    if isinstance(value, str) and len(value) <= ID_MAX_CHARS:
+        try:
+            return str(uuid.UUID(value))
+        except ValueError:
+            return value
+    return value
+
+
+def check_name(value: Any, *, captured: bool = True) -> str:
+    if not isinstance(value, str) or not value:
+        raise Bad(f"the task header must name a task, got {_short(value)}")
+    if len(value) > TYPE_MAX_CHARS or (captured and not (value.isprintable() and is_storable(value))):
+        raise Bad(f"task name must be 1-{TYPE_MAX_CHARS} printable characters without NUL or lone surrogates, "
+                  f"got {_short(value)}")
+    return value
+
+
+def decode_body(raw: bytes, *, content_type: Any, content_encoding: Any, max_bytes: int, max_depth: int) -> Any:
+    """The worker's half: the raw broker body as JSON, or ``MalformedMessageError`` saying why not."""
+    if not isinstance(content_type, str) or content_type.lower() != CONTENT_TYPE:
+        raise Bad(f"content type must be {CONTENT_TYPE}, got {_short(content_type)}")
+    if not isinstance(content_encoding, str) or content_encoding.lower() not in CONTENT_ENCODINGS:
+        raise Bad(f"content encoding must be utf-8, got {_short(content_encoding)}")
+    if len(raw) > max_bytes:
+        raise Bad(f"message body is {len(raw)} bytes, over the limit of {max_bytes} bytes")
+    return decode_json(raw, max_depth=max_depth + BODY_EXTRA_DEPTH, what="message body")
+
+
+def check_call(headers: Any, body: Any, *, rules: TaskRules) -> TaskCall:
+    """Check one task message (headers as Celery builds them, body as ``[args, kwargs, embed]``).
+
+    Returns it with its ids normalised; raises ``MalformedMessageError`` naming the first rule broken."""
+    if not isinstance(headers, Mapping):
+        raise Bad(f"headers must be a mapping, got {type(headers).__name__}")
+    name = check_name(headers.get("task"), captured=rules.captured)
+    raw_id = headers.get("id")
+    if rules.captured:
+        task_id = canonical_task_id(raw_id)
+    elif isinstance(raw_id, str) and raw_id and len(raw_id) <= ID_MAX_CHARS:
+        task_id = raw_id
+    else:
+        raise Bad(f"task id must be a non-empty string, got {_short(raw_id)}")
+    if not (isinstance(body, (list, tuple)) and len(body) == 3):
+        raise Bad("message body must be the protocol 2 triple [args, kwargs, embed]")
+    args, kwargs, embed = body
+    if not isinstance(args, (list, tuple)):
+        raise Bad(f"args must be a list, got {type(args).__name__}")
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise Bad(f"kwargs must be an object with text keys, got {type(kwargs).__name__}")
+    if embed is not None and not isinstance(embed, Mapping):
+        raise Bad(f"embed must be an object or null, got {type(embed).__name__}")
+    for i, arg in enumerate(args):
+        check_depth(arg, max_depth=rules.max_depth, what=f"argument {i + 1}")
+    for key, arg in kwargs.items():
+        check_depth(arg, max_depth=rules.max_depth, what=f"keyword argument {storable_text(key, limit=60)!r}")
+    if embed is not None:
+        check_depth(embed, max_depth=rules.max_depth + EMBED_EXTRA_DEPTH, what="embedded signatures")
+    out_headers = _check_headers(headers, task_id=task_id, rules=rules)
+    if rules.captured:
+        _check_storable((list(args), dict(kwargs), embed), what="arguments")
+        _check_storable(dict(headers), what="headers")
+        _check_embed(embed, rules.known)
+        if rules.arity is not None:
+            try:
+                rules.arity(*args, **kwargs)
+            except TypeError as e:
+                raise Bad(f"arguments do not fit task {name}: {storable_text(str(e), limit=300)}") from None
+    return TaskCall(name=name, task_id=task_id, headers=out_headers, args=list(args), kwargs=dict(kwargs),
+                    embed=None if embed is None else dict(embed))
+
+
+def _check_headers(headers: Mapping[str, Any], *, task_id: str, rules: TaskRules) -> dict[str, Any]:
+    out = dict(headers)
+    out["id"] = task_id
+    for key in ("root_id", "parent_id"):
+        out[key] = _maybe_canonical(out.get(key))
+    for key in _TEXT_HEADERS:
+        value = out.get(key)
+        if value is not None and not isinstance(value, str):
+            raise Bad(f"header {key} must be text or null, got {type(value).__name__}")
+    shadow = out.get("shadow")
+    if isinstance(shadow, str) and len(shadow) > TYPE_MAX_CHARS:
+        raise Bad(f"header shadow is over {TYPE_MAX_CHARS} characters")
+    for key in ("eta", "expires"):
+        _check_time(key, out.get(key))
+    retries = out.get("retries", 0)
+    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int)
+                                or not 0 <= retries <= MAX_RETRIES_HEADER):
+        raise Bad(f"header retries must be an integer 0..{MAX_RETRIES_HEADER}, got {_short(retries)}")
+    limits = out.get("timelimit")
+    if limits is not None and not (isinstance(limits, (list, tuple)) and len(limits) == 2
+            and all(v is None or _positive(v) for v in limits)):
+        raise Bad(f"header timelimit must be [hard, soft] seconds > 0 or nulls, got {_short(limits)}")
+    ignore = out.get("ignore_result")
+    if ignore is not None and not isinstance(ignore, bool):
+        raise Bad("header ignore_result must be true, false or null")
+    return out
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_time(key: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or len(value) > 64:
+        raise Bad(f"header {key} must be an ISO-8601 date and time or null, got {_short(value)}")
+    try:
+        when = dt.datetime.fromisoformat(value)
+        if when.tzinfo is not None:
+            when.astimezone(dt.UTC)
+    except (ValueError, OverflowError):
+        raise Bad(f"header {key} {_short(value)} is not an ISO-8601 date and time") from None
+
+
+def _check_storable(value: Any, *, what: str) -> None:
+    """No NUL, no lone surrogate in any string or key (iterative; depth is bounded by the caller)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not is_storable(item):
+                raise Bad(f"{what} hold a NUL character or a lone surrogate, which no database column stores: "
+                          f"{storable_text(item, limit=60)!r}")
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def _check_embed(embed: Mapping[str, Any] | None, known: Known) -> None:
+    if embed is None:
+        return
+    unknown = sorted(str(k) for k in embed if k not in EMBED_KEYS)
+    if unknown:
+        raise Bad(f"embed holds unknown key(s) {storable_text(', '.join(unknown), limit=120)}")
+    if embed.get("chord"):
+        raise Bad("a chord cannot go through the outbox (its counter lives in the result backend)")
+    for key in ("callbacks", "errbacks", "chain"):
+        value = embed.get(key)
+        if value is not None and not (isinstance(value, list) and all(isinstance(s, Mapping) for s in value)):
+            raise Bad(f"embed {key} must be a list of signatures or null")
+    stack: list[Any] = [embed.get(k) for k in ("callbacks", "errbacks", "chain")]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Mapping):
+            if set(item) >= _SIGNATURE_KEYS or "subtask_type" in item:
+                task = item.get("task")
+                if not isinstance(task, str) or not known(task):
+                    raise Bad(f"embed names task {_short(task)}, which is not a task of this app the outbox carries")
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def _short(value: Any) -> str:
+    """A bounded, storable description of an untrusted value for an error message."""
+    text = repr(value) if isinstance(value, (str, int, float, bool)) or value is None else f"a {type(value).__name__}"
+    return storable_text(text, limit=120)
