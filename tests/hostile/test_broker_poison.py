@@ -5,6 +5,9 @@ good message behind it. For every kind of poison: the worker is still alive, the
 effect, and the poison is in the dead-letter store after at most the configured deliveries, with
 its raw body kept. Before the consumer tasks had their own strategy, a body that was valid JSON but
 not the protocol-2 ``[args, kwargs, embed]`` shape stopped the worker with "Unrecoverable error".
+The same worker also takes the deployment's e-mail task queue (``<ns>.email``, an ``@outbox.task``):
+a JSON object there killed every worker until the worker-wide gate (celery_outbox/celery/gate.py);
+every task shape is in tests/hostile/test_task_poison.py.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from kombu import Connection, Producer
+from kombu import Connection, Producer, Queue
 from sqlalchemy.orm import Session
 
 from celery_outbox import Tables
@@ -36,6 +39,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.rabbitmq, pyt
 
 MAX_DELIVERIES = 3
 TASK = "consumers.shipping"
+EMAIL_TASK = "orders.send_confirmation_email"
 
 
 @dataclass
@@ -119,20 +123,39 @@ def worker(broker: tuple[str, str], pg_url: str, namespace: str, tmp_path: Path)
                         consumer_max_deliveries=MAX_DELIVERIES, consumer_retry_backoff_s=1,
                         consumer_retry_backoff_max_s=2)
     declare(settings, broker_url)
+    email = email_queue(settings)
+    with Connection(broker_url) as conn:
+        email(conn.channel()).declare()
     env = {**os.environ, "OUTBOX_DATABASE_URL": pg_url, "OUTBOX_BROKER_URL": broker_url,
            "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": str(home),
            "OUTBOX_CONSUMER_MAX_DELIVERIES": str(MAX_DELIVERIES), "OUTBOX_CONSUMER_RETRY_BACKOFF_S": "1",
            "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "2"}
     env.pop("OUTBOX_CRASH_POINTS", None)
     log = tmp_path / "worker.log"
-    proc = start_worker(env=env, queues=[settings.queue_name(c) for c in CONSUMERS], node=f"poison-{namespace}@%h",
-                        log=log)
+    proc = start_worker(env=env, queues=[*(settings.queue_name(c) for c in CONSUMERS), email.name],
+                        node=f"poison-{namespace}@%h", log=log)
     w = Worker(settings=settings, broker_url=broker_url, log=log, proc=proc)
     try:
         yield w
     finally:
         stop_worker(proc)
+        with Connection(broker_url) as conn:
+            email(conn.channel()).delete()
         cleanup(settings, broker_url)
+
+
+def email_queue(settings: Settings) -> Queue:
+    exchange, _ = _queues(settings)
+    name = settings.queue_name("email")
+    return Queue(name, exchange, routing_key=name, durable=True)
+
+
+def email_poisons() -> list[Poison]:
+    """What killed every worker on the e-mail task's queue, or vanished from it with a log line."""
+    deep = b"[" * 5000 + b"]" * 5000
+    return [Poison("a JSON object on the e-mail queue", b'{"a": 1}'),
+            Poison("5,000 deep on the e-mail queue", b"[[" + deep + b"], {}, null]"),
+            Poison("unknown task on the e-mail queue", b'[["o-1"], {}, null]', headers={"task": "orders.gone"})]
 
 
 def test_poison_on_a_consumer_queue_is_dead_lettered_and_the_queue_flows(
@@ -143,6 +166,7 @@ def test_poison_on_a_consumer_queue_is_dead_lettered_and_the_queue_flows(
     exchange, _ = _queues(settings)
     queue = settings.queue_name("shipping")
     goods = [order_placed_envelope(f"good-{i}") for i in range(len(cases))]
+    email_cases = email_poisons()
     # Given every kind of poison at the head of the shipping queue, each followed by a good order
     with Connection(url) as conn:
         producer = Producer(conn.channel(), exchange=exchange)
@@ -154,12 +178,18 @@ def test_poison_on_a_consumer_queue_is_dead_lettered_and_the_queue_flows(
             msg = celery_task_message(good, consumer="shipping", routing_key=queue)
             producer.publish(msg.body, routing_key=queue, headers=msg.headers, content_type="application/json",
                              content_encoding="utf-8", delivery_mode=2, **msg.properties)
+        # And the e-mail task's killers on its own queue
+        for case in email_cases:
+            producer.publish(case.body, routing_key=settings.queue_name("email"),
+                             headers={**case.all_headers(), "task": case.headers.get("task", EMAIL_TASK)},
+                             content_type=case.content_type, content_encoding=case.content_encoding, delivery_mode=2)
     letters = tables.dead_letters
+    total = len(cases) + len(email_cases)
 
     def done(s: Session) -> tuple[bool, object]:
         shipped = set(s.execute(sa.select(Shipment.order_id)).scalars())
         count = s.execute(sa.select(sa.func.count()).select_from(letters)).scalar_one()
-        return len(shipped) == len(goods) and count == len(cases), (sorted(shipped), count)
+        return len(shipped) == len(goods) and count == total, (sorted(shipped), count)
 
     wait_for("every good order shipped and every poison dead-lettered", done, worker, sessions, timeout_s=180)
     # Then the worker is still alive
@@ -170,7 +200,11 @@ def test_poison_on_a_consumer_queue_is_dead_lettered_and_the_queue_flows(
         assert sorted(s.execute(sa.select(Shipment.order_id)).scalars()) == sorted(g.payload["order_id"] for g in goods)
         # And every poison is in the dead-letter store once, within the configured deliveries, raw body kept
         rows = {dl.message_id: dl for dl in s.execute(sa.select(letters)).scalars()}
-        assert len(rows) == len(cases)
+        assert len(rows) == total
+        for case in email_cases:  # the e-mail task's: dead-lettered at once under its task key, raw bytes kept
+            dl = rows.pop(case.key)
+            assert dl.consumer == f"task:{case.headers.get('task', EMAIL_TASK)}", case.name
+            assert (body_bytes(dl.body), dl.delivery_count) == (case.body, 1), case.name
         for case in cases:
             if not case.key:  # its task id is derived from the body: find it by its body
                 [dl] = [r for r in rows.values() if body_bytes(r.body) == case.body]
