@@ -87,6 +87,9 @@ class Writer(Protocol):
         ...
 
 
+_WRITTEN = "celery_outbox.enqueue.written"
+
+
 class SessionWriter:
     """Adds the row to a SQLAlchemy session (it commits or rolls back with the caller's data)."""
 
@@ -96,14 +99,26 @@ class SessionWriter:
 
     def write(self, values: dict[str, Any]) -> None:
         self.session.add(self.tables.outbox(**values))
+        self._written().add(values["message_id"])
+
+    def _written(self) -> set[uuid.UUID]:
+        """Ids written in the session's current transaction: a set, so a check never scans every pending row."""
+        transaction = self.session.get_transaction()
+        owner, ids = self.session.info.get(_WRITTEN, (None, None))
+        if owner is not transaction or not isinstance(ids, set):
+            ids = set()
+            self.session.info[_WRITTEN] = (transaction, ids)
+        return ids
 
     def holds(self, message_id: uuid.UUID) -> bool:
         model = self.tables.outbox
-        if any(isinstance(o, model) and o.message_id == message_id for o in self.session.new):
+        if message_id in self._written() and any(  # confirmed: a savepoint rolled back takes its rows with it
+                isinstance(o, model) and o.message_id == message_id for o in self.session.new):
             return True
-        with self.session.no_autoflush:  # the caller's pending objects are flushed when the caller says so
-            stmt = sa.select(sa.literal(1)).where(model.message_id == message_id).limit(1)
-            return self.session.execute(stmt).first() is not None
+        # On the session's connection, not ``session.execute``: no autoflush of the caller's pending objects
+        # (they are flushed when the caller says so), and no ORM overhead on a per-call lookup.
+        stmt = sa.select(sa.literal(1)).where(self.tables.table(model).c.message_id == message_id).limit(1)
+        return self.session.connection().execute(stmt).first() is not None
 
 
 # (outbox, writer) pairs bound by ``Outbox.transaction``, innermost last.
