@@ -57,4 +57,5 @@ def relay(ctx: click.Context, once: bool, batch_size: int | None, max_in_flight:
             loop.run()
     finally:
         loop.close()
-        loop.publisher.close()
+        if not loop.stats.abandoned:  # a loop thread still blocked may be using the publisher: leave it to exit
+            loop.publisher.close()
