@@ -39,6 +39,11 @@ BAD: dict[str, tuple[dict[str, str], str]] = {
     "time limit past the visibility timeout": ({"OUTBOX_CONSUMER_TIME_LIMIT_S": "400"}, "OUTBOX_CONSUMER_TIME_LIMIT_S"),
     "database URL with a password and a bad port": (
         {"OUTBOX_DATABASE_URL": f"postgresql://app:{PASSWORD}@db:99999/app"}, "OUTBOX_DATABASE_URL"),
+    # accepted before, then every order answered 400 (the web app reported ready)
+    "a consumer twice in a route, a route twice": (
+        {"OUTBOX_ROUTES": "OrderPlaced=shipping,shipping;OrderPlaced=billing"}, "OUTBOX_ROUTES"),
+    "a crash point with a malformed count": ({"OUTBOX_CRASH_POINTS": "after_mark@abc"}, "OUTBOX_CRASH_POINTS"),
+    "an admin token too short to guard anything": ({"OUTBOX_ADMIN_TOKEN": PASSWORD[:9]}, "OUTBOX_ADMIN_TOKEN"),
 }
 
 
@@ -62,7 +67,7 @@ def test_bad_configuration_is_one_line_at_every_entry_point(entry: str, bad: str
     # And stderr has one line saying so and naming the variable, with no traceback and no password
     lines = [line for line in proc.stderr.splitlines() if "bad configuration: " in line]
     assert len(lines) == 1 and variable in lines[0], output
-    assert "Traceback" not in output and PASSWORD not in output, output
+    assert "Traceback" not in output and PASSWORD not in output and PASSWORD[:9] not in output, output
 
 
 def test_routes_to_an_unknown_consumer_stop_the_worker_at_import_in_one_line(tmp_path: Path) -> None:
