@@ -140,6 +140,8 @@ def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consu
         if needs_broker:
             from celery_outbox.celery.sender import replay_sender
 
+            outbox.broker_url()  # asked first: a broker the app only finds on demand is found (or refused) here
+
             send: dl.Sender | None = replay_sender(outbox.app, outbox)
         else:
             send = None
