@@ -202,8 +202,11 @@ class PrefixRule(Rule):
         return None
 
 
+MIN_TOKEN_LENGTH = 16  # a guessable admin token guards nothing
+
+
 class TokenRule(Rule):
-    """A secret: empty (off) or printable text, never shown."""
+    """A secret: empty (off) or printable text of at least ``MIN_TOKEN_LENGTH`` characters, never shown."""
 
     secret = True
 
@@ -211,6 +214,8 @@ class TokenRule(Rule):
         trouble = _text_problem(value, 4096)
         if trouble is None and value != value.strip():
             trouble = "must not start or end with whitespace"
+        if trouble is None and value and len(value) < MIN_TOKEN_LENGTH:
+            trouble = f"must be at least {MIN_TOKEN_LENGTH} characters (or empty: off)"
         return trouble
 
     def masked(self, value: Any) -> Any:
@@ -275,7 +280,11 @@ class UrlRule(Rule):
 
 
 class RoutesRule(Rule):
-    """Event type -> consumer names: ``"A=x,y;B=z"``. Names are checked exactly like ``@consumer`` names."""
+    """Event type -> consumer names: ``"A=x,y;B=z"``. Names are checked exactly like ``@consumer`` names.
+
+    An event type given twice or a consumer named twice in one route is refused, not merged or
+    overwritten: the writer would accept that configuration and then refuse every event of the type.
+    """
 
     def parse(self, raw: str) -> dict[str, tuple[str, ...]]:
         routes: dict[str, tuple[str, ...]] = {}
@@ -286,6 +295,9 @@ class RoutesRule(Rule):
             names = tuple(filter(None, (c.strip() for c in consumers.split(","))))
             if not sep or not event.strip() or not names:
                 raise _Invalid(f"must be 'EventType=consumer[,consumer...]' separated by ';' ({_show(part)} is not)")
+            if event.strip() in routes:
+                raise _Invalid(f"routes {_show(event.strip())} twice; give each event type once, with all its "
+                               "consumers")
             routes[event.strip()] = names
         if not routes:
             raise _Invalid("is set but names no route; unset it to use the defaults")
@@ -308,6 +320,9 @@ class RoutesRule(Rule):
                 return f"event type {_show(event)} {trouble}"
             if isinstance(names, str) or not isinstance(names, (tuple, list)) or not names:
                 return f"must route {_show(event)} to a non-empty tuple of consumer names"
+            twice = [n for i, n in enumerate(names) if n in names[:i]]
+            if twice:
+                return f"routes {_show(event)} to {_show(twice[0])} twice; name each consumer once"
             for name in names:
                 try:
                     check_name(name)
@@ -347,7 +362,7 @@ class CrashPointsRule(Rule):
         try:
             CrashPoints(spec=value)
         except ConfigError as e:
-            return f"names {e}"
+            return f"is not valid: {e}"
         return None
 
 
