@@ -497,14 +497,6 @@ LIBRARY_RELATIONS: tuple[Relation, ...] = (
                   "own redelivery comes first, the reconciler only catches what is really lost",
     ),
     Relation(
-        ("relay_reconcile_plain_tasks_after_ms", "relay_reconcile_after_ms"),
-        lambda s: s.relay_reconcile_plain_tasks_after_ms == 0
-        or s.relay_reconcile_plain_tasks_after_ms >= s.relay_reconcile_after_ms,
-        lambda s: f"OUTBOX_RELAY_RECONCILE_PLAIN_TASKS_AFTER_MS ({s.relay_reconcile_plain_tasks_after_ms}) must be 0 "
-                  f"(off) or at least OUTBOX_RELAY_RECONCILE_AFTER_MS ({s.relay_reconcile_after_ms}): a plain task "
-                  "has no inbox, so a re-send of one that is merely queued runs it twice",
-    ),
-    Relation(
         ("broker_redelivery_window_ms", "relay_reconcile_after_ms"),
         lambda s: s.broker_redelivery_window_ms > s.relay_reconcile_after_ms,
         lambda s: f"OUTBOX_BROKER_REDELIVERY_WINDOW_MS ({s.broker_redelivery_window_ms}) must exceed "
@@ -576,8 +568,8 @@ class Settings:
     # redelivery comes first. A take-window loss is back within after + interval (+ a poll).
     relay_reconcile_after_ms: int = 40_000
     relay_reconcile_interval_s: float = 5.0
-    # Plain tasks (no inbox; a worker receipt instead) get a longer window: re-sending one that is
-    # merely queued runs it twice. 0 = never re-sent (a plain task lost in the broker stays lost).
+    # Plain tasks (no inbox; a worker receipt instead) get a longer window (never shorter than
+    # relay_reconcile_after_ms): re-sending one that is merely queued runs it twice. 0 = never re-sent.
     relay_reconcile_plain_tasks_after_ms: int = 600_000
 
     consumer_max_deliveries: int = 3

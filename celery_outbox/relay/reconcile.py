@@ -14,7 +14,8 @@ a Redis server) that died before recording it as unacked (docs/guarantees.md). T
 * a plain task captured by ``.delay()`` (any other task row whose message asks for a receipt,
   ``inbox.receipts``): with no receipt, no inbox row and no dead letter it is published again the
   same way. It has no inbox, so a re-send of a task that was merely still queued runs it twice: these
-  rows have their own, longer window (``plain_older_than_ms``; 0 turns it off).
+  rows have their own, longer window (``plain_older_than_ms``, never shorter than ``older_than_ms``;
+  0 turns it off).
 
 Each kind is checked once, in a window that ends ``older_than_ms`` (plain tasks:
 ``plain_older_than_ms``) ago and starts where the previous pass stopped: a keyset watermark
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import sqlalchemy as sa
@@ -234,8 +235,9 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
     plain = _Window(plain=True, mark_ms=PLAIN_WATERMARK, mark_seq=PLAIN_WATERMARK_SEQ,
                     older_than_ms=plain_older_than_ms)
     if plain_older_than_ms > 0:
+        plain = replace(plain, older_than_ms=max(plain_older_than_ms, older_than_ms))  # never before the events'
         windows.append(plain)
-        result.plain_watermark_ms = now - plain_older_than_ms
+        result.plain_watermark_ms = now - plain.older_than_ms
     else:
         with wrap_driver_errors("turning off the plain-task reconcile window"):
             _forget_watermark(session, plain, tables=tables)

@@ -183,3 +183,20 @@ def test_a_receipt_the_database_refuses_is_logged_and_the_task_still_runs(
     finally:
         outbox.sessions = real
     assert "could not record the receipt" in caplog.text
+
+
+def test_a_plain_window_shorter_than_the_events_window_waits_for_the_events_window(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    # Given a plain-task window set below the events window, and a published plain task with no receipt
+    run(built, sqlite_sessions, clock, InMemoryPublisher(), tables, plain_after=AFTER // 4)
+    clock.advance(1_000)
+    [lost] = enqueue(built, sqlite_sessions, built.plain, "lost")
+    publish(built, sqlite_sessions, clock, tables)
+    # When the shorter window has passed but not the events window, nothing is sent
+    pub = InMemoryPublisher()
+    clock.advance(AFTER // 2)
+    assert run(built, sqlite_sessions, clock, pub, tables, plain_after=AFTER // 4).republished == 0
+    # Then after the events window it is
+    clock.advance(AFTER)
+    assert run(built, sqlite_sessions, clock, pub, tables, plain_after=AFTER // 4).plain_tasks == 1
+    assert [m.headers["id"] for m in pub.published] == [lost]

@@ -409,7 +409,6 @@ def oracle(s: LibrarySettings) -> None:
     assert 0 <= s.metrics_port <= 65_535
     assert s.broker_redelivery_window_ms > s.relay_reconcile_after_ms
     assert s.broker_redelivery_window_ms > s.relay_reconcile_plain_tasks_after_ms
-    assert s.relay_reconcile_plain_tasks_after_ms == 0 or s.relay_reconcile_plain_tasks_after_ms >= s.relay_reconcile_after_ms
     if s.kind_of_broker(s.broker_url) == "redis":  # the visibility timeout is Redis's alone
         assert s.relay_reconcile_after_ms > s.broker_visibility_timeout_s * 1000
         assert s.consumer_retry_backoff_max_s < s.broker_visibility_timeout_s
