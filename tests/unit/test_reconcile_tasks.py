@@ -200,3 +200,29 @@ def test_a_plain_window_shorter_than_the_events_window_waits_for_the_events_wind
     clock.advance(AFTER)
     assert run(built, sqlite_sessions, clock, pub, tables, plain_after=AFTER // 4).plain_tasks == 1
     assert [m.headers["id"] for m in pub.published] == [lost]
+
+
+def test_the_standalone_relay_reconciles_tasks_and_hands_what_it_resent_to_its_callback(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables,
+        tmp_home: Path) -> None:
+    from celery_outbox.relay.loop import RelayLoop
+
+    # Given the standalone relay's loop of this app (its @outbox.task names passed in, like its routes)
+    pub = InMemoryPublisher()
+    announced: list[ReconcileResult] = []
+    loop = RelayLoop(settings=built.settings, tables=tables, session_factory=sqlite_sessions, publisher=pub,
+                     clock=clock, routes={}, listen=False, idempotent_tasks=built.outbox.idempotent_tasks(),
+                     on_reconcile=announced.append)
+    try:
+        assert loop.reconcile_if_due() is not None and announced == []  # the first pass starts the watermarks
+        # When an @outbox.task it published is lost and the window passes
+        clock.advance(1_000)
+        [lost] = enqueue(built, sqlite_sessions, built.record, "lost")
+        assert loop.drain_once().published == 1
+        clock.advance(built.settings.relay_reconcile_after_ms + int(built.settings.relay_reconcile_interval_s * 1000))
+        result = loop.reconcile_if_due()
+        # Then it is sent again and handed to the callback (the CLI's sends it to Flower as an event)
+        assert result is not None and result.tasks == 1 and loop.stats.reconciled == 1
+        assert [(r.kind, r.message_id, r.target) for a in announced for r in a.resent] == [("task", lost, ia.RECORD)]
+    finally:
+        loop.close()
