@@ -36,10 +36,14 @@ def drain_announcer(app: Celery) -> Callable[[DrainResult], None]:
     return lambda result: announce_drain(app, result, hostname=hostname)
 
 
+MAX_RECONCILED_EVENTS = 1000  # per pass: a mass loss is counted in full (stats, metrics), not one event each
+
+
 def announce_reconcile(app: Celery, result: ReconcileResult, *, hostname: str | None = None,
                        task_id: str | None = None) -> None:
-    """One ``outbox-reconciled`` event per message a reconcile pass sent again (best effort)."""
-    for sent in result.resent:
+    """One ``outbox-reconciled`` event per message a reconcile pass sent again (best effort, at most
+    ``MAX_RECONCILED_EVENTS`` a pass; the counters have them all)."""
+    for sent in result.resent[:MAX_RECONCILED_EVENTS]:
         events.reconciled(app, kind=sent.kind, message_id=sent.message_id, target=sent.target, hostname=hostname,
                           task_id=task_id)
 
