@@ -9,6 +9,7 @@ from celery_outbox.cli.db import db
 from celery_outbox.cli.ops import dead_letters, prune, stats
 from celery_outbox.cli.probes import check
 from celery_outbox.cli.relay import relay
+from celery_outbox.cli.trace import trace
 
 
 @settings_group
@@ -22,6 +23,7 @@ cli.add_command(dead_letters)
 cli.add_command(prune)
 cli.add_command(stats)
 cli.add_command(relay)
+cli.add_command(trace)
 
 
 def main() -> None:
