@@ -24,6 +24,8 @@ JSONType = sa.JSON().with_variant(JSONB(), "postgresql")
 SeqType = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 PENDING_SQL = "published_at_ms IS NULL AND dead_lettered_at_ms IS NULL"
+DEAD_SQL = "dead_lettered_at_ms IS NOT NULL"
+UNREPLAYED_SQL = "replayed_at_ms IS NULL"
 DEFAULT_PREFIX = "outbox_"
 _PREFIX = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
 
@@ -86,6 +88,8 @@ class DeadLetterRow(_Row):
     first_failed_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
     last_failed_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
     replayed_at_ms: Mapped[int | None] = mapped_column(sa.BigInteger, nullable=True)
+    # Which failure this is (inbox/fingerprints.py): dead letters are listed, replayed and purged by group.
+    fingerprint: Mapped[str | None] = mapped_column(sa.String(32), nullable=True)
 
 
 class ParkedRow(_Row):
@@ -191,6 +195,8 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
 
     pending = sa.text(PENDING_SQL)
     published = sa.text("published_at_ms IS NOT NULL")
+    dead = sa.text(DEAD_SQL)
+    unreplayed = sa.text(UNREPLAYED_SQL)
     return Tables(
         prefix=prefix, metadata=md,
         outbox=mapped("OutboxMessage", OutboxRow, "messages", (
@@ -199,12 +205,20 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
             # Retention prunes published rows oldest first without scanning pending ones.
             sa.Index(f"ix_{prefix}published", "published_at_ms", postgresql_where=published,
                      sqlite_where=published),
+            # The relay's dead letters without a scan of the history (stats, groups); holds only dead rows.
+            sa.Index(f"ix_{prefix}dead", "seq", postgresql_where=dead, sqlite_where=dead),
         )),
         inbox=mapped("InboxEntry", InboxRow, "inbox", (
             sa.Index(f"ix_{prefix}inbox_processed", "processed_at_ms"),)),
         attempts=mapped("DeliveryAttempt", AttemptRow, "attempts"),
         dead_letters=mapped("ConsumerDeadLetter", DeadLetterRow, "dead_letters", (
-            sa.Index(f"ix_{prefix}dead_letters_consumer", "consumer"),)),
+            sa.Index(f"ix_{prefix}dead_letters_consumer", "consumer"),
+            # 'outbox dead-letters groups' (an index-only scan) and a group's replay or purge in id order.
+            sa.Index(f"ix_{prefix}dead_letters_group", "fingerprint", "id", "last_failed_at_ms",
+                     postgresql_where=unreplayed, sqlite_where=unreplayed),
+            # 'outbox trace': a message's dead letters by its id.
+            sa.Index(f"ix_{prefix}dead_letters_message", "message_id"),
+        )),
         parked=mapped("ParkedMessage", ParkedRow, "parked", (
             sa.Index(f"ix_{prefix}parked_entity", "consumer", "entity_key", "entity_version"),)),
         entity_versions=mapped("EntityVersion", EntityVersionRow, "entity_versions"),

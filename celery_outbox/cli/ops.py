@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -19,10 +20,11 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
-from celery_outbox.cli.common import AsciiInt, Duration, get_outbox, get_settings, handle_errors
+from celery_outbox.cli.common import AsciiInt, AsciiSeconds, Duration, get_outbox, get_settings, handle_errors
 from celery_outbox.cli.probes import EXIT_PROBLEM
 from celery_outbox.cli.progress import ProgressView
 from celery_outbox.clock import SystemClock
+from celery_outbox.ops import dead_letter_groups as groups_mod
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import retention
 from celery_outbox.ops import stats as ops_stats
@@ -117,17 +119,27 @@ def show_cmd(ctx: click.Context, dl_id: str, as_json: bool) -> None:
 @click.argument("ids", nargs=-1)
 @click.option("--all", "replay_all", is_flag=True, help="Replay every unreplayed dead letter.")
 @click.option("--consumer", default=None, help="With --all: only this consumer's dead letters.")
+@click.option("--group", "group", default=None, help="Replay one group (see 'outbox dead-letters groups').")
+@click.option("--dry-run", is_flag=True, help="With --group: say what would be sent where; change nothing.")
+@click.option("--rate", type=AsciiSeconds(low=0.001), default=groups_mod.DEFAULT_REPLAY_RATE, show_default=True,
+              help="With --group: at most this many dead letters a second.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 @handle_errors
-def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consumer: str | None,
-               as_json: bool) -> None:
+def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consumer: str | None, group: str | None,
+               dry_run: bool, rate: float, as_json: bool) -> None:
     """Replay dead letters: outbox rows go back to the relay due now; consumer rows are re-sent to
-    their consumer's queue. Replaying twice has one effect (the inbox guards it)."""
-    if replay_all == bool(ids):
-        raise click.UsageError("give dead-letter ids or --all (not both)")
+    their consumer's queue. Replaying twice has one effect (the inbox guards it). A --group replay is
+    throttled and resumable: run it again after a crash and it carries on where it stopped."""
+    if sum((bool(ids), replay_all, group is not None)) != 1:
+        raise click.UsageError("give dead-letter ids or --all or --group (exactly one)")
     if consumer is not None and not replay_all:
         raise click.UsageError("--consumer goes with --all")
+    if dry_run and group is None:
+        raise click.UsageError("--dry-run goes with --group")
+    if group is not None:
+        _replay_group(ctx, groups_mod.check_group_id(group), dry_run=dry_run, rate=rate, as_json=as_json)
+        return
     outbox = get_outbox(ctx)
     clock = SystemClock()
     with _sessions(ctx)() as session:
@@ -167,12 +179,29 @@ def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consu
 
 
 @dead_letters.command("purge")
-@click.argument("ids", nargs=-1, required=True)
+@click.argument("ids", nargs=-1)
+@click.option("--group", "group", default=None, help="Purge one group (see 'outbox dead-letters groups').")
+@click.option("--archive", type=click.Path(dir_okay=False, writable=True, path_type=Path), default=None,
+              help="With --group: append each dead letter to this JSON-lines file before deleting it.")
+@click.option("--rate", type=AsciiSeconds(low=0.001), default=groups_mod.DEFAULT_PURGE_RATE, show_default=True,
+              help="With --group: at most this many deletions a second.")
+@click.option("--json", "as_json", is_flag=True, help="With --group: machine-readable output.")
 @click.option("--yes", is_flag=True, help="Confirm: the dead letters are deleted for good.")
 @click.pass_context
 @handle_errors
-def purge_cmd(ctx: click.Context, ids: tuple[str, ...], yes: bool) -> None:
-    """Delete dead letters for good (needs --yes)."""
+def purge_cmd(ctx: click.Context, ids: tuple[str, ...], group: str | None, archive: Path | None, rate: float,
+              as_json: bool, yes: bool) -> None:
+    """Delete dead letters for good (needs --yes); --group --archive FILE keeps a copy first."""
+    if bool(ids) == (group is not None):
+        raise click.UsageError("give dead-letter ids or --group (one of them)")
+    if group is None and archive is not None:
+        raise click.UsageError("--archive goes with --group")
+    if group is not None:
+        gid = groups_mod.check_group_id(group)
+        if not yes:
+            raise click.UsageError("purge deletes for good; add --yes to confirm")
+        _purge_group(ctx, gid, archive=archive, rate=rate, as_json=as_json)
+        return
     refs = dl.parse_ids(ids)
     if not yes:
         raise click.UsageError("purge deletes for good; add --yes to confirm")
@@ -180,6 +209,94 @@ def purge_cmd(ctx: click.Context, ids: tuple[str, ...], yes: bool) -> None:
     with _sessions(ctx)() as session:
         n = dl.purge(session, refs, tables=outbox.tables)
     click.echo(f"purged {n} dead letter(s)")
+
+
+@dead_letters.command("groups")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@handle_errors
+def groups_cmd(ctx: click.Context, as_json: bool) -> None:
+    """Unreplayed dead letters grouped by failure (consumer or task, exception type, normalised
+    message), largest first, with first and last seen and a sample."""
+    outbox = get_outbox(ctx)
+    now = SystemClock().now_ms()
+    with _sessions(ctx)() as session:
+        found = groups_mod.list_groups(session, tables=outbox.tables)
+    if as_json:
+        _echo_json([g.to_dict() for g in found])
+        return
+    if not found:
+        click.echo("no dead letters")
+        return
+    table = Table(title=f"{len(found)} group(s), {sum(g.count for g in found)} dead letter(s)")
+    for col in ("group", "count", "consumer", "error", "first seen", "last seen", "sample"):
+        table.add_column(col)
+    for g in found:
+        error = f"{g.error_class}: {g.message}" if g.error_class else g.message
+        table.add_row(g.id, str(g.count), g.consumer, error[:100], _age(now - g.first_seen_ms) + " ago",
+                      _age(now - g.last_seen_ms) + " ago", g.sample_id)
+    _console().print(table)
+
+
+def _run_summary(report: groups_mod.RunReport) -> str:
+    verb = "replayed" if report.action == "replay" else "purged"
+    text = f"summary: group {report.group}: {report.done_now} {verb}"
+    if report.done_before:
+        text += f" now, {report.done_before} by the earlier run that stopped (resumed)"
+    text += f"; {report.done_before + report.done_now} of {report.total}"
+    if report.skipped:
+        text += f", {report.skipped} skipped (cannot be replayed: see the lines above)"
+    if report.archived_to:
+        text += f"; archived to {report.archived_to}"
+    return text
+
+
+def _replay_group(ctx: click.Context, gid: str, *, dry_run: bool, rate: float, as_json: bool) -> None:
+    outbox = get_outbox(ctx)
+    with _sessions(ctx)() as session:
+        group = groups_mod.get_group(session, gid, tables=outbox.tables)
+    send: dl.Sender | None = None
+    if group.source == "consumer" and not dry_run:
+        from celery_outbox.celery.sender import replay_sender
+
+        outbox.broker_url()
+        send = replay_sender(outbox.app, outbox)
+    with ProgressView(machine=as_json) as view:
+        view.start("group", f"{'dry run of ' if dry_run else ''}replaying group {gid}", group.count)
+
+        def step(p: groups_mod.RunProgress) -> None:
+            skipped = "skipped" in p.line  # the one per-item line worth reading back; the rest is the bar
+            view.update("group", p.done, p.total, line=p.line if skipped else None, keep=skipped)
+
+        report = groups_mod.replay_group(_sessions(ctx), gid, tables=outbox.tables, clock=SystemClock(), send=send,
+                                         known_consumers=outbox.known_consumers(), dry_run=dry_run, rate=rate,
+                                         progress=step)
+    if as_json:
+        _echo_json(report.to_dict())
+        return
+    if dry_run:
+        plan = ", ".join(f"{n} to {where}" for where, n in sorted((report.plan or {}).items())) or "nothing"
+        click.echo(f"dry run: group {gid} would send {plan}; {report.skipped} cannot be replayed; nothing was changed")
+        return
+    click.echo(_run_summary(report))
+
+
+def _purge_group(ctx: click.Context, gid: str, *, archive: Path | None, rate: float, as_json: bool) -> None:
+    outbox = get_outbox(ctx)
+    with _sessions(ctx)() as session:
+        group = groups_mod.get_group(session, gid, tables=outbox.tables)
+    with ProgressView(machine=as_json) as view:
+        view.start("group", f"purging group {gid}", group.count)
+
+        def step(p: groups_mod.RunProgress) -> None:
+            view.update("group", p.done, p.total)
+
+        report = groups_mod.purge_group(_sessions(ctx), gid, tables=outbox.tables, clock=SystemClock(),
+                                        archive=archive, rate=rate, progress=step)
+    if as_json:
+        _echo_json(report.to_dict())
+        return
+    click.echo(_run_summary(report))
 
 
 @click.command("prune")

@@ -33,6 +33,7 @@ from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.db import wrap_driver_errors
 from celery_outbox.errors import MalformedMessageError, NotFoundError, ValidationError
+from celery_outbox.inbox.fingerprints import fingerprint
 from celery_outbox.inbox.task_keys import is_task_key
 from celery_outbox.messages import DEFAULT_MAX_JSON_DEPTH, TYPE_MAX_CHARS, decode_json, is_storable, storable_text
 from celery_outbox.schema import DeadLetterRow, Tables
@@ -135,11 +136,13 @@ def record(session: Session, *, tables: Tables, consumer: str, message_id: str, 
     Every text is made storable first (module docstring), so this fails only when the database does.
     """
     type_ = storable_text(type, limit=TYPE_MAX_CHARS) if isinstance(type, str) and type else None
+    consumer = storable_text(consumer, limit=64)
+    last_error = storable_text(str(last_error), limit=ERROR_MAX_CHARS)
     row = tables.dead_letters(
-        consumer=storable_text(consumer, limit=64), message_id=storable_text(str(message_id), limit=64), type=type_,
+        consumer=consumer, message_id=storable_text(str(message_id), limit=64), type=type_,
         body=storable_body(body), headers=storable_headers(headers), delivery_count=delivery_count,
-        last_error=storable_text(str(last_error), limit=ERROR_MAX_CHARS),
-        first_failed_at_ms=first_failed_at_ms, last_failed_at_ms=last_failed_at_ms, replayed_at_ms=None,
+        last_error=last_error, first_failed_at_ms=first_failed_at_ms, last_failed_at_ms=last_failed_at_ms,
+        replayed_at_ms=None, fingerprint=fingerprint(source="consumer", consumer=consumer, error=last_error),
     )
     session.add(row)
     session.flush()

@@ -111,7 +111,8 @@ class OutboxCollector(Collector):
         for kind, n in st.reconciled.items():
             if kind != "total":
                 fam["reconciled_total"].add_metric([kind], n)
-        consumers = (set(st.inbox) | set(st.counters)) - {counters.RELAY}
+        # scopes starting with '_' are the library's own (the relay, group-run jobs), never a consumer
+        consumers = set(st.inbox) | {c for c in st.counters if not c.startswith("_")}
         for consumer in sorted(consumers):
             kept = st.counters.get(consumer, {})
             processed = st.inbox.get(consumer, 0) + kept.get(counters.INBOX_PRUNED, 0)

@@ -38,6 +38,7 @@ class OutboxMessage(models.Model):  # type: ignore[misc]
                          condition=Q(published_at_ms__isnull=True) & Q(dead_lettered_at_ms__isnull=True)),
             models.Index(fields=["published_at_ms"], name="ix_outbox_published",
                          condition=Q(published_at_ms__isnull=False)),
+            models.Index(fields=["seq"], name="ix_outbox_dead", condition=Q(dead_lettered_at_ms__isnull=False)),
         )
 
     def __str__(self) -> str:
@@ -93,10 +94,14 @@ class ConsumerDeadLetter(models.Model):  # type: ignore[misc]
     first_failed_at_ms = models.BigIntegerField()
     last_failed_at_ms = models.BigIntegerField()
     replayed_at_ms = models.BigIntegerField(null=True, blank=True)
+    fingerprint = models.CharField(max_length=32, null=True, blank=True)
 
     class Meta:
         db_table = "outbox_dead_letters"
-        indexes = (models.Index(fields=["consumer"], name="ix_outbox_dead_letters_consumer"),)
+        indexes = (models.Index(fields=["consumer"], name="ix_outbox_dead_letters_consumer"),
+                   models.Index(fields=["fingerprint", "id", "last_failed_at_ms"], name="ix_outbox_dead_letters_group",
+                                condition=Q(replayed_at_ms__isnull=True)),
+                   models.Index(fields=["message_id"], name="ix_outbox_dead_letters_message"))
 
     def __str__(self) -> str:
         return f"{self.consumer} {self.message_id}"
