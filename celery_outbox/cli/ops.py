@@ -354,7 +354,8 @@ class Threshold:
         return {"name": self.name, "limit": self.limit, "value": self.value, "crossed": self.crossed}
 
 
-def thresholds(st: ops_stats.Stats, *, fail_on_dead_letters: bool, max_pending_age_ms: int | None) -> list[Threshold]:
+def thresholds(st: ops_stats.Stats, *, fail_on_dead_letters: bool, max_pending_age_ms: int | None,
+               max_overdue_ms: int | None = None) -> list[Threshold]:
     """The thresholds asked for, each with its value and whether it is crossed."""
     found: list[Threshold] = []
     if fail_on_dead_letters:
@@ -369,6 +370,13 @@ def thresholds(st: ops_stats.Stats, *, fail_on_dead_letters: bool, max_pending_a
             crossed=age is not None and age > max_pending_age_ms,
             message=f"the oldest pending outbox row is {_age(age)} old, over the limit of {_age(max_pending_age_ms)} "
                     "(relay down or broker unreachable?)"))
+    if max_overdue_ms is not None:
+        late = st.oldest_overdue_ms
+        found.append(Threshold(
+            name="max_overdue_ms", limit=max_overdue_ms, value=late,
+            crossed=late is not None and late > max_overdue_ms,
+            message=f"a pending outbox row has been due for {_age(late)} and no relay has published it, over the "
+                    f"limit of {_age(max_overdue_ms)} (every relay stopped or stuck? rows backing off are not counted)"))
     return found
 
 
@@ -378,15 +386,20 @@ def thresholds(st: ops_stats.Stats, *, fail_on_dead_letters: bool, max_pending_a
               help=f"Exit {EXIT_PROBLEM} if any unreplayed dead letter exists (either store).")
 @click.option("--max-pending-age", "max_pending_age_ms", type=Duration(), default=None,
               help=f"Exit {EXIT_PROBLEM} if the oldest pending outbox row is older than this (e.g. 5m).")
+@click.option("--max-overdue", "max_overdue_ms", type=Duration(), default=None,
+              help=f"Exit {EXIT_PROBLEM} if a pending row has been due for longer than this with no relay publishing "
+                   "it (e.g. 1m); rows backing off after a failure are not due, so they never trip it.")
 @click.pass_context
 @handle_errors
-def stats(ctx: click.Context, as_json: bool, fail_on_dead_letters: bool, max_pending_age_ms: int | None) -> None:
+def stats(ctx: click.Context, as_json: bool, fail_on_dead_letters: bool, max_pending_age_ms: int | None,
+          max_overdue_ms: int | None) -> None:
     """Pending count, oldest pending age, dead letters per source/consumer, inbox size, duplicates.
     With a threshold: exit 3 and one line per crossed threshold on stderr (see README "Probes and exit codes")."""
     outbox = get_outbox(ctx)
     with _sessions(ctx)() as session:
         st = ops_stats.collect(session, tables=outbox.tables, clock=SystemClock())
-    checks = thresholds(st, fail_on_dead_letters=fail_on_dead_letters, max_pending_age_ms=max_pending_age_ms)
+    checks = thresholds(st, fail_on_dead_letters=fail_on_dead_letters, max_pending_age_ms=max_pending_age_ms,
+                        max_overdue_ms=max_overdue_ms)
     if as_json:
         data = st.to_dict()
         if checks:
@@ -404,10 +417,10 @@ def stats(ctx: click.Context, as_json: bool, fail_on_dead_letters: bool, max_pen
 def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     console = _console()
     outbox_t = Table(title="outbox")
-    for col in ("pending", "due", "retrying", "oldest pending", "published (retained)"):
+    for col in ("pending", "due", "retrying", "oldest pending", "due unpublished for", "published (retained)"):
         outbox_t.add_column(col)
     outbox_t.add_row(str(st.pending), str(st.due), str(st.retrying), _age(st.oldest_pending_age_ms),
-                     str(st.published))
+                     _age(st.oldest_overdue_ms), str(st.published))
     console.print(outbox_t)
     re_t = Table(title="re-sent by the reconciler (never arrived)")
     for col in ("total", "events (per consumer)", "@outbox.task", "plain tasks"):

@@ -44,6 +44,9 @@ class Stats:
     retrying: int  # pending rows that have failed at least once (publish failures not yet dead)
     oldest_pending_age_ms: int | None
     published: int  # published rows still retained (retention shrinks this)
+    # How long the longest-due pending row has been due and unpublished. A row backing off after a failed
+    # publish is not due yet, so it never counts: this grows only when no relay is claiming due rows.
+    oldest_overdue_ms: int | None = None
     dead_letters: list[DeadLetterGroup] = field(default_factory=list)
     inbox: dict[str, int] = field(default_factory=dict)
     duplicates_absorbed: dict[str, int] = field(default_factory=dict)
@@ -69,7 +72,8 @@ class Stats:
         return {
             "now_ms": self.now_ms,
             "outbox": {"pending": self.pending, "due": self.due, "retrying": self.retrying,
-                       "oldest_pending_age_ms": self.oldest_pending_age_ms, "published_retained": self.published},
+                       "oldest_pending_age_ms": self.oldest_pending_age_ms, "published_retained": self.published,
+                       "oldest_overdue_ms": self.oldest_overdue_ms},
             "dead_letters": {"total": self.dead_letter_total, "oldest_age_ms": self.oldest_dead_letter_age_ms,
                              "groups": [g.to_dict() for g in self.dead_letters]},
             "inbox": {"total": sum(self.inbox.values()), "per_consumer": dict(self.inbox)},
@@ -90,8 +94,9 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
         sa.func.count(),
         sa.func.count().filter(tables.outbox.next_attempt_at_ms <= now),
         sa.func.count().filter(tables.outbox.attempts > 0),
+        sa.func.min(tables.outbox.next_attempt_at_ms).filter(tables.outbox.next_attempt_at_ms <= now),
     ).select_from(tables.outbox).where(*_pending_where(tables))
-    pending, due, retrying = session.execute(pending_q).one()
+    pending, due, retrying, first_due = session.execute(pending_q).one()
     # The oldest pending row is the lowest seq: one index probe on ix_outbox_pending.
     oldest_created = session.scalar(
         sa.select(tables.outbox.created_at_ms).where(*_pending_where(tables)).order_by(tables.outbox.seq).limit(1)
@@ -129,6 +134,7 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
     return Stats(
         now_ms=now, pending=int(pending), due=int(due), retrying=int(retrying),
         oldest_pending_age_ms=None if oldest_created is None else max(0, now - int(oldest_created)),
-        published=int(published), dead_letters=groups, inbox=inbox, duplicates_absorbed=duplicates,
+        published=int(published), oldest_overdue_ms=None if first_due is None else max(0, now - int(first_due)),
+        dead_letters=groups, inbox=inbox, duplicates_absorbed=duplicates,
         counters=counters,
     )
