@@ -297,6 +297,7 @@ def replay_sampling_objects(sessions: sessionmaker[Session], gid: str, tables: T
     return report.done_now, live
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_100k_dead_letters_list_by_index_and_a_10k_group_replays_in_flat_memory(
         pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], tables: Tables, clock: ManualClock) -> None:
