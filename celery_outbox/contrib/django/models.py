@@ -38,6 +38,8 @@ class OutboxMessage(models.Model):  # type: ignore[misc]
                          condition=Q(published_at_ms__isnull=True) & Q(dead_lettered_at_ms__isnull=True)),
             models.Index(fields=["published_at_ms"], name="ix_outbox_published",
                          condition=Q(published_at_ms__isnull=False)),
+            models.Index(fields=["next_attempt_at_ms", "seq"], name="ix_outbox_due",
+                         condition=Q(published_at_ms__isnull=True) & Q(dead_lettered_at_ms__isnull=True)),
         )
 
     def __str__(self) -> str:

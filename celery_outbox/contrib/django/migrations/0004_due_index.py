@@ -1,0 +1,18 @@
+"""The relay's due-time index (pending rows by next_attempt_at_ms, seq): the library's Alembic co0003."""
+
+from __future__ import annotations
+
+from django.db import migrations, models
+from django.db.models import Q
+
+
+class Migration(migrations.Migration):  # type: ignore[misc]
+    dependencies = [("celery_outbox", "0002_notify_trigger")]
+
+    operations = [
+        migrations.AddIndex(
+            model_name="outboxmessage",
+            index=models.Index(fields=["next_attempt_at_ms", "seq"], name="ix_outbox_due",
+                               condition=Q(published_at_ms__isnull=True) & Q(dead_lettered_at_ms__isnull=True)),
+        ),
+    ]
