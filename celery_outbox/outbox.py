@@ -14,6 +14,7 @@ the settings (``OUTBOX_ROUTES``) may override them, but must name a known consum
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, overload
@@ -23,6 +24,8 @@ from celery import Celery, bootsteps
 from kombu import Exchange, Queue
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
+from celery_outbox.cancel import Cancelled
+from celery_outbox.cancel import cancel as cancel_row
 from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, relay_tasks
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
@@ -187,6 +190,13 @@ class Outbox:
             raise TypeError(f"outbox.enqueue() needs a Celery signature (task.s(...)), got {type(signature).__name__}")
         with self.transaction(session):
             return signature.apply_async(**options)
+
+    def cancel(self, session: Session, task_id: str | uuid.UUID) -> Cancelled:
+        """Cancel a task (or event) still waiting in the outbox, in ``session``'s transaction: its row is
+        deleted when you commit, so it never runs, even with every worker down. A task the relay already
+        published raises ``AlreadyPublishedError`` (never silently ignored); an unknown id ``NotFoundError``.
+        See docs/scheduled.md."""
+        return cancel_row(session, task_id, tables=self.tables)
 
     def _install_enqueue(self) -> None:
         self._enqueue_interceptor = task_capture.install(self)
