@@ -117,7 +117,9 @@ def test_postgres_a_cancel_racing_the_relay_waits_and_reports_the_publish(pg_ses
     with pg_sessions() as watcher:  # the cancel's DELETE waits on the relay's row lock
         assert_waits = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE%'"
         for _ in range(600):
-            if watcher.execute(sa.text(assert_waits)).scalar_one():
+            waiting = watcher.execute(sa.text(assert_waits)).scalar_one()
+            watcher.rollback()  # pg_stat_activity is a snapshot per transaction: look again in a new one
+            if waiting:
                 break
             thread.join(timeout=0.05)
         else:
