@@ -100,7 +100,7 @@ class Outbox:
 
     def include(self, spec: ConsumerSpec) -> ConsumerSpec:
         """Add a consumer built elsewhere (a package of consumers shared by several apps) as its task."""
-        spec.policy.resolve(self.settings)  # a policy the settings cannot honour fails here, not at delivery
+        spec.policy.resolve(self.settings, broker_url=self._app_broker_url())  # fails here, not at delivery
         self.registry.add(spec)
         self._add_queue(spec.name)
         self._tasks[spec.name] = consumer_tasks.define(self.app, self, spec)
@@ -197,6 +197,10 @@ class Outbox:
         self._enqueue_interceptor = task_capture.install(self)
 
     # -- relay -----------------------------------------------------------------------------------
+    def _app_broker_url(self) -> str:
+        """The broker the settings or, when they name none, the Celery app name ('' when neither does)."""
+        return str(self.settings.broker_url or self.app.conf.broker_url or "")
+
     def broker_url(self) -> str:
         url = self.settings.broker_url or self.app.conf.broker_url or ""
         if not url:
