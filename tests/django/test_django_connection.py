@@ -162,3 +162,23 @@ def test_a_bad_outbox_setting_is_one_clear_line(overrides: dict[str, Any], messa
     with override_settings(**overrides), pytest.raises(ConfigError) as e:
         outbox_settings(environ={})
     assert message in str(e.value) and "\n" not in str(e.value) and "hunter2" not in str(e.value)
+
+
+def test_the_apps_own_tasks_get_late_acks_and_events_unless_the_project_chose(restore_default_app: None) -> None:
+    from celery_outbox.celery.config import celery_config
+    from celery_outbox.contrib.django.outbox import WORKER_DEFAULTS
+
+    # Given a project app configured from settings.py, which chose prefetch 4 itself
+    with override_settings(CELERY_WORKER_PREFETCH_MULTIPLIER=4, CELERY_BROKER_URL="memory://"):
+        app = Celery(f"t{uuid.uuid4().hex[:6]}", set_as_current=False)
+        app.config_from_object("django.conf:settings", namespace="CELERY")
+        DjangoOutbox(app, settings=Settings(namespace=f"dj{uuid.uuid4().hex[:8]}"))
+        conf = app.conf
+        # Then a plain task of the app survives a killed worker (acked late, rejected on worker loss) and
+        # Flower sees events without -E; the project's own choice stays
+        assert (conf.task_acks_late, conf.task_reject_on_worker_lost) == (True, True)
+        assert (conf.worker_send_task_events, conf.task_send_sent_event) == (True, True)
+        assert conf.worker_prefetch_multiplier == 4
+    # and the values are the Flask path's
+    flask_path = celery_config(Settings(), "memory://")
+    assert {k: flask_path[k] for k in WORKER_DEFAULTS} == WORKER_DEFAULTS

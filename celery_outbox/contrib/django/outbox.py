@@ -40,6 +40,17 @@ def in_test_environment() -> bool:
     return hasattr(mail, "outbox")
 
 
+WORKER_DEFAULTS: dict[str, Any] = {
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+    "worker_prefetch_multiplier": 1,
+    "worker_send_task_events": True,
+    "task_send_sent_event": True,
+}
+"""The Celery settings ``DjangoOutbox`` sets on its app unless the project set them (``celery_config`` has the
+same values for the Flask path)."""
+
+
 class DjangoSessionSource(SessionSource):
     """Sessions on the database of Django's connection ``using``, re-read at every call: a changed database
     (the test runner swapped in the test database, or put the real one back) gets a new engine, and the old
@@ -113,8 +124,21 @@ class DjangoOutbox(Outbox):
         self.sessions = self._django_sessions
         app.set_default()
         self._on_commit_methods()
+        self._worker_defaults()
         if resolved.table_prefix == DEFAULT_PREFIX:  # the admin lists the default-prefix tables only
             dead_letters.use(self)
+
+    def _worker_defaults(self) -> None:
+        """What ``recommended_celery_config`` gives the Flask path, for the app's OWN tasks too: late acks and
+        ``reject_on_worker_lost`` (a task whose worker is SIGKILLed is redelivered, not lost), prefetch 1, task
+        events for Flower without ``-E``. Only keys the project did not set (``CELERY_*`` in settings.py or
+        on ``app.conf``); its own choice wins. The keys are ``WORKER_DEFAULTS``."""
+        conf = self.app.conf
+        prefix = conf.__dict__.get("prefix") or ""
+        for key, value in WORKER_DEFAULTS.items():
+            names = {key, key.upper(), f"{prefix}{key.upper()}"}
+            if not any(name in source for source in conf.maps[:-1] for name in names):  # the last map: Celery's defaults
+                conf[key] = value
 
     def _on_commit_methods(self) -> None:
         """``delay_on_commit``/``apply_async_on_commit`` on this app's tasks (Celery's ``DjangoTask`` API, given
