@@ -1,7 +1,7 @@
 """The library's schema version, recorded as ``outbox db upgrade`` records it: one schema, two ways to create it.
 
 ``manage.py migrate`` creates exactly the tables (and the Postgres trigger) of the library's Alembic revision
-``co0001`` (tests/django/test_django_schema.py); this migration writes that revision into the library's own
+``co0002`` (tests/django/test_django_schema.py); this migration writes that revision into the library's own
 version table, ``outbox_schema_version`` (Alembic's layout), so ``outbox db check``, ``outbox check`` and the
 readiness probe accept a Django-migrated database, and ``outbox db upgrade`` finds nothing to do instead of
 failing on tables and a trigger that exist. A later migration of this app that follows a new Alembic revision
@@ -15,7 +15,7 @@ from typing import Any
 from django.db import migrations
 
 VERSION_TABLE = "outbox_schema_version"
-REVISION = "co0001"
+REVISION = "co0002"
 
 
 class StampRevision(migrations.RunPython):  # type: ignore[misc]
@@ -34,7 +34,7 @@ class StampRevision(migrations.RunPython):  # type: ignore[misc]
 
 
 class Migration(migrations.Migration):  # type: ignore[misc]
-    dependencies = [("celery_outbox", "0002_notify_trigger")]
+    dependencies = [("celery_outbox", "0003_task_receipts")]
 
     operations = [
         migrations.RunSQL(
