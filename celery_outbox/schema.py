@@ -211,5 +211,5 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
         counters=mapped("ConsumerCounter", CounterRow, "counters"),
         receipts=mapped("TaskReceipt", TaskReceiptRow, "task_receipts", (
             # Retention prunes receipts oldest first, as it prunes the inbox.
-            sa.Index(f"ix_{prefix}task_receipts_received", "received_at_ms"),)),
+            sa.Index(f"ix_{prefix}receipts_at", "received_at_ms"),)),
     )

@@ -435,8 +435,9 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "db_keepalives_count": IntRule(1, 127),  # Linux TCP_KEEPCNT maximum
     "consumer_time_limit_s": IntRule(1, 86_400),
     "metrics_port": IntRule(0, 65_535, zero="0 = off"),
-    # Celery tasks sent outside any bound transaction: refused (the default) or sent to the broker at once.
-    "enqueue_outside_transaction": ChoiceRule(("raise", "publish")),
+    # Celery tasks sent outside any bound transaction: a row committed on its own (the default), refused,
+    # or sent to the broker at once.
+    "enqueue_outside_transaction": ChoiceRule(("own_transaction", "raise", "publish")),
     "enqueue_exclude": TaskNamesRule(),  # task names never captured into the outbox
     "admin_token": TokenRule(),
     "crash_points": CrashPointsRule(),

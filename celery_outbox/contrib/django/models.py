@@ -165,7 +165,7 @@ class TaskReceipt(models.Model):  # type: ignore[misc]
 
     class Meta:
         db_table = "outbox_task_receipts"
-        indexes = (models.Index(fields=["received_at_ms"], name="ix_outbox_task_receipts_received"),)
+        indexes = (models.Index(fields=["received_at_ms"], name="ix_outbox_receipts_at"),)
 
     def __str__(self) -> str:
         return f"receipt {self.task_id}"
