@@ -1,15 +1,20 @@
 """Named crash points for chaos tests: ``OUTBOX_CRASH_POINTS=after_publish_before_mark`` makes the
 process SIGKILL itself exactly there. Disarmed, a crash point is one frozenset lookup.
 
-``OUTBOX_CRASH_POINTS`` is read when a ``CrashPoints`` is built; a spec ``name@N`` fires on the
-N-th time the point is reached (default 1), so a run can get some work done before dying.
+``OUTBOX_CRASH_POINTS`` is read when a ``CrashPoints`` is built: comma-separated ``name`` or
+``name@N``, which fires on the N-th time the point is reached (default 1), so a run can get some work
+done before dying. N is ASCII digits, 1 to 999,999,999; an unknown name, a malformed N or a point
+armed twice is a ``ConfigError`` (a chaos run that silently dies at the wrong place proves nothing).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Mapping
+
+from celery_outbox.errors import ConfigError
 
 KNOWN = frozenset({
     "after_order_commit",
@@ -24,6 +29,10 @@ KNOWN = frozenset({
 })
 
 
+_ITEM = re.compile(r"([^@]*)(?:@(.*))?", re.DOTALL)
+_NTH = re.compile(r"[1-9][0-9]{0,8}", re.ASCII)
+
+
 class CrashPoints:
     """Parsed ``OUTBOX_CRASH_POINTS``; ``reached(name)`` kills the process when that point is armed."""
 
@@ -31,12 +40,16 @@ class CrashPoints:
         self._armed: dict[str, int] = {}
         self._hits: dict[str, int] = {}
         for item in filter(None, (p.strip() for p in spec.split(","))):
-            name, _, nth = item.partition("@")
+            m = _ITEM.fullmatch(item)
+            assert m is not None  # the pattern matches any text
+            name, nth = m.group(1).strip(), m.group(2)
             if name not in KNOWN:
-                from celery_outbox.errors import ConfigError
-
-                raise ConfigError(f"unknown crash point {name!r}; known: {', '.join(sorted(KNOWN))}")
-            self._armed[name] = int(nth) if nth.isdigit() and int(nth) > 0 else 1
+                raise ConfigError(f"unknown crash point {_short(name)}; known: {', '.join(sorted(KNOWN))}")
+            if nth is not None and not _NTH.fullmatch(nth.strip()):
+                raise ConfigError(f"{_short(item)} is not NAME@N with N from 1 to 999999999 in ASCII digits")
+            if name in self._armed:
+                raise ConfigError(f"crash point {name!r} is armed twice")
+            self._armed[name] = int(nth) if nth is not None else 1
         self.armed = frozenset(self._armed)
 
     @classmethod
@@ -51,6 +64,11 @@ class CrashPoints:
         self._hits[name] = hits
         if hits >= self._armed[name]:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit] + "...(truncated)"
 
 
 DISARMED = CrashPoints()

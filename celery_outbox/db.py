@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -150,6 +153,72 @@ def wrap_driver_errors(what: str) -> Iterator[None]:
         yield
     except exc.DBAPIError as e:
         raise DatabaseError(f"{what} failed: {e.orig.__class__.__name__}: {e.orig}") from e
+
+
+class ConnectionTracker:
+    """The live Postgres connections of an engine, whose sockets another thread can shut down.
+
+    A database that drops packets without a reset leaves a call blocked inside libpq on a socket read
+    no timeout of ours reaches: keepalives and ``tcp_user_timeout`` see a live peer whenever something
+    on the path still acknowledges (a proxy, a hung server behind a live host), and the server's
+    ``statement_timeout`` never hears of the query. Shutting the socket down from outside makes that
+    read return at once; the driver raises a disconnect error, SQLAlchemy invalidates the connection
+    and its pool, and the next checkout connects anew (the relay's watchdog and its SIGTERM handling,
+    relay/loop.py). While attached it records every connection the engine opens or checks out
+    (``connect`` and ``checkout`` pool events): the pooled ones, and raw ones like the relay's LISTEN
+    connection. SQLite has no socket: ``shutdown_all`` is then a no-op.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._conns: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._attached = False
+
+    def attach(self) -> None:
+        """Start recording (Postgres only); connections opened before are closed, so none escapes."""
+        if self._attached or self.engine.dialect.name != "postgresql":
+            return
+        event.listen(self.engine, "connect", self._seen)
+        event.listen(self.engine, "checkout", self._seen)
+        self._attached = True
+        self.engine.dispose()  # checked-in connections opened before: closed; checked-out ones close on return
+
+    def detach(self) -> None:
+        if not self._attached:
+            return
+        event.remove(self.engine, "connect", self._seen)
+        event.remove(self.engine, "checkout", self._seen)
+        self._attached = False
+        with self._lock:
+            self._conns.clear()
+
+    def _seen(self, dbapi_conn: Any, *_: Any) -> None:
+        with self._lock:
+            self._conns.add(getattr(dbapi_conn, "driver_connection", dbapi_conn))
+
+    def shutdown_all(self) -> int:
+        """Shut down the socket of every recorded open connection (any thread); returns how many."""
+        with self._lock:
+            conns = list(self._conns)
+        done = 0
+        for conn in conns:
+            try:
+                if getattr(conn, "closed", False):
+                    continue
+                fd = os.dup(conn.fileno())  # raises once the connection is closed: never another file's fd
+            except Exception:
+                continue
+            try:
+                sock = socket.socket(fileno=fd)  # owns the dup from here on
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                continue
+            with sock, contextlib.suppress(OSError):  # the dup shares the socket: shutdown reaches the original
+                sock.shutdown(socket.SHUT_RDWR)
+                done += 1
+        return done
 
 
 class SessionSource:

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from celery_outbox.cancel import Cancelled
 from celery_outbox.cancel import cancel as cancel_row
-from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, relay_tasks
+from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, receipts, relay_tasks
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
 from celery_outbox.clock import Clock, SystemClock
@@ -40,7 +40,7 @@ from celery_outbox.names import check_name
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.relay.loop import RelayLoop
 from celery_outbox.schema import OutboxRow, Tables, define_tables
-from celery_outbox.settings import Settings
+from celery_outbox.settings import Settings, broker_relation_problems
 from celery_outbox.writer import Event, add
 
 
@@ -68,6 +68,7 @@ class Outbox:
         self._install_enqueue()
         gate.register(self)  # every task message a worker of this app takes is checked (celery/gate.py)
         app.steps["worker"].add(self._boot_check_step())
+        app.steps["worker"].add(receipts.receipt_step(self))  # plain outbox tasks' receipts (reconciler)
 
     # -- schema ----------------------------------------------------------------------------------
     def define_tables(self, metadata: sa.MetaData) -> Tables:
@@ -102,7 +103,7 @@ class Outbox:
 
     def include(self, spec: ConsumerSpec) -> ConsumerSpec:
         """Add a consumer built elsewhere (a package of consumers shared by several apps) as its task."""
-        spec.policy.resolve(self.settings)  # a policy the settings cannot honour fails here, not at delivery
+        spec.policy.resolve(self.settings, broker_url=self._app_broker_url())  # fails here, not at delivery
         self.registry.add(spec)
         self._add_queue(spec.name)
         self._tasks[spec.name] = consumer_tasks.define(self.app, self, spec)
@@ -120,6 +121,10 @@ class Outbox:
             if c not in names:
                 names.append(c)
                 self._add_queue(c)
+
+    def idempotent_tasks(self) -> frozenset[str]:
+        """Names of the ``@outbox.task`` tasks on this app: the reconciler checks their inbox rows."""
+        return frozenset(name for name, task in self.app.tasks.items() if getattr(task, "outbox_task_key", None))
 
     def known_consumers(self) -> tuple[str, ...]:
         names = dict.fromkeys(self.registry.names())
@@ -202,6 +207,10 @@ class Outbox:
         self._enqueue_interceptor = task_capture.install(self)
 
     # -- relay -----------------------------------------------------------------------------------
+    def _app_broker_url(self) -> str:
+        """The broker the settings or, when they name none, the Celery app name ('' when neither does)."""
+        return str(self.settings.broker_url or self.app.conf.broker_url or "")
+
     def broker_url(self) -> str:
         url = self.settings.broker_url or self.app.conf.broker_url or ""
         if not url:
@@ -256,6 +265,10 @@ class Outbox:
                 conf.task_serializer not in (None, "json"):
             raise ConfigError("the outbox speaks JSON only: set accept_content=['json'] and task_serializer='json' "
                               "on your Celery app (never pickle)")
+        # Redis-only rules (the visibility timeout) on the app's broker when the settings name none.
+        problems = broker_relation_problems(self.settings, str(conf.broker_url or ""))
+        if problems:
+            raise ConfigError("; ".join(problems))
         self._add_queue(None)
         # The relay's periodic work for `celery beat`, and broker options the guarantees rely on; whatever
         # the app already sets wins (docs: README "Adopt it").

@@ -24,13 +24,23 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_APP = "relay.app"  # the reference deployment, when neither -A nor OUTBOX_APP names one
 
 
+class BadInput(click.ClickException):
+    """A bad value or a bad configuration: one ``Error: ...`` line and exit 2, without click's usage
+    lines (they would point at the command line when the problem is an ``OUTBOX_*`` variable)."""
+
+    exit_code = 2
+
+
 class OutboxGroup(click.Group):
     """The root group: every command under it, present and future, runs inside ``cli_errors()``, so no
-    error reaches the user as a traceback or with a password in it."""
+    error reaches the user as a traceback or with a password in it, and a bad option value is one line."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        with cli_errors():
-            return super().invoke(ctx)
+        try:
+            with cli_errors():
+                return super().invoke(ctx)
+        except click.BadParameter as e:
+            raise BadInput(one_line(e.format_message())) from None
 
 
 def settings_group(fn: Callable[..., None]) -> click.Group:
@@ -84,7 +94,7 @@ def get_outbox(ctx: click.Context) -> Outbox:
             outbox = load_outbox(root.obj.get("app_spec") or DEFAULT_APP)
             outbox.check()
         except ConfigError as e:
-            raise click.UsageError(f"bad configuration: {one_line(str(e))}") from None
+            raise BadInput(f"bad configuration: {one_line(str(e))}") from None
         except OutboxError as e:
             raise click.ClickException(one_line(str(e))) from None
         root.obj["outbox"] = outbox
@@ -133,7 +143,7 @@ def cli_errors() -> Iterator[None]:
     except (click.ClickException, click.exceptions.Exit, click.Abort):
         raise
     except ConfigError as e:
-        raise click.UsageError(f"bad configuration: {one_line(str(e))}") from None
+        raise BadInput(f"bad configuration: {one_line(str(e))}") from None
     except DatabaseError as e:  # the core's wrapped driver error: its message, plus what to do
         cause = e.__cause__
         hint = ""
@@ -165,19 +175,72 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-_DURATION = re.compile(r"^(\d+)(ms|s|m|h|d)$")
+# Numbers on the command line are ASCII digits only: ``int()``, ``float()`` and ``str.isdigit`` also take
+# other scripts' digits ("\u0661" is read as 1), and a look-alike must never stand for a number.
+_DURATION = re.compile(r"([0-9]{1,15})(ms|s|m|h|d)", re.ASCII)
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+MAX_DURATION_MS = 100 * 365 * 86_400_000  # a century: past it a duration is a typo, and it stays within 64 bits
+_INT_TEXT = re.compile(r"[0-9]{1,18}", re.ASCII)
+_FLOAT_TEXT = re.compile(r"[0-9]{1,12}(?:\.[0-9]{0,12})?|\.[0-9]{1,12}", re.ASCII)
+
+
+def _shown(value: Any) -> str:
+    text = repr(str(value))
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]
-    """``500ms``, ``30s``, ``15m``, ``2h``, ``7d`` -> milliseconds."""
+    """``500ms``, ``30s``, ``15m``, ``2h``, ``7d`` (ASCII digits) -> milliseconds."""
 
     name = "duration"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
-        m = _DURATION.match(str(value).strip())
+        m = _DURATION.fullmatch(str(value).strip(" \t\r\n"))
         if not m:
-            self.fail(f"{value!r} is not a duration like 500ms, 30s, 15m, 2h or 7d", param, ctx)
-        return int(m.group(1)) * _UNIT_MS[m.group(2)]
+            self.fail(f"{_shown(value)} is not a duration like 500ms, 30s, 15m, 2h or 7d (ASCII digits)", param, ctx)
+        ms = int(m.group(1)) * _UNIT_MS[m.group(2)]
+        if ms > MAX_DURATION_MS:
+            self.fail(f"{_shown(value)} is longer than a century", param, ctx)
+        return ms
+
+
+class AsciiInt(click.ParamType):  # type: ignore[type-arg]
+    """A whole number written in ASCII digits, at least ``low`` (``click.IntRange`` reads any script's digits)."""
+
+    name = "integer"
+
+    def __init__(self, *, low: int = 1) -> None:
+        self.low = low
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif _INT_TEXT.fullmatch(str(value).strip(" \t\r\n")):
+            number = int(str(value).strip(" \t\r\n"))
+        else:
+            self.fail(f"{_shown(value)} is not a whole number in ASCII digits", param, ctx)
+        if number < self.low:
+            self.fail(f"{number} is below {self.low}", param, ctx)
+        return number
+
+
+class AsciiSeconds(click.ParamType):  # type: ignore[type-arg]
+    """A finite number of seconds in ASCII digits (``1``, ``0.25``), at least ``low``; never nan or inf."""
+
+    name = "seconds"
+
+    def __init__(self, *, low: float) -> None:
+        self.low = low
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif _FLOAT_TEXT.fullmatch(str(value).strip(" \t\r\n")):
+            number = float(str(value).strip(" \t\r\n"))
+        else:
+            self.fail(f"{_shown(value)} is not a number of seconds in ASCII digits, like 1 or 0.25", param, ctx)
+        if not number >= self.low:  # also refuses nan given in code
+            self.fail(f"{number:g} is below {self.low:g}", param, ctx)
+        return number

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
-from celery_outbox.cli.common import Duration, get_outbox, get_settings, handle_errors
+from celery_outbox.cli.common import AsciiInt, Duration, get_outbox, get_settings, handle_errors
 from celery_outbox.cli.probes import EXIT_PROBLEM
 from celery_outbox.cli.progress import ProgressView
 from celery_outbox.clock import SystemClock
@@ -140,6 +140,8 @@ def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consu
         if needs_broker:
             from celery_outbox.celery.sender import replay_sender
 
+            outbox.broker_url()  # asked first: a broker the app only finds on demand is found (or refused) here
+
             send: dl.Sender | None = replay_sender(outbox.app, outbox)
         else:
             send = None
@@ -185,7 +187,7 @@ def purge_cmd(ctx: click.Context, ids: tuple[str, ...], yes: bool) -> None:
               help="Delete inbox rows processed longer ago than this (>= the broker redelivery window).")
 @click.option("--published-older-than", type=Duration(), default=None,
               help="Delete published outbox rows published longer ago than this.")
-@click.option("--batch", type=click.IntRange(min=1), default=retention.DEFAULT_BATCH, show_default=True,
+@click.option("--batch", type=AsciiInt(low=1), default=retention.DEFAULT_BATCH, show_default=True,
               help="Rows per DELETE (one short transaction each).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
@@ -290,6 +292,12 @@ def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     outbox_t.add_row(str(st.pending), str(st.due), str(st.retrying), _age(st.oldest_pending_age_ms),
                      str(st.published))
     console.print(outbox_t)
+    re_t = Table(title="re-sent by the reconciler (never arrived)")
+    for col in ("total", "events (per consumer)", "@outbox.task", "plain tasks"):
+        re_t.add_column(col)
+    r = st.reconciled
+    re_t.add_row(str(r["total"]), str(r["events"]), str(r["tasks"]), str(r["plain_tasks"]))
+    console.print(re_t)
     dead_t = Table(title=f"dead letters: {st.dead_letter_total}")
     for col in ("source", "consumer", "count", "oldest"):
         dead_t.add_column(col)

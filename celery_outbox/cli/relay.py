@@ -8,16 +8,16 @@ import logging
 import click
 
 from celery_outbox.celery import relay_tasks
-from celery_outbox.cli.common import get_outbox, handle_errors
+from celery_outbox.cli.common import AsciiInt, AsciiSeconds, get_outbox, handle_errors
 
 
 @click.command("relay")
 @click.option("--once", is_flag=True, help="Drain every due row, then exit (exit 1 if the broker is down).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+@click.option("--batch-size", type=AsciiInt(low=1), default=None,
               help="First and smallest batch (default OUTBOX_RELAY_BATCH_SIZE).")
-@click.option("--max-in-flight", type=click.IntRange(min=1), default=None,
+@click.option("--max-in-flight", type=AsciiInt(low=1), default=None,
               help="Largest batch: rows published but not yet marked (default OUTBOX_RELAY_MAX_IN_FLIGHT_ROWS).")
-@click.option("--poll-interval", type=click.FloatRange(min=0.001), default=None,
+@click.option("--poll-interval", type=AsciiSeconds(low=0.001), default=None,
               help="Seconds between polls when no NOTIFY arrives (default OUTBOX_RELAY_POLL_INTERVAL_S).")
 @click.option("--no-listen", is_flag=True, help="Do not LISTEN for Postgres NOTIFY; poll only.")
 @click.option("--confirm-mode", type=click.Choice(["confirm", "tx", "none"]), default=None,
@@ -57,4 +57,5 @@ def relay(ctx: click.Context, once: bool, batch_size: int | None, max_in_flight:
             loop.run()
     finally:
         loop.close()
-        loop.publisher.close()
+        if not loop.stats.abandoned:  # a loop thread still blocked may be using the publisher: leave it to exit
+            loop.publisher.close()

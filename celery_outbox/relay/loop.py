@@ -4,8 +4,21 @@
 (trigger of migration 0001), which wakes the loop at once; polling is the fallback (SQLite, a lost
 LISTEN connection, rows whose backoff ends). The loop catches every ``Exception`` and logs it (one
 bad row or a database blip must not kill the relay, docs/design.md, rule 4); KeyboardInterrupt and other
-BaseExceptions pass. SIGTERM sets a flag and wakes the sleep: the current batch finishes (published
-rows get marked), then ``run`` returns.
+BaseExceptions pass.
+
+A database that goes silent (packets dropped, no reset) can block a call inside the driver on a socket
+read that no timeout reaches (``db.ConnectionTracker`` says why). So ``run`` keeps a watchdog beside the
+loop: every statement that returns, every batch, every wait is progress; with none for
+``stall_bound_s`` (derived from the connect, statement and publish timeouts) it logs ``relay stalled``
+and shuts down the sockets of the loop's database connections (pool, LISTEN, lease and reconcile
+sessions alike). The blocked call then fails, the loop logs it and goes on with new connections: the
+relay recovers in the same process, within a poll interval and a connect timeout of the database's
+return. SIGTERM sets a flag and wakes the sleep: the current batch finishes (published rows get
+marked), then ``run`` returns; from the main thread the loop itself runs in a thread of its own, so a
+blocked socket read cannot delay the signal: a batch still blocked after ``STOP_GRACE_S`` gets its
+database connections shut down, and ``run`` returns after ``STOP_GIVE_UP_S`` whatever happens. Both
+paths keep publish first, mark after: a mark that fails leaves its rows pending (published again, the
+inbox absorbs them), and a row is never marked before its publish was confirmed.
 After every drain it also runs the reconciler and hourly retention when their database lease is due
 (``periodic_jobs``, relay/lease.py), shared with beat's tasks and any other relay: once per interval
 in all, wherever the relay runs.
@@ -19,14 +32,18 @@ import os
 import select
 import signal
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.clock import Clock, SystemClock
+from celery_outbox.db import ConnectionTracker
 from celery_outbox.ops.retention import PruneReport
 from celery_outbox.ops.schedule import PRUNE_EVERY_MS, scheduled_prune
 from celery_outbox.relay import lease
@@ -50,6 +67,25 @@ from celery_outbox.schema import Tables
 from celery_outbox.settings import Settings
 
 log = logging.getLogger("celery_outbox.relay.loop")
+
+STALL_MARGIN_S = 2.0  # added to the longest healthy step (``stall_bound_s``)
+STOP_GRACE_S = 0.4  # after SIGTERM: how long the current batch may finish before its connections are shut down
+STOP_GIVE_UP_S = 0.7  # after SIGTERM: when ``run`` returns even if the loop's thread is still blocked
+_TICK_S = 0.05  # how often the watchdog looks
+
+
+def stall_bound_s(settings: Settings, *, poll_interval_s: float | None = None) -> float:
+    """How long the standalone loop may go without progress before its watchdog calls it stalled.
+
+    The longest a healthy step takes between two signs of progress (a statement returned, a batch
+    done, a wait over): a new connection (``db_connect_timeout_s``), one statement
+    (``db_statement_timeout_ms``, which the server enforces), one publish with its connect, one
+    reconnect and its confirms (3 x ``relay_publish_timeout_s``), one wait (the poll interval), and
+    ``STALL_MARGIN_S``. With the defaults: 10 + 30 + 30 + 1 + 2 = 73 s.
+    """
+    poll = settings.relay_poll_interval_s if poll_interval_s is None else poll_interval_s
+    return (settings.db_connect_timeout_s + settings.db_statement_timeout_ms / 1000
+            + 3 * settings.relay_publish_timeout_s + poll + STALL_MARGIN_S)
 
 
 
@@ -94,9 +130,12 @@ class LoopStats:
     broker_unavailable: int = 0
     skipped_busy: int = 0  # SQLite: another drain held the single-flight lock
     reconciles: int = 0  # reconcile passes run (``reconcile_if_due``)
-    reconciled: int = 0  # (message, consumer) pairs those passes sent again
+    reconciled: int = 0  # messages those passes sent again ((event, consumer) pairs and tasks)
     prunes: int = 0  # retention passes run (``prune_if_due``)
     pruned: int = 0  # inbox and published outbox rows those passes deleted
+    stalls: int = 0  # times the watchdog found no progress within ``stall_after_s``
+    interrupted: int = 0  # database connections the watchdog or a stop shut down
+    abandoned: bool = False  # ``run`` returned after SIGTERM with the loop's thread still blocked
     listening: bool = False
 
 
@@ -148,10 +187,15 @@ class RelayLoop:
                  poll_interval_s: float | None = None, listen: bool = True,
                  max_batches_per_drain: int = 10_000,
                  routes: Mapping[str, Sequence[str]] | None = None,
-                 on_drain: Callable[[DrainResult], None] | None = None, pipelined: bool = True) -> None:
+                 on_drain: Callable[[DrainResult], None] | None = None, pipelined: bool = True,
+                 idempotent_tasks: Collection[str] = (),
+                 on_reconcile: Callable[[ReconcileResult], None] | None = None) -> None:
         self.settings = settings
         self.tables = tables
         self.routes = settings.routes if routes is None else routes
+        # The @outbox.task names (Outbox.idempotent_tasks), passed like routes: the reconciler checks their inbox.
+        self.idempotent_tasks = frozenset(idempotent_tasks)
+        self.on_reconcile = on_reconcile  # like on_drain, with every reconcile pass that sent something
         self.session_factory = session_factory
         self.publisher = publisher
         self.clock = clock or SystemClock()
@@ -178,6 +222,14 @@ class RelayLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._listener: _PgListener | None = None
+        # The watchdog's view (``run``): the last sign of progress, the instant a stop was asked for.
+        self.stall_after_s = stall_bound_s(settings, poll_interval_s=self.poll_interval_s)
+        self._engine: Engine | None = bind if isinstance(bind, Engine) else None
+        self._tracker = ConnectionTracker(self._engine) if self._engine is not None else None
+        self._progress_at = time.monotonic()
+        self._stop_at: float | None = None
+        self._served = threading.Event()
+        self._beat = self._progress  # one bound method object: the same one is listened to and removed
 
     # -- control ---------------------------------------------------------------------------------
     @property
@@ -186,6 +238,8 @@ class RelayLoop:
 
     def stop(self) -> None:
         """Ask ``run`` to return after the current batch (safe from signal handlers and threads)."""
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
         self._stop.set()
         self.kick()
 
@@ -230,6 +284,7 @@ class RelayLoop:
                                                 breaker=self.breaker, crash_points=self.crash_points,
                                                 batch_size=asked, routes=self.routes)
             total.add(result)
+            self._progress()
             if not result.breaker_open:
                 self.sizer.observe(asked=asked, claimed=result.claimed)
             if result.broker_unavailable or result.claimed == 0 or self.stopping:
@@ -293,6 +348,7 @@ class RelayLoop:
                 finally:
                     claimed.session.close()
                 total.add(result)
+                self._progress()
                 if result.broker_unavailable or not more:
                     return
         finally:
@@ -302,34 +358,144 @@ class RelayLoop:
                 nxt.session.close()
 
     def run(self, *, handle_signals: bool = True) -> None:
-        """Loop until ``stop()`` or SIGTERM; exceptions are logged and the loop goes on."""
-        previous: Any = None
-        if handle_signals and threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        log.info("relay loop started (batch %s, poll %.3gs, listen %s)", self.batch_size,
-                 self.poll_interval_s, self.listen)
+        """Loop until ``stop()`` or SIGTERM; exceptions are logged and the loop goes on.
+
+        From the main thread with ``handle_signals`` the loop runs in a thread of its own and the main
+        thread handles SIGTERM and watches it; elsewhere the loop runs in the calling thread and a
+        watchdog thread watches it (see the module docstring).
+        """
+        supervised = handle_signals and threading.current_thread() is threading.main_thread()
+        previous: Any = signal.signal(signal.SIGTERM, self._on_sigterm) if supervised else None
+        log.info("relay loop started (batch %s, poll %.3gs, listen %s, stall bound %.3gs)", self.batch_size,
+                 self.poll_interval_s, self.listen, self.stall_after_s)
+        self._attach()
         try:
-            while not self.stopping:
-                self._ensure_listener()
+            if supervised:
+                self._run_in_thread()
+            else:
+                self._served.clear()
+                watchdog = threading.Thread(target=self._watch, args=(None,), name="outbox-relay-watchdog",
+                                            daemon=True)
+                watchdog.start()
                 try:
-                    self.drain_once()
-                except Exception:
-                    self.stats.errors += 1
-                    log.exception("relay batch failed; retrying after the poll interval")
-                if self.stopping:
-                    break
-                self.periodic_jobs()
-                try:
-                    self._wait()
-                except Exception:
-                    self.stats.errors += 1
-                    log.exception("waiting for outbox notifications failed; falling back to polling")
-                    self._close_listener()
+                    self._serve()
+                finally:
+                    self._served.set()
+                    watchdog.join()
         finally:
-            self._close_listener()
+            if not self.stats.abandoned:  # an abandoned thread may still hold the listener
+                self._close_listener()
+            self._detach()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             log.info("relay loop stopped")
+
+    def _serve(self) -> None:
+        """The loop itself: drain, periodic jobs, wait; until stopped."""
+        while not self.stopping:
+            self._progress()
+            self._ensure_listener()
+            try:
+                self.drain_once()
+            except Exception:
+                self.stats.errors += 1
+                log.exception("relay batch failed; retrying after the poll interval")
+            self._progress()
+            if self.stopping:
+                break
+            self.periodic_jobs()
+            self._progress()
+            try:
+                self._wait()
+            except Exception:
+                self.stats.errors += 1
+                log.exception("waiting for outbox notifications failed; falling back to polling")
+                self._close_listener()
+
+    def _run_in_thread(self) -> None:
+        """``_serve`` in a daemon thread, watched from this (the main) thread, which takes the signals."""
+        failure: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                self._serve()
+            except BaseException as e:  # handed to the main thread below
+                failure.append(e)
+
+        worker = threading.Thread(target=body, name="outbox-relay", daemon=True)
+        worker.start()
+        try:
+            self._watch(worker)
+        except KeyboardInterrupt:
+            self.stop()
+            self._watch(worker)
+            raise
+        if failure:
+            raise failure[0]
+
+    def _watch(self, worker: threading.Thread | None) -> None:
+        """The watchdog: shut the database connections down when the loop makes no progress for
+        ``stall_after_s``, or when a stop was asked for ``STOP_GRACE_S`` ago and it is still busy;
+        with ``worker`` (main-thread mode), give up waiting for it ``STOP_GIVE_UP_S`` after a stop."""
+
+        def alive() -> bool:
+            return worker.is_alive() if worker is not None else not self._served.is_set()
+
+        acted_at = 0.0
+        stop_acted = False
+        while alive():
+            if worker is not None:
+                worker.join(_TICK_S)
+            else:
+                self._served.wait(_TICK_S)
+            if not alive():
+                return
+            now = time.monotonic()
+            stop_at = self._stop_at
+            if stop_at is not None:
+                if now - stop_at >= STOP_GRACE_S and not stop_acted:
+                    stop_acted = True
+                    closed = self._interrupt()
+                    if closed:
+                        log.warning("stopping: the loop is still busy %.1fs after the stop; shut down its %d "
+                                    "database connection(s) (rows not marked stay pending)", STOP_GRACE_S, closed)
+                if worker is not None and now - stop_at >= STOP_GIVE_UP_S:
+                    self.stats.abandoned = True
+                    log.warning("stopping without the loop's thread, still blocked %.1fs after the stop: rows it "
+                                "published and did not mark are published again later, never lost", now - stop_at)
+                    return
+                continue
+            quiet = now - max(self._progress_at, acted_at)
+            if quiet >= self.stall_after_s:
+                acted_at = now
+                self.stats.stalls += 1
+                closed = self._interrupt()
+                log.error("relay stalled: no progress for %.1fs (bound %.1fs, from the database and publish "
+                          "timeouts); shut down %d database connection(s) so the loop starts again on new ones",
+                          quiet, self.stall_after_s, closed)
+
+    def _progress(self, *_: Any) -> None:
+        """A sign of progress for the watchdog (also a listener of every statement that returns)."""
+        self._progress_at = time.monotonic()
+
+    def _interrupt(self) -> int:
+        """Shut down the sockets of the loop's database connections (from the watchdog's thread)."""
+        closed = self._tracker.shutdown_all() if self._tracker is not None else 0
+        self.stats.interrupted += closed
+        return closed
+
+    def _attach(self) -> None:
+        self._progress_at = time.monotonic()
+        if self._engine is not None:
+            event.listen(self._engine, "after_cursor_execute", self._beat)
+        if self._tracker is not None:
+            self._tracker.attach()
+
+    def _detach(self) -> None:
+        if self._engine is not None and event.contains(self._engine, "after_cursor_execute", self._beat):
+            event.remove(self._engine, "after_cursor_execute", self._beat)
+        if self._tracker is not None:
+            self._tracker.detach()
 
     # -- periodic jobs: reconcile and retention, under database leases ---------------------------
     _leases: dict[str, lease.Lease] | None = None
@@ -374,13 +540,20 @@ class RelayLoop:
             with self.session_factory() as session:
                 result = reconcile(session, self.publisher, self.clock, tables=self.tables, routes=self.routes,
                                    namespace=self.settings.namespace, max_message_bytes=self.settings.max_message_bytes,
-                                   older_than_ms=self.settings.relay_reconcile_after_ms)
+                                   older_than_ms=self.settings.relay_reconcile_after_ms,
+                                   idempotent_tasks=self.idempotent_tasks,
+                                   plain_older_than_ms=self.settings.relay_reconcile_plain_tasks_after_ms)
         except Exception:
             self.stats.errors += 1
             log.exception("reconcile pass failed; retrying after the reconcile interval")
             return None
         self.stats.reconciles += 1
         self.stats.reconciled += result.republished
+        if self.on_reconcile is not None and result.resent:
+            try:
+                self.on_reconcile(result)
+            except Exception:
+                log.exception("on_reconcile callback failed; the pass itself is done")
         return result
 
     def prune_if_due(self) -> PruneReport | None:
@@ -403,6 +576,7 @@ class RelayLoop:
         return report
 
     def close(self) -> None:
+        self._detach()
         self._close_listener()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
@@ -422,7 +596,7 @@ class RelayLoop:
 
     # -- internals -------------------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        log.info("SIGTERM: finishing the current batch, then stopping")
+        log.info("SIGTERM: finishing the current batch (at most %.1fs), then stopping", STOP_GIVE_UP_S)
         self.stop()
 
     def _ensure_listener(self) -> None:

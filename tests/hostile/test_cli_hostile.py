@@ -162,3 +162,52 @@ def test_mask_secrets() -> None:
     assert mask_secrets("x postgresql://u:p@ss@h:1/db y") == "x postgresql://u:***@h:1/db y"
     assert mask_secrets("amqp://guest:guest@rabbit//") == "amqp://guest:***@rabbit//"
     assert mask_secrets("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
+
+
+# -- numbers: ASCII digits only ------------------------------------------------------------------------
+
+NON_ASCII_NUMBERS = [
+    ["prune", "--published-older-than", "\u0661d"],  # Arabic-Indic 1: int() reads it as 1
+    ["prune", "--inbox-older-than", "\uff11h"],  # fullwidth 1
+    ["prune", "--published-older-than", "1\u0660d"],  # one ASCII digit and a look-alike
+    ["prune", "--published-older-than", "1d", "--batch", "\u0663"],
+    ["stats", "--max-pending-age", "\u0665m"],
+    ["check", "--timeout", "\u0662s"],
+    ["relay", "--once", "--batch-size", "\u0661\u0660"],
+    ["relay", "--once", "--max-in-flight", "\u00b2"],  # superscript 2: str.isdigit says yes
+    ["relay", "--once", "--poll-interval", "\u0661.5"],
+    ["relay", "--once", "--poll-interval", "nan"],
+    ["relay", "--once", "--poll-interval", "inf"],
+    ["prune", "--published-older-than", "99999999999999d"],
+]
+
+
+@pytest.mark.parametrize("args", NON_ASCII_NUMBERS, ids=lambda a: " ".join(a).encode("unicode_escape").decode())
+def test_a_number_in_another_script_is_refused_at_parse(tmp_path: Path, tmp_home: Path, namespace: str,
+                                                        args: list[str]) -> None:
+    # Given a database with no tables: a command that got past its options would fail there (exit 1)
+    env = base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'empty.db'}")
+    # When a number is written with digits that are not ASCII (or is not a finite number)
+    r = run(env, *args)
+    # Then the option is refused: one line, exit 2, before anything ran
+    line = assert_one_clean_line(r, exit_code=2)
+    assert line.startswith("Error: Invalid value for") and "outbox db upgrade" not in line
+
+
+@pytest.mark.parametrize(("text", "ms"), [("500ms", 500), ("30s", 30_000), (" 15m ", 900_000), ("2h", 7_200_000),
+                                          ("7d", 604_800_000)])
+def test_durations_in_ascii_digits_still_parse(text: str, ms: int) -> None:
+    from celery_outbox.cli.common import Duration
+
+    assert Duration().convert(text, None, None) == ms
+
+
+def test_a_bad_setting_is_one_line_with_exit_2_not_a_usage_screen(tmp_path: Path, tmp_home: Path,
+                                                                  namespace: str) -> None:
+    env = {**base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'x.db'}"), "OUTBOX_ROUTES": "A=x;A=y"}
+    # (the deployment's module refuses it at import, as every entry point does)
+    line = assert_one_clean_line(run(env, "stats"), exit_code=2)
+    assert line.startswith("bad configuration: OUTBOX_ROUTES routes 'A' twice")
+    # And a configuration the CLI itself refuses is one line too, without click's usage lines
+    line = assert_one_clean_line(run(env, "-A", "9not.a.module", "stats"), exit_code=2)
+    assert line.startswith("Error: bad configuration: -A")

@@ -36,16 +36,25 @@ BAD: dict[str, tuple[dict[str, str], str]] = {
     "negative redelivery window": ({"OUTBOX_BROKER_REDELIVERY_WINDOW_MS": "-1"}, "OUTBOX_BROKER_REDELIVERY_WINDOW_MS"),
     "int past 2^63": ({"OUTBOX_RELAY_BATCH_SIZE": str(2**63)}, "OUTBOX_RELAY_BATCH_SIZE"),
     "bad consumer name in a route": ({"OUTBOX_ROUTES": "OrderPlaced=ship ping"}, "OUTBOX_ROUTES"),
-    "time limit past the visibility timeout": ({"OUTBOX_CONSUMER_TIME_LIMIT_S": "400"}, "OUTBOX_CONSUMER_TIME_LIMIT_S"),
+    "time limit past the visibility timeout (Redis)": (
+        {"OUTBOX_CONSUMER_TIME_LIMIT_S": "400", "OUTBOX_BROKER_URL": "redis://127.0.0.1:1/0"},
+        "OUTBOX_CONSUMER_TIME_LIMIT_S"),
     "database URL with a password and a bad port": (
         {"OUTBOX_DATABASE_URL": f"postgresql://app:{PASSWORD}@db:99999/app"}, "OUTBOX_DATABASE_URL"),
+    # accepted before, then every order answered 400 (the web app reported ready)
+    "a consumer twice in a route, a route twice": (
+        {"OUTBOX_ROUTES": "OrderPlaced=shipping,shipping;OrderPlaced=billing"}, "OUTBOX_ROUTES"),
+    "a crash point with a malformed count": ({"OUTBOX_CRASH_POINTS": "after_mark@abc"}, "OUTBOX_CRASH_POINTS"),
+    "an admin token too short to guard anything": ({"OUTBOX_ADMIN_TOKEN": PASSWORD[:9]}, "OUTBOX_ADMIN_TOKEN"),
 }
 
 
-def run(entry: str, env_changes: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def run(entry: str, env_changes: dict[str, str], tmp_path: Path,
+        args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env.update({"OUTBOX_HOME": str(tmp_path / "var"), "OUTBOX_BROKER_URL": "memory://", **env_changes})
-    return subprocess.run(ENTRY_POINTS[entry], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    argv = ENTRY_POINTS[entry] if args is None else [ENTRY_POINTS[entry][0], *args]
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("bad", list(BAD))
@@ -62,7 +71,7 @@ def test_bad_configuration_is_one_line_at_every_entry_point(entry: str, bad: str
     # And stderr has one line saying so and naming the variable, with no traceback and no password
     lines = [line for line in proc.stderr.splitlines() if "bad configuration: " in line]
     assert len(lines) == 1 and variable in lines[0], output
-    assert "Traceback" not in output and PASSWORD not in output, output
+    assert "Traceback" not in output and PASSWORD not in output and PASSWORD[:9] not in output, output
 
 
 def test_routes_to_an_unknown_consumer_stop_the_worker_at_import_in_one_line(tmp_path: Path) -> None:
@@ -95,4 +104,23 @@ def test_an_embedded_broker_that_is_not_running_is_one_line(entry: str, tmp_path
     assert len(lines) == 1 and "embedded-redis start" in lines[0], output
     assert "Traceback" not in output
     # and no redis-server was left behind under the home directory
+    assert not (tmp_path / "var" / "redis" / "redis.pid").exists()
+
+
+@pytest.mark.parametrize("commands", [
+    [["db", "upgrade"], ["db", "current"], ["db", "check"], ["stats", "--json"], ["dead-letters", "list"],
+     ["prune", "--published-older-than", "1d"]],
+])
+def test_database_commands_run_without_the_embedded_broker(commands: list[list[str]], tmp_path: Path) -> None:
+    # Given the default embedded broker, which nothing started, and a SQLite database
+    for args in commands:
+        # When a command that only touches the database runs
+        proc = run("outbox", {"OUTBOX_BROKER_URL": "embedded"}, tmp_path, args=args)
+        # Then it succeeds: no broker is looked for
+        assert proc.returncode == 0, (args, proc.stdout + proc.stderr)
+    # And a command that needs the broker still says how to start it, in one line, exit 2
+    for args in (["relay", "--once"], ["check"]):
+        proc = run("outbox", {"OUTBOX_BROKER_URL": "embedded"}, tmp_path, args=args)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and "embedded-redis start" in output and "Traceback" not in output, (args, output)
     assert not (tmp_path / "var" / "redis" / "redis.pid").exists()

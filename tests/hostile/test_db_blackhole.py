@@ -6,18 +6,24 @@ Postgres behind ``tests.support.blackhole_proxy``, real Redis and RabbitMQ."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import Settings as OutboxSettings
 from celery_outbox import Tables
+from celery_outbox.clock import SystemClock
 from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.messages import Envelope
 from celeryconfig import Settings
@@ -25,10 +31,12 @@ from consumers.effects import effect_counts
 from consumers.models import Invoice, SearchDocument, Shipment
 from consumers.testing import order_placed_envelope
 from tests.integration.test_consumer_worker import CONSUMERS, Worker, cleanup, declare, publish
+from tests.outbox_rows import insert_pending
 from tests.support import workers as worker_procs
 from tests.support.blackhole_proxy import BlackholeProxy
 
 pytestmark = [pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
 
 StartWorker = Callable[[str, dict[str, str]], Worker]
 
@@ -201,3 +209,139 @@ def test_a_delivery_killed_by_its_time_limit_is_requeued_counted_and_dead_letter
     wait_until("the next billing effect", lambda s: (effect_counts(s)["billing"] == 1, effect_counts(s)), worker, direct)
     assert worker.proc.poll() is None, worker.logs()
     direct.kw["bind"].dispose()
+
+
+# -- the standalone relay (``outbox relay``) behind a silent database ---------------------------------
+
+RELAY_TIMEOUTS = {
+    # every bound the relay's watchdog derives its stall bound from, short (relay/loop.py, stall_bound_s)
+    "OUTBOX_DB_CONNECT_TIMEOUT_S": "2", "OUTBOX_DB_STATEMENT_TIMEOUT_MS": "2000",
+    "OUTBOX_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS": "3000", "OUTBOX_DB_KEEPALIVES_IDLE_S": "1",
+    "OUTBOX_DB_KEEPALIVES_INTERVAL_S": "1", "OUTBOX_DB_KEEPALIVES_COUNT": "2", "OUTBOX_RELAY_PUBLISH_TIMEOUT_S": "2",
+    "OUTBOX_RELAY_POLL_INTERVAL_S": "0.2",
+}
+
+
+class RelayProcess:
+    """A real ``outbox relay`` of the reference deployment, its database through ``proxy``, on Redis."""
+
+    def __init__(self, *, database_url: str, redis_url: str, namespace: str, tmp_path: Path) -> None:
+        home = tmp_path / "home"
+        home.mkdir(exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        env.update({"OUTBOX_DATABASE_URL": database_url, "OUTBOX_BROKER_URL": redis_url,
+                    "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": str(home), **RELAY_TIMEOUTS})
+        self.settings = Settings.from_env({k: v for k, v in env.items() if k.startswith("OUTBOX_")})
+        self.log = tmp_path / "relay.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen([str(Path(sys.executable).parent / "outbox"), "relay"], cwd=ROOT, env=env,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def wait_for(self, what: str, cond: Callable[[], bool], timeout_s: float = 120) -> float:
+        """Seconds until ``cond()`` held (fails the test with the relay's log after ``timeout_s``)."""
+        start = time.monotonic()
+        while not cond():
+            if self.proc.poll() is not None:
+                pytest.fail(f"relay exited with {self.proc.returncode} while waiting for {what}\n{self.logs()}")
+            if time.monotonic() - start > timeout_s:
+                pytest.fail(f"timed out waiting for {what}\n--- relay log ---\n{self.logs()}")
+            time.sleep(0.05)
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def relay_through_proxy(pg_url: str, redis_url: str, namespace: str,
+                        tmp_path: Path) -> Iterator[tuple[RelayProcess, BlackholeProxy]]:
+    parsed = sa.engine.make_url(pg_url)
+    with BlackholeProxy(parsed.host or "127.0.0.1", parsed.port or 5432) as proxy:
+        proxied = parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        relay = RelayProcess(database_url=proxied, redis_url=redis_url, namespace=namespace, tmp_path=tmp_path)
+        try:
+            yield relay, proxy
+        finally:
+            relay.kill()
+            client = redis.Redis.from_url(redis_url)
+            keys = [*client.scan_iter(f"{namespace}*"), *client.scan_iter(f"_kombu.binding.{namespace}*")]
+            if keys:
+                client.delete(*keys)
+
+
+def _insert(sessions: sessionmaker[Session], tables: Tables, n: int) -> set[str]:
+    return {str(m) for m in insert_pending(sessions, SystemClock().now_ms(), n, tables=tables)}
+
+
+def _pending(sessions: sessionmaker[Session], tables: Tables) -> set[str]:
+    o = tables.outbox
+    with sessions() as s:
+        return {str(m) for m in s.scalars(sa.select(o.message_id).where(o.published_at_ms.is_(None)))}
+
+
+def _on_queue(redis_url: str, queue: str) -> list[str]:
+    """The message ids waiting on a Redis queue (one Celery message per row and consumer)."""
+    client = redis.Redis.from_url(redis_url)
+    return [json.loads(raw)["headers"]["outbox_message_id"] for raw in client.lrange(queue, 0, -1)]
+
+
+def test_a_relay_behind_a_silent_database_says_it_is_stalled_and_stops_on_sigterm_at_once(
+        relay_through_proxy: tuple[RelayProcess, BlackholeProxy], pg_sessions: sessionmaker[Session],
+        tables: Tables, redis_url: str) -> None:
+    relay, proxy = relay_through_proxy
+    queue = relay.settings.queue_name("shipping")
+    # Given a standalone relay publishing through the proxy
+    before = _insert(pg_sessions, tables, 3)
+    relay.wait_for("the first rows published", lambda: not _pending(pg_sessions, tables))
+    # When the database stops answering without closing anything, and rows keep being written
+    proxy.blackhole()
+    during = _insert(pg_sessions, tables, 3)
+    # Then the relay says it is stalled (its watchdog: no progress within the bound its timeouts give)
+    relay.wait_for("the stall in the log", lambda: "relay stalled" in relay.log.read_text(errors="replace"))
+    # When SIGTERM arrives while its connections are dead
+    relay.proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    try:
+        code = relay.proc.wait(timeout=5)  # honoured within a second by design; 5 s leaves room for a loaded box
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the relay ignored SIGTERM behind a silent database\n{relay.logs()}")
+    took = time.monotonic() - start
+    print(f"exit after SIGTERM behind the silent database: {took:.2f}s")
+    # Then it exited cleanly at once, and nothing was marked that was not published
+    assert code == 0, relay.logs()
+    assert "relay loop stopped" in relay.logs()
+    assert _pending(pg_sessions, tables) == during, f"took {took:.2f}s"
+    assert sorted(_on_queue(redis_url, queue)) == sorted(before)
+    assert proxy.swallowed > 0
+
+
+def test_a_relay_behind_a_silent_database_publishes_again_soon_after_it_comes_back_without_a_restart(
+        relay_through_proxy: tuple[RelayProcess, BlackholeProxy], pg_sessions: sessionmaker[Session],
+        tables: Tables, redis_url: str) -> None:
+    relay, proxy = relay_through_proxy
+    queue = relay.settings.queue_name("shipping")
+    # Given a standalone relay publishing through the proxy
+    before = _insert(pg_sessions, tables, 3)
+    relay.wait_for("the first rows published", lambda: not _pending(pg_sessions, tables))
+    pid = relay.proc.pid
+    # When the database goes silent (old connections dead for good), rows are written meanwhile,
+    # and the outage outlasts the relay's stall bound
+    proxy.blackhole()
+    during = _insert(pg_sessions, tables, 4)
+    relay.wait_for("the stall in the log", lambda: "relay stalled" in relay.log.read_text(errors="replace"))
+    assert _pending(pg_sessions, tables) == during  # (the outage was real: nothing got through)
+    # And the database comes back (new connections only)
+    proxy.restore()
+    # Then the same process publishes every row written meanwhile, each once, in seconds
+    recovery_s = relay.wait_for("the rows written during the outage", lambda: not _pending(pg_sessions, tables))
+    print(f"recovery after the database came back: {recovery_s:.2f}s")
+    # And rows written after are published too (the loop, its LISTEN and its pool all work again)
+    after = _insert(pg_sessions, tables, 2)
+    relay.wait_for("the rows written after", lambda: not _pending(pg_sessions, tables))
+    assert relay.proc.poll() is None and relay.proc.pid == pid
+    assert sorted(_on_queue(redis_url, queue)) == sorted(before | during | after)

@@ -33,7 +33,7 @@ def port() -> int:
 @pytest.fixture
 def client(tmp_home: Path, namespace: str, port: int) -> FlaskClient:
     # Given the app pointed at a Postgres URL (user and password included) on a port nobody listens on
-    settings = Settings(home=tmp_home, namespace=namespace, broker_url="memory://", admin_token="tok",
+    settings = Settings(home=tmp_home, namespace=namespace, broker_url="memory://", admin_token="tok-0123456789abcd",
                         database_url=f"postgresql://orders_user:{PASSWORD}@127.0.0.1:{port}/orders")
     return create_app(settings=settings).test_client()
 
@@ -67,7 +67,7 @@ def test_client_errors_stay_4xx_with_the_database_down(client: FlaskClient, port
 
 
 def test_admin_page_answers_503_without_internals(client: FlaskClient, port: int) -> None:
-    bearer = {"Authorization": "Bearer tok"}
+    bearer = {"Authorization": "Bearer tok-0123456789abcd"}
     for path in ("/admin/dead-letters/", "/admin/dead-letters/outbox:1"):
         r = client.get(path, headers=bearer)
         assert r.status_code == 503 and "try again" in r.get_data(as_text=True)

@@ -42,7 +42,7 @@ FUZZ = hsettings(max_examples=150, deadline=None, suppress_health_check=[HealthC
 
 
 def make_client(settings: Settings, sessions: sessionmaker[Session], clock: ManualClock) -> FlaskClient:
-    app = create_app(settings=settings.replace(max_message_bytes=64 * 1024, admin_token="t0ken"),
+    app = create_app(settings=settings.replace(max_message_bytes=64 * 1024, admin_token="t0ken-0123456789ab"),
                      session_factory=sessions, clock=clock)
     return app.test_client()
 
@@ -321,7 +321,7 @@ def test_admin_ids_are_ascii_digits_only(client: FlaskClient, sqlite_sessions: s
         row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10, payload={"secret_of": "outbox-1"})
         cid = consumer_dead_letter(s, tables=tables, consumer="billing", error="consumer-1-error")
     assert (row.seq, cid) == (1, 1)
-    bearer = {"Authorization": "Bearer t0ken"}
+    bearer = {"Authorization": "Bearer t0ken-0123456789ab"}
     path = "/admin/dead-letters/" + urllib.parse.quote(raw, safe=":%")
     # When a look-alike id is opened; Then a clean 400/404, never dead letter 1 and never a 5xx
     r = client.get(path, headers=bearer)

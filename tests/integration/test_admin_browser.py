@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-TOKEN = "browser-token"
+TOKEN = "browser-token-0123"
 
 
 def require_chromium() -> None:

@@ -38,6 +38,12 @@ DAY_MS = 24 * HOUR_MS
 ROUTES = {"OrderPlaced": ("shipping",)}
 
 
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    """The conftest's settings with this module's reconcile interval (beat's tasks read it from the outbox)."""
+    return settings.replace(relay_reconcile_interval_s=INTERVAL_S)
+
+
 def loop_on(sessions: sessionmaker[Session], clock: ManualClock, tables: Tables, tmp_path: Path,
             **overrides: Any) -> RelayLoop:
     settings = Settings(home=tmp_path, database_url="sqlite://", namespace="lease", relay_poll_interval_s=0.01,

@@ -18,7 +18,7 @@ from celeryconfig import Settings
 from orders.web import create_app
 from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-0123456"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 

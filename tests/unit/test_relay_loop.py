@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -9,11 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.clock import ManualClock
-from celery_outbox.relay.loop import RelayLoop
+from celery_outbox.relay.loop import RelayLoop, stall_bound_s
 from celery_outbox.schema import Tables
 from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
@@ -136,4 +138,96 @@ def test_sigterm_stops_the_loop_cleanly(tmp_path: Path, sqlite_url: str,
     killer.join(10)
     assert loop.stopping and pending(sqlite_sessions, tables) == 0
     assert signal.getsignal(signal.SIGTERM) == before
+    loop.close()
+
+
+def test_the_stall_bound_grows_with_every_timeout_it_is_derived_from(tmp_path: Path, sqlite_url: str) -> None:
+    base = make_settings(tmp_path, sqlite_url)
+    bound = stall_bound_s(base)
+    # Given each timeout a healthy step may take, one at a time made longer
+    for change in ({"db_connect_timeout_s": base.db_connect_timeout_s + 5},
+                   {"db_statement_timeout_ms": base.db_statement_timeout_ms + 5000},
+                   {"relay_publish_timeout_s": base.relay_publish_timeout_s + 5},
+                   {"relay_poll_interval_s": base.relay_poll_interval_s + 5}):
+        # Then the watchdog waits longer before it calls the loop stalled
+        assert stall_bound_s(base.replace(**change)) > bound, change
+    # And never less than the longest single step
+    assert bound > base.db_connect_timeout_s + base.db_statement_timeout_ms / 1000
+
+
+class BlockingPublisher(InMemoryPublisher):
+    """Blocks inside the first publish until released: a call stuck where no timeout of ours reaches."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        super().__init__(before_publish=self._block)
+
+    def _block(self, _messages: Any) -> None:
+        if not self.release.is_set():
+            self.entered.set()
+            self.release.wait(60)
+
+
+def fast_settings(tmp_path: Path, sqlite_url: str) -> Settings:
+    # the shortest bounds the settings allow: a stall bound of about 3 s
+    return make_settings(tmp_path, sqlite_url).replace(db_connect_timeout_s=1, db_statement_timeout_ms=1,
+                                                       relay_publish_timeout_s=0.01)
+
+
+def test_the_watchdog_logs_a_loop_that_makes_no_progress_and_the_loop_goes_on_once_unblocked(
+        tmp_path: Path, sqlite_url: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables,
+        caplog: pytest.LogCaptureFixture) -> None:
+    ids = insert(sqlite_sessions, clock, tables, 3)
+    pub = BlockingPublisher()
+    loop = RelayLoop(settings=fast_settings(tmp_path, sqlite_url), tables=tables, session_factory=sqlite_sessions,
+                     publisher=pub, clock=clock)
+    thread = threading.Thread(target=loop.run, kwargs={"handle_signals": False})
+    # Given a loop whose publish blocks where no timeout reaches
+    with caplog.at_level(logging.ERROR, logger="celery_outbox.relay.loop"):
+        thread.start()
+        try:
+            assert pub.entered.wait(30)
+            # Then its watchdog says so once the stall bound has passed without progress
+            wait_for(lambda: loop.stats.stalls >= 1, "the watchdog to see the stall")
+            assert any("relay stalled" in r.getMessage() for r in caplog.records)
+            # When the call returns, the loop goes on and publishes
+            pub.release.set()
+            wait_for(lambda: pending(sqlite_sessions, tables) == 0, "the backlog to drain")
+        finally:
+            pub.release.set()
+            loop.stop()
+            thread.join(10)
+    assert not thread.is_alive()
+    assert set(pub.message_ids()) == ids
+    loop.close()
+
+
+def test_sigterm_returns_from_run_at_once_even_while_the_loop_is_blocked(
+        tmp_path: Path, sqlite_url: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+        tables: Tables) -> None:
+    insert(sqlite_sessions, clock, tables, 3)
+    pub = BlockingPublisher()
+    loop = RelayLoop(settings=fast_settings(tmp_path, sqlite_url), tables=tables, session_factory=sqlite_sessions,
+                     publisher=pub, clock=clock)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def terminate() -> None:
+        assert pub.entered.wait(30)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    try:
+        # Given a loop blocked inside a publish, When SIGTERM arrives
+        loop.run()
+        killer.join(10)
+        # Then run returned without waiting for the blocked call, which published nothing and marked nothing
+        assert loop.stopping and loop.stats.abandoned
+        assert pub.message_ids() == [] and pending(sqlite_sessions, tables) == 3
+        assert signal.getsignal(signal.SIGTERM) == before
+    finally:
+        pub.release.set()  # the abandoned call returns: publish first, then its mark, as ever
+    wait_for(lambda: pending(sqlite_sessions, tables) == 0, "the released batch to be marked after its publish")
+    assert len(set(pub.message_ids())) == 3
     loop.close()

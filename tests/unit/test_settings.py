@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -34,7 +35,7 @@ FUZZ = hsettings(max_examples=200, deadline=None, suppress_health_check=[HealthC
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = [f.name for f in dataclasses.fields(Settings)]
 NUMERIC = [n for n in FIELDS if isinstance(Settings.RULES[n], (IntRule, FloatRule))]
-ZERO_MEANS_OFF = {"metrics_port"}  # documented: 0 = off
+ZERO_MEANS_OFF = {"metrics_port", "relay_reconcile_plain_tasks_after_ms"}  # documented: 0 = off
 SECRETS = ("database_url", "broker_url", "admin_token")
 
 
@@ -142,7 +143,7 @@ def test_retry_backoff_must_stay_below_the_visibility_timeout() -> None:
 def test_to_env_round_trips_every_field() -> None:
     s = Settings(home=Path("/tmp/h"), database_url="sqlite:////tmp/x.db", broker_url="redis://h:1/0",
                  routes={"A": ("x", "y"), "B": ("z",)}, relay_batch_size=7, relay_poll_interval_s=0.25,
-                 admin_token="t", crash_points="after_mark@2")
+                 admin_token="t" * 16, crash_points="after_mark@2")
     assert Settings.from_env(s.to_env()) == s
 
 
@@ -252,7 +253,7 @@ def test_the_inbox_prune_guard_cannot_be_switched_off() -> None:
          "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S .* must be below OUTBOX_BROKER_VISIBILITY_TIMEOUT_S"),
         ({"broker_visibility_timeout_s": 100, "consumer_time_limit_s": 100},
          "OUTBOX_CONSUMER_TIME_LIMIT_S .* must be below OUTBOX_BROKER_VISIBILITY_TIMEOUT_S"),
-        ({"relay_reconcile_after_ms": 300_000},
+        ({"relay_reconcile_after_ms": 30_000, "broker_url": "redis://127.0.0.1:6379/0"},
          "OUTBOX_RELAY_RECONCILE_AFTER_MS .* must exceed OUTBOX_BROKER_VISIBILITY_TIMEOUT_S"),
         ({"relay_base_delay_ms": 5_000, "relay_max_delay_ms": 4_999},
          "OUTBOX_RELAY_BASE_DELAY_MS .* must not exceed OUTBOX_RELAY_MAX_DELAY_MS"),
@@ -407,9 +408,13 @@ def oracle(s: LibrarySettings) -> None:
         assert math.isfinite(value) and (value >= 0 if name in ZERO_MEANS_OFF else value > 0), (name, value)
         assert value < 2**63, name
     assert 0 <= s.metrics_port <= 65_535
-    assert s.broker_redelivery_window_ms > s.relay_reconcile_after_ms > s.broker_visibility_timeout_s * 1000
-    assert s.consumer_retry_backoff_max_s < s.broker_visibility_timeout_s
-    assert s.consumer_time_limit_s < s.broker_visibility_timeout_s
+    assert s.admin_token == "" or len(s.admin_token) >= 16
+    assert s.broker_redelivery_window_ms > s.relay_reconcile_after_ms
+    assert s.broker_redelivery_window_ms > s.relay_reconcile_plain_tasks_after_ms
+    if s.kind_of_broker(s.broker_url) == "redis":  # the visibility timeout is Redis's alone
+        assert s.relay_reconcile_after_ms > s.broker_visibility_timeout_s * 1000
+        assert s.consumer_retry_backoff_max_s < s.broker_visibility_timeout_s
+        assert s.consumer_time_limit_s < s.broker_visibility_timeout_s
     assert s.relay_confirm_mode in ("confirm", "tx", "none")
     assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", s.namespace, re.ASCII)
     for event, names in s.routes.items():
@@ -627,3 +632,75 @@ def test_the_first_batch_may_not_exceed_the_in_flight_bound() -> None:
         Settings.from_env({"OUTBOX_RELAY_BATCH_SIZE": "50", "OUTBOX_RELAY_MAX_IN_FLIGHT_ROWS": "49"})
     s = Settings.from_env({"OUTBOX_RELAY_BATCH_SIZE": "50", "OUTBOX_RELAY_MAX_IN_FLIGHT_ROWS": "50"})
     assert (s.relay_batch_size, s.relay_max_in_flight_rows) == (50, 50)
+
+
+# -- configurations that would start and then refuse every order, or arm the wrong crash ----------------
+
+@pytest.mark.parametrize(("raw", "match"), [
+    ("A=x,x", "routes 'A' to 'x' twice"),
+    ("A=x,y,x;B=z", "routes 'A' to 'x' twice"),
+    ("A=x;A=y", "routes 'A' twice"),
+    ("A=x,x;A=y", "OUTBOX_ROUTES"),
+    (" A =x; A=y", "routes 'A' twice"),
+])
+def test_a_route_given_twice_or_a_consumer_named_twice_is_refused_at_parse(raw: str, match: str) -> None:
+    # Given routes that name an event type twice or one consumer twice in a route
+    with pytest.raises(ConfigError, match=match) as caught:
+        Settings.from_env({"OUTBOX_ROUTES": raw})
+    # Then one line naming the variable, not a merge or an overwrite found out at the first order
+    assert "OUTBOX_ROUTES" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_consumer_named_twice_in_code_is_refused_too() -> None:
+    with pytest.raises(ConfigError, match="OUTBOX_ROUTES routes 'A' to 'x' twice"):
+        Settings(routes={"A": ("x", "y", "x")})
+    assert Settings(routes={"A": ("x", "y"), "B": ("x",)}).consumers == ("x", "y")  # one consumer, two routes: fine
+
+
+@pytest.mark.parametrize("spec", [
+    "after_mark@abc", "after_mark@", "after_mark@0", "after_mark@-1", "after_mark@+2", "after_mark@1.5",
+    "after_mark@\u0661", "after_mark@\uff12", "after_mark@\u00b2", "after_mark@2@3", "after_mark@1000000000",
+    "@2", "nowhere", "nowhere@2", "after_mark,after_mark@2", "after_mark @ x",
+])
+def test_a_malformed_or_unknown_crash_point_is_refused(spec: str) -> None:
+    # Given a crash point spec that is not NAME or NAME@N (N in ASCII digits), or names no known point
+    with pytest.raises(ConfigError, match="OUTBOX_CRASH_POINTS is not valid") as caught:
+        Settings.from_env({"OUTBOX_CRASH_POINTS": spec})
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("spec", "armed"), [
+    ("", frozenset()), ("after_mark", {"after_mark"}), ("after_mark@2", {"after_mark"}),
+    (" after_mark@2 , consumer_before_commit ", {"after_mark", "consumer_before_commit"}),
+    ("after_mark@999999999", {"after_mark"}),
+])
+def test_well_formed_crash_points_are_armed(spec: str, armed: set[str]) -> None:
+    from celery_outbox.crashpoints import CrashPoints
+
+    assert Settings.from_env({"OUTBOX_CRASH_POINTS": spec}).crash_points == spec
+    assert CrashPoints(spec=spec).armed == armed
+
+
+def test_a_crash_point_fires_on_the_nth_time_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_outbox import crashpoints
+
+    killed: list[int] = []
+    fake_os = SimpleNamespace(kill=lambda pid, sig: killed.append(sig), getpid=lambda: 0, environ={})
+    monkeypatch.setattr(crashpoints, "os", fake_os)
+    points = crashpoints.CrashPoints(spec="after_mark@3")
+    for _ in range(2):
+        points.reached("after_mark")
+    assert killed == []
+    points.reached("after_mark")
+    assert len(killed) == 1
+
+
+@pytest.mark.parametrize("token", ["x", "short-token", "fifteen-chars-x"])
+def test_a_short_admin_token_is_refused_without_showing_it(token: str) -> None:
+    # Given an admin token shorter than the minimum (empty means the page is off, and stays allowed)
+    with pytest.raises(ConfigError, match="OUTBOX_ADMIN_TOKEN must be at least 16 characters") as caught:
+        Settings.from_env({"OUTBOX_ADMIN_TOKEN": token})
+    # Then the value is never repeated
+    assert f"'{token}'" not in str(caught.value) and "not shown" in str(caught.value)
+    assert Settings(admin_token="").admin_token == ""
+    assert Settings(admin_token="sixteen-chars-ok").admin_token == "sixteen-chars-ok"

@@ -6,7 +6,7 @@ Revision co0001 creates the tables from the current ``define_tables`` (which hol
 a fresh database already has it: create and drop only if needed.
 
 Revision ID: co0003
-Revises: co0001
+Revises: co0002
 Create Date: 2026-12-04
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from alembic import context, op
 from celery_outbox.schema import DEFAULT_PREFIX, PENDING_SQL
 
 revision = "co0003"
-down_revision = "co0001"
+down_revision = "co0002"
 branch_labels = None
 depends_on = None
 
