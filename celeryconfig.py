@@ -52,6 +52,9 @@ class Settings(OutboxSettings):
     def allows_broker_alias(self, url: str) -> bool:
         return url == EMBEDDED
 
+    def kind_of_broker(self, url: object) -> str | None:
+        return "redis" if url == EMBEDDED else super().kind_of_broker(url)  # the embedded broker is a Redis
+
     @property
     def effective_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.home / 'outbox.db').resolve()}"

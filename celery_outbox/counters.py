@@ -1,4 +1,4 @@
-"""Monotonic counters kept in the database (table ``consumer_counters``), for metrics and stats.
+"""Monotonic counters kept in the database (table ``outbox_counters``), for metrics and stats.
 
 A counter is staged in the transaction that does the counted work (the relay's mark, a consumer's
 dead letter, a retention batch), so it is exact across processes and restarts; Prometheus reads them

@@ -23,7 +23,7 @@ from celery import Celery, bootsteps
 from kombu import Exchange, Queue
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
-from celery_outbox.celery import consumer_tasks, idempotent_task, ops_tasks, relay_tasks
+from celery_outbox.celery import consumer_tasks, idempotent_task, ops_tasks, receipts, relay_tasks
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
 from celery_outbox.clock import Clock, SystemClock
@@ -37,7 +37,7 @@ from celery_outbox.names import check_name
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.relay.loop import RelayLoop
 from celery_outbox.schema import OutboxRow, Tables, define_tables
-from celery_outbox.settings import Settings
+from celery_outbox.settings import Settings, broker_relation_problems
 from celery_outbox.writer import Event, add
 
 
@@ -64,6 +64,7 @@ class Outbox:
         ops_tasks.register(app, self)
         self._install_enqueue()
         app.steps["worker"].add(self._boot_check_step())
+        app.steps["worker"].add(receipts.receipt_step(self))  # plain outbox tasks' receipts (reconciler)
 
     # -- schema ----------------------------------------------------------------------------------
     def define_tables(self, metadata: sa.MetaData) -> Tables:
@@ -116,6 +117,10 @@ class Outbox:
             if c not in names:
                 names.append(c)
                 self._add_queue(c)
+
+    def idempotent_tasks(self) -> frozenset[str]:
+        """Names of the ``@outbox.task`` tasks on this app: the reconciler checks their inbox rows."""
+        return frozenset(name for name, task in self.app.tasks.items() if getattr(task, "outbox_task_key", None))
 
     def known_consumers(self) -> tuple[str, ...]:
         names = dict.fromkeys(self.registry.names())
@@ -245,6 +250,10 @@ class Outbox:
                 conf.task_serializer not in (None, "json"):
             raise ConfigError("the outbox speaks JSON only: set accept_content=['json'] and task_serializer='json' "
                               "on your Celery app (never pickle)")
+        # Redis-only rules (the visibility timeout) on the app's broker when the settings name none.
+        problems = broker_relation_problems(self.settings, str(conf.broker_url or ""))
+        if problems:
+            raise ConfigError("; ".join(problems))
         self._add_queue(None)
         # The relay's periodic work for `celery beat`, and broker options the guarantees rely on; whatever
         # the app already sets wins (docs: README "Adopt it").

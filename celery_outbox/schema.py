@@ -115,6 +115,16 @@ class CounterRow(_Row):
     value: Mapped[int] = mapped_column(sa.BigInteger, default=0)
 
 
+class TaskReceiptRow(_Row):
+    """A plain task enqueued through the outbox that a worker started (celery_outbox/celery/receipts.py).
+
+    A plain ``@app.task`` has no inbox row, so this is the reconciler's only evidence that its message
+    reached a worker; a published task row without one is sent again (relay/reconcile.py)."""
+
+    task_id: Mapped[uuid.UUID] = mapped_column(sa.Uuid, primary_key=True)
+    received_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Tables:
     """The mapped classes of one prefix. Pass it to core functions; ``names()`` lists the tables."""
@@ -128,6 +138,7 @@ class Tables:
     parked: type[ParkedRow]
     entity_versions: type[EntityVersionRow]
     counters: type[CounterRow]
+    receipts: type[TaskReceiptRow]
 
     @property
     def notify_channel(self) -> str:
@@ -144,7 +155,8 @@ class Tables:
 
     def names(self) -> tuple[str, ...]:
         return tuple(self.table(c).name for c in (self.outbox, self.inbox, self.attempts, self.dead_letters,
-                                                   self.parked, self.entity_versions, self.counters))
+                                                   self.parked, self.entity_versions, self.counters,
+                                                   self.receipts))
 
 
 T = TypeVar("T")
@@ -197,4 +209,7 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
             sa.Index(f"ix_{prefix}parked_entity", "consumer", "entity_key", "entity_version"),)),
         entity_versions=mapped("EntityVersion", EntityVersionRow, "entity_versions"),
         counters=mapped("ConsumerCounter", CounterRow, "counters"),
+        receipts=mapped("TaskReceipt", TaskReceiptRow, "task_receipts", (
+            # Retention prunes receipts oldest first, as it prunes the inbox.
+            sa.Index(f"ix_{prefix}task_receipts_received", "received_at_ms"),)),
     )

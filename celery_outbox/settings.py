@@ -404,6 +404,7 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "max_message_bytes": IntRule(1, 128 * 1024 * 1024),  # RabbitMQ's own maximum message size
     "relay_reconcile_after_ms": IntRule(1, 30 * DAY_MS),
     "relay_reconcile_interval_s": FloatRule(1.0, 86_400.0),
+    "relay_reconcile_plain_tasks_after_ms": IntRule(0, 30 * DAY_MS, zero="0 = off: plain tasks are never sent again"),
     "consumer_max_deliveries": IntRule(1, 1_000),  # Celery max_retries; delivery counts are 32-bit columns
     "consumer_retry_backoff_s": IntRule(1, 86_400),
     "consumer_retry_backoff_max_s": IntRule(1, 86_400),
@@ -426,27 +427,74 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "crash_points": CrashPointsRule(),
 }
 
+REDIS_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel")
+
+
+def broker_kind(url: object) -> str | None:
+    """``"redis"``, ``"rabbitmq"``, another transport's scheme, or None for an empty URL (the Celery
+    app's broker decides). Failover URLs (``a;b``) share one transport: the first one names it."""
+    if not isinstance(url, str):
+        return None
+    first = url.split(";", 1)[0].strip()
+    if not first:
+        return None
+    scheme = first.partition("://")[0].lower()
+    if scheme in REDIS_SCHEMES:
+        return "redis"
+    if scheme in ("amqp", "pyamqp", "amqps"):
+        return "rabbitmq"
+    return scheme
+
+
+@dataclass(frozen=True)
+class BrokerRelation(Relation):
+    """A rule between fields that only means something on some brokers: Redis's visibility timeout
+    has no meaning on RabbitMQ (a dead consumer's messages come back when its connection closes).
+    With ``broker_url`` empty the Celery app's broker decides, known only when ``Outbox`` is built:
+    it calls ``broker_relation_problems`` with the app's URL."""
+
+    brokers: tuple[str, ...] = ("redis",)
+    condition: Callable[[Any], bool] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        condition = self.holds
+        object.__setattr__(self, "condition", condition)
+        object.__setattr__(self, "holds", lambda s: not self.applies(s, s.broker_url) or condition(s))
+
+    def applies(self, settings: Settings, broker_url: str) -> bool:
+        return settings.kind_of_broker(broker_url) in self.brokers
+
+
+def broker_relation_problems(settings: Settings, broker_url: str) -> list[str]:
+    """The broker rules ``settings`` breaks on the broker at ``broker_url`` (the Celery app's, when
+    ``settings.broker_url`` is empty; a non-empty one was checked when the settings were built)."""
+    if settings.broker_url:
+        return []
+    return [r.explain(settings) for r in settings.RELATIONS
+            if isinstance(r, BrokerRelation) and r.applies(settings, broker_url) and not r.condition(settings)]
+
+
 LIBRARY_RELATIONS: tuple[Relation, ...] = (
-    Relation(
+    BrokerRelation(
         ("consumer_retry_backoff_max_s", "broker_visibility_timeout_s"),
         lambda s: s.consumer_retry_backoff_max_s < s.broker_visibility_timeout_s,
         lambda s: f"OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S ({s.consumer_retry_backoff_max_s}) must be below "
-                  f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({s.broker_visibility_timeout_s}): on Redis a retry "
+                  f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({s.broker_visibility_timeout_s}) on Redis: a retry "
                   "waiting longer than the visibility timeout is delivered twice",
     ),
-    Relation(
+    BrokerRelation(
         ("consumer_time_limit_s", "broker_visibility_timeout_s"),
         lambda s: s.consumer_time_limit_s < s.broker_visibility_timeout_s,
         lambda s: f"OUTBOX_CONSUMER_TIME_LIMIT_S ({s.consumer_time_limit_s}) must be below "
-                  f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({s.broker_visibility_timeout_s}): on Redis a delivery "
+                  f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({s.broker_visibility_timeout_s}) on Redis: a delivery "
                   "still running after the visibility timeout is delivered again",
     ),
-    Relation(
+    BrokerRelation(
         ("relay_reconcile_after_ms", "broker_visibility_timeout_s"),
         lambda s: s.relay_reconcile_after_ms > s.broker_visibility_timeout_s * SECOND_MS,
         lambda s: f"OUTBOX_RELAY_RECONCILE_AFTER_MS ({s.relay_reconcile_after_ms}) must exceed "
-                  f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({s.broker_visibility_timeout_s} s): the broker's own "
-                  "redelivery comes first, the reconciler only catches what is really lost",
+                  f"OUTBOX_BROKER_VISIBILITY_TIMEOUT_S ({s.broker_visibility_timeout_s} s) on Redis: the broker's "
+                  "own redelivery comes first, the reconciler only catches what is really lost",
     ),
     Relation(
         ("broker_redelivery_window_ms", "relay_reconcile_after_ms"),
@@ -454,6 +502,14 @@ LIBRARY_RELATIONS: tuple[Relation, ...] = (
         lambda s: f"OUTBOX_BROKER_REDELIVERY_WINDOW_MS ({s.broker_redelivery_window_ms}) must exceed "
                   f"OUTBOX_RELAY_RECONCILE_AFTER_MS ({s.relay_reconcile_after_ms}): the inbox must outlive every "
                   "redelivery and re-send, or one takes effect twice",
+    ),
+    Relation(
+        ("broker_redelivery_window_ms", "relay_reconcile_plain_tasks_after_ms"),
+        lambda s: s.broker_redelivery_window_ms > s.relay_reconcile_plain_tasks_after_ms,
+        lambda s: f"OUTBOX_BROKER_REDELIVERY_WINDOW_MS ({s.broker_redelivery_window_ms}) must exceed "
+                  f"OUTBOX_RELAY_RECONCILE_PLAIN_TASKS_AFTER_MS ({s.relay_reconcile_plain_tasks_after_ms}): task "
+                  "receipts are pruned with the inbox and must outlive the plain-task window, or a task that ran "
+                  "is sent again",
     ),
     Relation(
         ("relay_base_delay_ms", "relay_max_delay_ms"),
@@ -506,20 +562,27 @@ class Settings:
     relay_publish_timeout_s: float = 10.0
     relay_confirm_mode: str = "confirm"  # confirm | tx | none (RabbitMQ durability per batch)
     max_message_bytes: int = 256 * 1024
-    # Reconciler: a published event some consumer has not recorded this long after is sent again
-    # (relay/reconcile.py); it must exceed the Redis visibility timeout, which redelivers first.
-    relay_reconcile_after_ms: int = 600_000
-    relay_reconcile_interval_s: float = 60.0
+    # Reconciler (relay/reconcile.py): a published event some consumer has not recorded, or an
+    # @outbox.task with no inbox row, this long after its publish is sent again. On Redis it must exceed
+    # the visibility timeout (plus kombu's restore scans: 30 s + 2 x 3 s), so the broker's own
+    # redelivery comes first. A take-window loss is back within after + interval (+ a poll).
+    relay_reconcile_after_ms: int = 40_000
+    relay_reconcile_interval_s: float = 5.0
+    # Plain tasks (no inbox; a worker receipt instead) get a longer window (never shorter than
+    # relay_reconcile_after_ms): re-sending one that is merely queued runs it twice. 0 = never re-sent.
+    relay_reconcile_plain_tasks_after_ms: int = 600_000
 
     consumer_max_deliveries: int = 3
     consumer_retry_backoff_s: int = 1
-    consumer_retry_backoff_max_s: int = 60
+    consumer_retry_backoff_max_s: int = 10  # below broker_visibility_timeout_s (Redis holds a waiting retry unacked)
     consumer_park_timeout_ms: int = 600_000
     broker_redelivery_window_ms: int = 24 * 3600 * 1000
     # Redis only: a message a worker took and never acked (worker killed whole) is redelivered after
     # this long. It must exceed the longest retry countdown (Redis holds ETA retries unacked too),
-    # else a waiting retry is delivered twice (absorbed by the inbox, but wasted work).
-    broker_visibility_timeout_s: int = 300
+    # else a waiting retry is delivered twice (absorbed by the inbox, but wasted work). Short, so a
+    # killed worker's messages come back in seconds (README "Settings": a plain task running longer
+    # than this on Redis is delivered twice; raise it with the consumer time limit for slow work).
+    broker_visibility_timeout_s: int = 30
 
     # Untrusted JSON (delivered bodies, HTTP input, stored payloads) nested deeper than this is refused.
     max_json_depth: int = 64
@@ -532,7 +595,7 @@ class Settings:
     db_keepalives_interval_s: int = 10
     db_keepalives_count: int = 3
     # A consumer delivery that runs longer is killed (and redelivered, counted): no hang for ever.
-    consumer_time_limit_s: int = 120  # below broker_visibility_timeout_s (Redis redelivers a longer one)
+    consumer_time_limit_s: int = 20  # below broker_visibility_timeout_s (Redis redelivers a longer one)
 
     # Transactional enqueue (celery_outbox/celery/enqueue.py): ``task.delay()`` outside a transaction
     # bound with ``outbox.transaction(session)`` (or Django's ``atomic()``) raises, or ("publish")
@@ -596,6 +659,10 @@ class Settings:
     def allows_broker_alias(self, url: str) -> bool:
         """A deployment may accept a named broker (the demo's "embedded"); the library accepts none."""
         return False
+
+    def kind_of_broker(self, url: object) -> str | None:
+        """Which broker ``url`` is (``broker_kind``); a deployment names what its aliases are."""
+        return broker_kind(url)
 
     def replace(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)

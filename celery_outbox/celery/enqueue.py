@@ -46,6 +46,7 @@ from kombu import Exchange, Queue
 from sqlalchemy.orm import Session
 
 from celery_outbox.errors import ConfigError, SerializationError, TransactionRequiredError, ValidationError
+from celery_outbox.inbox.receipts import RECEIPT_HEADER
 from celery_outbox.messages import TASK_KIND, TYPE_MAX_CHARS, QueueSpec, check_size, encode_json
 from celery_outbox.schema import Tables
 
@@ -216,9 +217,12 @@ class Interceptor:
         exchange_name = exchange.name if isinstance(exchange, Exchange) else (exchange or "")
         queue = next((q for q in publish.get("declare") or () if isinstance(q, Queue)), None)
         properties = {k: v for k, v in publish.items() if k not in _PUBLISH_ARGS and _is_json(v)}
+        sent_headers = dict(publish.get("headers") or task_headers)
+        if not getattr(self.outbox.app.tasks.get(name), "outbox_task_key", None):
+            sent_headers[RECEIPT_HEADER] = 1  # a plain task: its worker records a receipt (celery/receipts.py)
         row_headers: dict[str, Any] = {
             "outbox_kind": TASK_KIND,
-            "task_headers": dict(publish.get("headers") or task_headers),
+            "task_headers": sent_headers,
             "properties": properties,
             "exchange": str(exchange_name),
             "routing_key": str(publish.get("routing_key") or ""),

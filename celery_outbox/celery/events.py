@@ -5,8 +5,9 @@ node name (``task.request.hostname``, e.g. ``consumers@host``) and with the task
 Flower counts them on that worker (its worker counters skip any other name) and a receiver can tie
 each one to its task entry. The beat drain task does the same for outbox rows it dead-letters; the
 standalone relay (``outbox relay``, no worker) sends under ``outbox-relay@<host>``
-(``relay_hostname``). Sending is best-effort: an event that cannot be sent is logged and dropped, it
-never fails the task that sent it, and it is never retried (the delivery's outcome is already
+(``relay_hostname``), and so is each message a reconcile pass published again (``outbox-reconciled``,
+from the beat task's worker or the standalone relay). Sending is best-effort: an event that cannot be
+sent is logged and dropped, it never fails the task that sent it, and it is never retried (the delivery's outcome is already
 committed; an event is a notice, not a record). Events travel on the broker's event exchange
 (``celeryev``), JSON like everything else.
 """
@@ -23,7 +24,8 @@ log = logging.getLogger(__name__)
 
 DUPLICATE_ABSORBED = "outbox-duplicate-absorbed"
 DEAD_LETTERED = "outbox-dead-lettered"
-EVENT_TYPES = (DUPLICATE_ABSORBED, DEAD_LETTERED)
+RECONCILED = "outbox-reconciled"  # the reconciler published a lost message again (relay/reconcile.py)
+EVENT_TYPES = (DUPLICATE_ABSORBED, DEAD_LETTERED, RECONCILED)
 
 
 def relay_hostname() -> str:
@@ -69,3 +71,10 @@ def dead_lettered(app: Celery, *, source: str, message_id: str, error: str, cons
                   task_id: str | None = None) -> bool:
     return send_event(app, DEAD_LETTERED, hostname=hostname, task_id=task_id, source=source, consumer=consumer,
                       message_id=message_id, error=error[:500], event_type=event_type, attempts=attempts)
+
+
+def reconciled(app: Celery, *, kind: str, message_id: str, target: str, hostname: str | None = None,
+               task_id: str | None = None) -> bool:
+    """A message the reconciler sent again: ``kind`` event / task / plain_task, ``target`` its consumer or task."""
+    return send_event(app, RECONCILED, hostname=hostname, task_id=task_id, kind=kind, message_id=message_id,
+                      target=target)

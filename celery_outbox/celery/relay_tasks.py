@@ -18,7 +18,7 @@ from celery_outbox.celery.config import DRAIN_TASK, RECONCILE_TASK, add_task_rou
 from celery_outbox.celery.kombu_publisher import KombuPublisher
 from celery_outbox.relay import lease
 from celery_outbox.relay.loop import DrainResult, RelayLoop
-from celery_outbox.relay.reconcile import reconcile
+from celery_outbox.relay.reconcile import ReconcileResult, reconcile
 from celery_outbox.runtime import Context
 
 
@@ -36,6 +36,20 @@ def drain_announcer(app: Celery) -> Callable[[DrainResult], None]:
     return lambda result: announce_drain(app, result, hostname=hostname)
 
 
+def announce_reconcile(app: Celery, result: ReconcileResult, *, hostname: str | None = None,
+                       task_id: str | None = None) -> None:
+    """One ``outbox-reconciled`` event per message a reconcile pass sent again (best effort)."""
+    for sent in result.resent:
+        events.reconciled(app, kind=sent.kind, message_id=sent.message_id, target=sent.target, hostname=hostname,
+                          task_id=task_id)
+
+
+def reconcile_announcer(app: Celery) -> Callable[[ReconcileResult], None]:
+    """``RelayLoop.on_reconcile`` for the standalone relay: what it re-sent, as events under ``outbox-relay@host``."""
+    hostname = events.relay_hostname()
+    return lambda result: announce_reconcile(app, result, hostname=hostname)
+
+
 def drain_summary(result: DrainResult) -> dict[str, Any]:
     """What the drain task returns (Flower shows it as the task's result): the drain's counts."""
     summary = dataclasses.asdict(result)
@@ -50,7 +64,13 @@ def relay_loop(ctx: Context, *, listen: bool, max_batches_per_drain: int = 10_00
     publisher = KombuPublisher(broker_url=ctx.broker_url(), settings=ctx.settings, consumers=consumers)
     return RelayLoop(settings=ctx.settings, tables=ctx.tables, session_factory=ctx.sessions(), publisher=publisher,
                      clock=ctx.clock, crash_points=ctx.crash_points, listen=listen,
-                     max_batches_per_drain=max_batches_per_drain, routes=routes)
+                     max_batches_per_drain=max_batches_per_drain, routes=routes,
+                     idempotent_tasks=ctx.idempotent_tasks(), on_reconcile=reconcile_announcer_for(ctx))
+
+
+def reconcile_announcer_for(ctx: Context) -> Callable[[ReconcileResult], None] | None:
+    app = getattr(ctx, "app", None)
+    return reconcile_announcer(app) if isinstance(app, Celery) else None
 
 
 def register(app: Celery, ctx: Context) -> None:
@@ -79,12 +99,14 @@ def register(app: Celery, ctx: Context) -> None:
 
     reconcile_lease = lease.timer_lease(lease.RECONCILE, interval_s=ctx.settings.relay_reconcile_interval_s)
 
-    @app.task(name=RECONCILE_TASK, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
-    def reconcile_outbox() -> dict[str, Any]:
-        """Re-publish, per consumer, published events that consumer never recorded (relay/reconcile.py).
+    @app.task(name=RECONCILE_TASK, bind=True, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
+    def reconcile_outbox(self: Any) -> dict[str, Any]:
+        """Re-publish what never arrived (relay/reconcile.py): per consumer, events that consumer never
+        recorded; ``@outbox.task`` messages with no inbox row; plain task messages with no receipt.
 
         Runs only when it wins the ``reconcile`` lease (relay/lease.py), shared with every standalone
-        relay on the database: one pass per interval in all, however many run."""
+        relay on the database: one pass per interval in all, however many run. Its result (Flower) is
+        the pass's counts per kind; each message sent again is an ``outbox-reconciled`` event."""
         relay = loop()
         settings = ctx.settings
         with lock:
@@ -93,5 +115,8 @@ def register(app: Celery, ctx: Context) -> None:
         with lock, relay.session_factory() as session:
             result = reconcile(session, relay.publisher, relay.clock, tables=ctx.tables, routes=relay.routes,
                                namespace=settings.namespace, max_message_bytes=settings.max_message_bytes,
-                               older_than_ms=settings.relay_reconcile_after_ms)
-        return dataclasses.asdict(result)
+                               older_than_ms=settings.relay_reconcile_after_ms,
+                               idempotent_tasks=relay.idempotent_tasks,
+                               plain_older_than_ms=settings.relay_reconcile_plain_tasks_after_ms)
+        announce_reconcile(app, result, **events.task_sender(self))
+        return result.to_dict()

@@ -290,6 +290,12 @@ def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     outbox_t.add_row(str(st.pending), str(st.due), str(st.retrying), _age(st.oldest_pending_age_ms),
                      str(st.published))
     console.print(outbox_t)
+    re_t = Table(title="re-sent by the reconciler (never arrived)")
+    for col in ("total", "events (per consumer)", "@outbox.task", "plain tasks"):
+        re_t.add_column(col)
+    r = st.reconciled
+    re_t.add_row(str(r["total"]), str(r["events"]), str(r["tasks"]), str(r["plain_tasks"]))
+    console.print(re_t)
     dead_t = Table(title=f"dead letters: {st.dead_letter_total}")
     for col in ("source", "consumer", "count", "oldest"):
         dead_t.add_column(col)

@@ -60,6 +60,10 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
                                                labels=["consumer"]),
         "dead_total": CounterMetricFamily("outbox_dead_lettered", "Messages dead-lettered",
                                           labels=["source", "consumer"]),
+        "reconciled_total": CounterMetricFamily("outbox_relay_reconciled",
+                                                "Messages the reconciler published again because they never "
+                                                "arrived: (event, consumer) pairs, @outbox.task and plain tasks",
+                                                labels=["kind"]),
     }
 
 
@@ -104,6 +108,9 @@ class OutboxCollector(Collector):
         fam["failures_total"].add_metric(["rejected"], relay.get(counters.PUBLISH_FAILURES, 0))
         fam["failures_total"].add_metric(["broker_unavailable"], relay.get(counters.BROKER_UNAVAILABLE, 0))
         fam["dead_total"].add_metric(["outbox", ""], relay.get(counters.DEAD_LETTERED, 0))
+        for kind, n in st.reconciled.items():
+            if kind != "total":
+                fam["reconciled_total"].add_metric([kind], n)
         consumers = (set(st.inbox) | set(st.counters)) - {counters.RELAY}
         for consumer in sorted(consumers):
             kept = st.counters.get(consumer, {})

@@ -3,7 +3,9 @@
 Each batch is its own short transaction (``DELETE ... WHERE key IN (SELECT key ... LIMIT n)``), so no
 statement holds locks over the whole history and the relay and consumers keep running alongside. The
 inbox is never pruned below the broker's redelivery window: an inbox row deleted while the broker can
-still redeliver its message would let a duplicate through as a second effect.
+still redeliver its message would let a duplicate through as a second effect. Task receipts (the plain
+tasks' record of having reached a worker, inbox/receipts.py) are pruned with the inbox, at its cutoff:
+the settings keep that window longer than the reconciler's plain-task window.
 
 Progress: ``prune(progress=...)`` calls back once when each side starts (``batch == 0``, with the
 number of rows it expects to delete) and after every committed batch, so a caller can render a bar
@@ -36,6 +38,7 @@ DEFAULT_BATCH = 5000
 class PruneReport:
     inbox_deleted: int = 0
     inbox_batches: int = 0
+    receipts_deleted: int = 0
     outbox_deleted: int = 0
     outbox_batches: int = 0
     inbox_cutoff_ms: int | None = None
@@ -44,7 +47,7 @@ class PruneReport:
     def to_dict(self) -> dict[str, int | None]:
         return {
             "inbox_deleted": self.inbox_deleted, "inbox_batches": self.inbox_batches,
-            "inbox_cutoff_ms": self.inbox_cutoff_ms,
+            "inbox_cutoff_ms": self.inbox_cutoff_ms, "receipts_deleted": self.receipts_deleted,
             "outbox_deleted": self.outbox_deleted, "outbox_batches": self.outbox_batches,
             "outbox_cutoff_ms": self.outbox_cutoff_ms,
         }
@@ -54,7 +57,7 @@ class PruneReport:
 class PruneProgress:
     """One step of a prune: ``batch == 0`` announces a side, every later call reports a committed batch."""
 
-    target: Literal["inbox", "outbox"]
+    target: Literal["inbox", "outbox", "receipts"]
     batch: int  # 0 when the side starts, then 1, 2, ... per committed batch
     deleted: int  # rows this batch deleted (0 for the start)
     total_deleted: int  # rows this side has deleted so far
@@ -89,6 +92,14 @@ def _inbox_batch(session: Session, cutoff_ms: int, batch: int, *, tables: Tables
     ).returning(tables.inbox.consumer).execution_options(synchronize_session=False)
 
 
+def _receipts_batch(session: Session, cutoff_ms: int, batch: int, *, tables: Tables) -> sa.Executable:
+    r = tables.receipts
+    keys = sa.select(r.task_id).where(r.received_at_ms < cutoff_ms).order_by(r.received_at_ms).limit(batch)
+    if is_postgres(session):
+        keys = keys.with_for_update(skip_locked=True)
+    return sa.delete(r).where(r.task_id.in_(keys)).execution_options(synchronize_session=False)
+
+
 def _outbox_batch(session: Session, cutoff_ms: int, batch: int, *, tables: Tables) -> sa.Executable:
     # Matches the partial index ix_outbox_published; pending and dead-lettered rows are never touched.
     seqs = (
@@ -114,7 +125,7 @@ def _count_outbox(cutoff_ms: int, *, tables: Tables) -> sa.Select[int]:
 
 def _drain(session_factory: sessionmaker[Session], build: Callable[..., sa.Executable],
            cutoff_ms: int, batch: int, what: str, count_pruned: bool = False, *, tables: Tables,
-           target: Literal["inbox", "outbox"], progress: PruneCallback | None = None) -> tuple[int, int]:
+           target: Literal["inbox", "outbox", "receipts"], progress: PruneCallback | None = None) -> tuple[int, int]:
     """Run batches until one comes back short; each batch commits on its own."""
     deleted = batches = 0
     expected = 0
@@ -162,17 +173,21 @@ def prune(session_factory: sessionmaker[Session], *, tables: Tables, inbox_older
         check_inbox_retention(inbox_older_than_ms, redelivery_window_ms)
     now = clock.now_ms()
     inbox = (0, 0)
+    receipts = (0, 0)
     outbox = (0, 0)
     inbox_cutoff = outbox_cutoff = None
     if inbox_older_than_ms is not None:
         inbox_cutoff = now - inbox_older_than_ms
         inbox = _drain(session_factory, _inbox_batch, inbox_cutoff, batch, "inbox", tables=tables, count_pruned=True,
                        target="inbox", progress=progress)
+        receipts = _drain(session_factory, _receipts_batch, inbox_cutoff, batch, "task receipts", tables=tables,
+                          target="receipts")
     if published_older_than_ms is not None:
         outbox_cutoff = now - published_older_than_ms
         outbox = _drain(session_factory, _outbox_batch, outbox_cutoff, batch, "published outbox rows", tables=tables,
                         target="outbox", progress=progress)
-    report = PruneReport(inbox_deleted=inbox[0], inbox_batches=inbox[1], outbox_deleted=outbox[0],
+    report = PruneReport(inbox_deleted=inbox[0], inbox_batches=inbox[1], receipts_deleted=receipts[0],
+                         outbox_deleted=outbox[0],
                          outbox_batches=outbox[1], inbox_cutoff_ms=inbox_cutoff, outbox_cutoff_ms=outbox_cutoff)
     log.info("pruned %s", report.to_dict())
     return report

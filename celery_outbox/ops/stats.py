@@ -13,10 +13,15 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from celery_outbox import counters as relay_counters
 from celery_outbox.clock import Clock
+from celery_outbox.relay import reconcile
 from celery_outbox.schema import Tables
 
 DUPLICATES = "duplicates"  # tables.counters.name the inbox increments per duplicate absorbed
+# The reconciler's counters, by kind (relay/reconcile.py).
+RECONCILED_KINDS = {"events": reconcile.RECONCILED_EVENTS, "tasks": reconcile.RECONCILED_TASKS,
+                    "plain_tasks": reconcile.RECONCILED_PLAIN_TASKS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +50,14 @@ class Stats:
     counters: dict[str, dict[str, int]] = field(default_factory=dict)  # consumer -> name -> value
 
     @property
+    def reconciled(self) -> dict[str, int]:
+        """Messages the reconciler published again since the database began: total and per kind."""
+        relay = self.counters.get(relay_counters.RELAY, {})
+        out = {"total": relay.get(reconcile.RECONCILED, 0)}
+        out.update({kind: relay.get(name, 0) for kind, name in RECONCILED_KINDS.items()})
+        return out
+
+    @property
     def dead_letter_total(self) -> int:
         return sum(g.count for g in self.dead_letters)
 
@@ -62,6 +75,7 @@ class Stats:
             "inbox": {"total": sum(self.inbox.values()), "per_consumer": dict(self.inbox)},
             "duplicates_absorbed": {"total": sum(self.duplicates_absorbed.values()),
                                     "per_consumer": dict(self.duplicates_absorbed)},
+            "reconciled": self.reconciled,
             "counters": {c: dict(v) for c, v in self.counters.items()},
         }
 

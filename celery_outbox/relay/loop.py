@@ -19,7 +19,7 @@ import os
 import select
 import signal
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -93,7 +93,7 @@ class LoopStats:
     broker_unavailable: int = 0
     skipped_busy: int = 0  # SQLite: another drain held the single-flight lock
     reconciles: int = 0  # reconcile passes run (``reconcile_if_due``)
-    reconciled: int = 0  # (message, consumer) pairs those passes sent again
+    reconciled: int = 0  # messages those passes sent again ((event, consumer) pairs and tasks)
     prunes: int = 0  # retention passes run (``prune_if_due``)
     pruned: int = 0  # inbox and published outbox rows those passes deleted
     listening: bool = False
@@ -147,10 +147,15 @@ class RelayLoop:
                  poll_interval_s: float | None = None, listen: bool = True,
                  max_batches_per_drain: int = 10_000,
                  routes: Mapping[str, Sequence[str]] | None = None,
-                 on_drain: Callable[[DrainResult], None] | None = None, pipelined: bool = True) -> None:
+                 on_drain: Callable[[DrainResult], None] | None = None, pipelined: bool = True,
+                 idempotent_tasks: Collection[str] = (),
+                 on_reconcile: Callable[[ReconcileResult], None] | None = None) -> None:
         self.settings = settings
         self.tables = tables
         self.routes = settings.routes if routes is None else routes
+        # The @outbox.task names (Outbox.idempotent_tasks), passed like routes: the reconciler checks their inbox.
+        self.idempotent_tasks = frozenset(idempotent_tasks)
+        self.on_reconcile = on_reconcile  # like on_drain, with every reconcile pass that sent something
         self.session_factory = session_factory
         self.publisher = publisher
         self.clock = clock or SystemClock()
@@ -373,13 +378,20 @@ class RelayLoop:
             with self.session_factory() as session:
                 result = reconcile(session, self.publisher, self.clock, tables=self.tables, routes=self.routes,
                                    namespace=self.settings.namespace, max_message_bytes=self.settings.max_message_bytes,
-                                   older_than_ms=self.settings.relay_reconcile_after_ms)
+                                   older_than_ms=self.settings.relay_reconcile_after_ms,
+                                   idempotent_tasks=self.idempotent_tasks,
+                                   plain_older_than_ms=self.settings.relay_reconcile_plain_tasks_after_ms)
         except Exception:
             self.stats.errors += 1
             log.exception("reconcile pass failed; retrying after the reconcile interval")
             return None
         self.stats.reconciles += 1
         self.stats.reconciled += result.republished
+        if self.on_reconcile is not None and result.resent:
+            try:
+                self.on_reconcile(result)
+            except Exception:
+                log.exception("on_reconcile callback failed; the pass itself is done")
         return result
 
     def prune_if_due(self) -> PruneReport | None:

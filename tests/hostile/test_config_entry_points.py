@@ -36,7 +36,9 @@ BAD: dict[str, tuple[dict[str, str], str]] = {
     "negative redelivery window": ({"OUTBOX_BROKER_REDELIVERY_WINDOW_MS": "-1"}, "OUTBOX_BROKER_REDELIVERY_WINDOW_MS"),
     "int past 2^63": ({"OUTBOX_RELAY_BATCH_SIZE": str(2**63)}, "OUTBOX_RELAY_BATCH_SIZE"),
     "bad consumer name in a route": ({"OUTBOX_ROUTES": "OrderPlaced=ship ping"}, "OUTBOX_ROUTES"),
-    "time limit past the visibility timeout": ({"OUTBOX_CONSUMER_TIME_LIMIT_S": "400"}, "OUTBOX_CONSUMER_TIME_LIMIT_S"),
+    "time limit past the visibility timeout (Redis)": (
+        {"OUTBOX_CONSUMER_TIME_LIMIT_S": "400", "OUTBOX_BROKER_URL": "redis://127.0.0.1:1/0"},
+        "OUTBOX_CONSUMER_TIME_LIMIT_S"),
     "database URL with a password and a bad port": (
         {"OUTBOX_DATABASE_URL": f"postgresql://app:{PASSWORD}@db:99999/app"}, "OUTBOX_DATABASE_URL"),
 }

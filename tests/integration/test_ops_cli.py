@@ -191,8 +191,10 @@ def test_stats(env: dict[str, str], seeded: dict[str, str]) -> None:
     assert [(g["source"], g["consumer"], g["count"]) for g in st["dead_letters"]["groups"]] == [
         ("outbox", None, 1), ("consumer", "billing", 1), ("consumer", "shipping", 1)]
     assert st["inbox"] == {"total": 5, "per_consumer": {"shipping": 5}}
+    assert st["reconciled"] == {"total": 0, "events": 0, "tasks": 0, "plain_tasks": 0}
     r = run(env, "stats")
     assert r.exit_code == 0 and "dead letters: 3" in r.stdout and "shipping" in r.stdout
+    assert "re-sent by the reconciler" in r.stdout
 
 
 def test_bad_configuration_exits_2(env: dict[str, str]) -> None:

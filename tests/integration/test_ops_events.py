@@ -53,6 +53,8 @@ def test_events_reach_a_receiver(settings: Settings, redis_url: str, etype: str)
         if etype == events.DEAD_LETTERED:
             assert events.dead_lettered(app, source="consumer", consumer="billing", message_id=marker,
                                         error="x" * 900, event_type="OrderPlaced", attempts=3)
+        elif etype == events.RECONCILED:
+            assert events.reconciled(app, kind="task", message_id=marker, target="orders.send_confirmation_email")
         else:
             assert events.duplicate_absorbed(app, consumer="billing", message_id=marker, event_type="OrderPlaced")
         arrived.wait(0.3)
@@ -61,7 +63,11 @@ def test_events_reach_a_receiver(settings: Settings, redis_url: str, etype: str)
     t.join(timeout=10)
     assert got, "no event arrived"
     e = got[0]
-    assert e["type"] == etype and e["consumer"] == "billing" and "hostname" in e and "timestamp" in e
+    assert e["type"] == etype and "hostname" in e and "timestamp" in e
+    if etype == events.RECONCILED:
+        assert (e["kind"], e["target"]) == ("task", "orders.send_confirmation_email")
+    else:
+        assert e["consumer"] == "billing"
     if etype == events.DEAD_LETTERED:
         assert e["source"] == "consumer" and len(e["error"]) == 500 and e["attempts"] == 3
 

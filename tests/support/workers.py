@@ -14,9 +14,9 @@ CELERY = str(Path(sys.executable).parent / "celery")
 
 
 def start_worker(*, env: Mapping[str, str], queues: Sequence[str], node: str, log: Path, pool: str = "prefork",
-                 concurrency: int = 2) -> subprocess.Popen[bytes]:
-    """A worker of the reference deployment consuming ``queues``, its output in ``log``."""
-    argv = [CELERY, "-A", "relay.app", "worker", "-Q", ",".join(queues), "-P", pool,
+                 concurrency: int = 2, app: str = "relay.app") -> subprocess.Popen[bytes]:
+    """A worker of the reference deployment (or of ``app``) consuming ``queues``, its output in ``log``."""
+    argv = [CELERY, "-A", app, "worker", "-Q", ",".join(queues), "-P", pool,
             *(["-c", str(concurrency)] if pool == "prefork" else []),
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO", "-n", node]
     with log.open("wb") as out:

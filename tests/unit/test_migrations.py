@@ -29,7 +29,7 @@ _ = consumers.models  # its models join orders.models.Base.metadata
 
 LIBRARY_VERSION_TABLE = "outbox_schema_version"
 LIBRARY_TABLES = {"outbox_messages", "outbox_inbox", "outbox_attempts", "outbox_dead_letters", "outbox_parked",
-                  "outbox_entity_versions", "outbox_counters"}
+                  "outbox_entity_versions", "outbox_counters", "outbox_task_receipts"}
 DEPLOYMENT_TABLES = {"orders", "order_lines", "shipments", "invoices", "search_documents", "sent_emails"}
 
 
@@ -152,3 +152,17 @@ def test_postgres_notifies_the_standalone_relay_on_insert(pg_url: str, tables: T
     finally:
         engine.dispose()
     assert triggers == ["outbox_notify"] and tables.notify_channel == "outbox_pending"
+
+
+def test_a_database_created_before_task_receipts_gets_them_on_upgrade(tmp_path: Path) -> None:
+    # Given a library database at revision co0001 as an older release created it (no receipts table)
+    url = f"sqlite:///{tmp_path}/old.db"
+    migrate.upgrade(url)
+    migrate.downgrade(url, "co0001")  # co0002's downgrade drops the receipts table
+    assert migrate.current(url) == "co0001"
+    assert "outbox_task_receipts" not in table_names(url)
+    # When it is upgraded, the receipts table and its index appear and the schema matches the models
+    migrate.upgrade(url)
+    assert migrate.current(url) == migrate.head() == "co0002"
+    assert table_names(url) == LIBRARY_TABLES | {LIBRARY_VERSION_TABLE}
+    assert migrate.check(url) == []

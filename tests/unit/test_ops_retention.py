@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +45,7 @@ def counts(sessions: sessionmaker[Session], tables: Tables) -> dict[str, int]:
                                     .where(ob.published_at_ms.is_(None), ob.dead_lettered_at_ms.is_(None))) or 0),
             "dead": int(s.scalar(sa.select(sa.func.count()).select_from(ob)
                                  .where(ob.dead_lettered_at_ms.is_not(None))) or 0),
+            "receipts": int(s.scalar(sa.select(sa.func.count()).select_from(tables.receipts)) or 0),
         }
 
 
@@ -61,15 +63,21 @@ def test_prune_deletes_only_old_rows_in_batches(sqlite_sessions: sessionmaker[Se
             outbox_row(s, tables=tables, created_at_ms=T0, published_at_ms=T0 + 10 * DAY - 1000)
         outbox_row(s, tables=tables, created_at_ms=T0)  # pending for 10 days: never pruned
         outbox_row(s, tables=tables, created_at_ms=T0, dead_lettered_at_ms=T0, attempts=10)  # dead: never pruned
+        # and 6 old task receipts (plain tasks that reached a worker) and one recent one
+        s.add_all([tables.receipts(task_id=uuid.uuid4(), received_at_ms=T0) for _ in range(6)])
+        s.add(tables.receipts(task_id=uuid.uuid4(), received_at_ms=T0 + 10 * DAY - 1000))
+        s.commit()
     # When pruning inbox > 1 day and published > 1 day with batches of 5
     report = retention.prune(sqlite_sessions, tables=tables, inbox_older_than_ms=DAY, published_older_than_ms=DAY, batch=5,
                              clock=clock, redelivery_window_ms=WINDOW)
-    # Then exactly the old rows went, 5 at a time: 12 -> 5+5+2 (3 DELETEs), 7 -> 5+2 (2 DELETEs)
+    # Then exactly the old rows went, 5 at a time: 12 -> 5+5+2 (3 DELETEs), receipts at the inbox's cutoff
+    # 6 -> 5+1 (2 DELETEs), 7 -> 5+2 (2 DELETEs)
     assert (report.inbox_deleted, report.inbox_batches) == (12, 3)
+    assert report.receipts_deleted == 6
     assert (report.outbox_deleted, report.outbox_batches) == (7, 2)
-    assert len(deletes) == 5
+    assert len(deletes) == 7
     assert all("IN (SELECT" in d.upper().replace("\n", " ") for d in deletes)
-    assert counts(sqlite_sessions, tables) == {"inbox": 3, "published": 2, "pending": 1, "dead": 1}
+    assert counts(sqlite_sessions, tables) == {"inbox": 3, "published": 2, "pending": 1, "dead": 1, "receipts": 1}
 
 
 def test_exact_multiple_of_batch_needs_one_empty_probe(sqlite_sessions: sessionmaker[Session],
@@ -80,7 +88,7 @@ def test_exact_multiple_of_batch_needs_one_empty_probe(sqlite_sessions: sessionm
     report = retention.prune(sqlite_sessions, tables=tables, inbox_older_than_ms=2 * DAY, published_older_than_ms=None,
                              batch=5, clock=clock, redelivery_window_ms=WINDOW)
     assert (report.inbox_deleted, report.inbox_batches, report.outbox_batches) == (10, 3, 0)
-    assert len(deletes) == 3
+    assert len(deletes) == 4  # 5 + 5 + an empty probe, and one (empty) receipts batch
 
 
 def test_refuses_to_prune_the_inbox_inside_the_redelivery_window(sqlite_sessions: sessionmaker[Session],

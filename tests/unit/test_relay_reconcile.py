@@ -25,9 +25,11 @@ def order(i: int, mid: object) -> dict[str, object]:
             "total_cents": 1, "lines": [{"sku": "s", "quantity": 1, "unit_price_cents": 1}]}
 
 
-def run(sessions: sessionmaker[Session], pub: InMemoryPublisher, clock: ManualClock, tables: Tables) -> tuple[int, int]:
+def run(sessions: sessionmaker[Session], pub: InMemoryPublisher, clock: ManualClock, tables: Tables,
+        max_pages: int = 100) -> tuple[int, int]:
     with sessions() as s:
-        r = reconcile(s, pub, clock, tables=tables, routes=ROUTES, namespace="ns", max_message_bytes=100_000, older_than_ms=AFTER)
+        r = reconcile(s, pub, clock, tables=tables, routes=ROUTES, namespace="ns", max_message_bytes=100_000, older_than_ms=AFTER,
+                      max_pages=max_pages)
     return r.checked, r.republished
 
 
@@ -116,12 +118,12 @@ def test_rows_sharing_one_published_instant_across_a_full_page_are_all_checked(
     with sqlite_sessions() as s:
         dispatch_batch(s, InMemoryPublisher(), clock, tables=tables, batch_size=1500, max_attempts=3, base_delay_ms=1000,
                        max_delay_ms=10_000, routes=ROUTES, max_message_bytes=100_000, namespace="ns")
-    # When the reconciler pages through them (1,000 rows a page)
+    # When the reconciler pages through them (1,000 rows a page, one page per pass)
     clock.advance(AFTER + 1)
     pub = InMemoryPublisher()
-    first = run(sqlite_sessions, pub, clock, tables)
-    second = run(sqlite_sessions, pub, clock, tables)
-    third = run(sqlite_sessions, pub, clock, tables)
+    first = run(sqlite_sessions, pub, clock, tables, max_pages=1)
+    second = run(sqlite_sessions, pub, clock, tables, max_pages=1)
+    third = run(sqlite_sessions, pub, clock, tables, max_pages=1)
     # Then every row is checked exactly once, none skipped at the page boundary inside the shared instant
     assert (first, second, third) == ((1000, 2000), (500, 1000), (0, 0))
     assert len(set(pub.deliveries())) == 3000 and pub.duplicates() == 0

@@ -155,3 +155,17 @@ class ConsumerCounter(models.Model):  # type: ignore[misc]
 
     def __str__(self) -> str:
         return f"{self.consumer}.{self.name} = {self.value}"
+
+
+class TaskReceipt(models.Model):  # type: ignore[misc]
+    """A plain task enqueued through the outbox that a worker started: the reconciler's evidence."""
+
+    task_id = models.UUIDField(primary_key=True)
+    received_at_ms = models.BigIntegerField()
+
+    class Meta:
+        db_table = "outbox_task_receipts"
+        indexes = (models.Index(fields=["received_at_ms"], name="ix_outbox_task_receipts_received"),)
+
+    def __str__(self) -> str:
+        return f"receipt {self.task_id}"

@@ -1,0 +1,228 @@
+"""The reconciler covers tasks: ``@outbox.task`` rows like events (their inbox row), plain tasks by receipt.
+
+SQLite, the in-memory publisher and a manual clock: the tasks are enqueued through a real Outbox
+(tests/tasks/idempotent_app.py: ``idem.record`` is an ``@outbox.task``, ``plain.record`` a plain
+``@app.task``), published by the relay's own ``dispatch_batch``, then "lost" (never delivered).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import signals
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox import counters
+from celery_outbox.celery.receipts import Receipts
+from celery_outbox.clock import ManualClock
+from celery_outbox.inbox import receipts
+from celery_outbox.inbox.task_keys import task_key
+from celery_outbox.ops import metrics, stats
+from celery_outbox.relay.dispatch import dispatch_batch
+from celery_outbox.relay.reconcile import RECONCILED_PLAIN_TASKS, RECONCILED_TASKS, ReconcileResult, reconcile
+from celery_outbox.schema import Tables
+from celery_outbox.testing.memory import InMemoryPublisher
+from celeryconfig import Settings
+from tests.tasks import idempotent_app as ia
+
+AFTER = 40_000
+PLAIN_AFTER = 600_000
+
+
+@pytest.fixture
+def built(tmp_home: Path, sqlite_url: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+          tables: Tables, namespace: str) -> ia.TaskApp:
+    settings = Settings(home=tmp_home, database_url=sqlite_url, namespace=namespace, broker_url="memory://",
+                        routes={})
+    app = ia.build(settings, session_factory=sqlite_sessions, clock=clock)
+    app.outbox._tables = tables
+    ia.metadata.create_all(sqlite_sessions.kw["bind"])
+    return app
+
+
+def run(built: ia.TaskApp, sessions: sessionmaker[Session], clock: ManualClock, pub: InMemoryPublisher,
+        tables: Tables, *, plain_after: int = PLAIN_AFTER) -> ReconcileResult:
+    with sessions() as s:
+        return reconcile(s, pub, clock, tables=tables, routes={}, namespace=built.settings.namespace,
+                         max_message_bytes=1_000_000, older_than_ms=AFTER,
+                         idempotent_tasks=built.outbox.idempotent_tasks(), plain_older_than_ms=plain_after)
+
+
+def enqueue(built: ia.TaskApp, sessions: sessionmaker[Session], task: Any, *keys: str) -> list[str]:
+    ids = []
+    with sessions() as s, built.outbox.transaction(s):
+        for key in keys:
+            ids.append(task.delay(key).id)
+        s.commit()
+    return ids
+
+
+def publish(built: ia.TaskApp, sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> InMemoryPublisher:
+    pub = InMemoryPublisher()
+    with sessions() as s:
+        dispatch_batch(s, pub, clock, tables=tables, batch_size=100, max_attempts=3, base_delay_ms=1000,
+                       max_delay_ms=10_000, routes={}, max_message_bytes=1_000_000, namespace=built.settings.namespace)
+    return pub
+
+
+def test_an_outbox_task_with_no_inbox_row_is_sent_again_with_its_task_id(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    # Given a reconciler that has run once, and three @outbox.task calls the relay published
+    assert run(built, sqlite_sessions, clock, InMemoryPublisher(), tables).republished == 0
+    clock.advance(1_000)
+    ran, lost, dead = enqueue(built, sqlite_sessions, built.record, "ran", "lost", "dead")
+    first = publish(built, sqlite_sessions, clock, tables)
+    sent = {m.message_id: m for m in first.published}
+    # And a broker that delivered one (it ran: its inbox row exists), lost one, and one was dead-lettered
+    built.record.apply(args=["ran"], task_id=ran)
+    with sqlite_sessions() as s:
+        s.add(tables.dead_letters(consumer=task_key(ia.RECORD), message_id=dead, type=ia.RECORD, body="[]",
+                                  headers={}, delivery_count=3, last_error="x", first_failed_at_ms=0,
+                                  last_failed_at_ms=0))
+        s.commit()
+    # When the reconciler passes before its window ends, nothing is sent; after it, only the lost one
+    pub = InMemoryPublisher()
+    clock.advance(AFTER // 2)
+    assert run(built, sqlite_sessions, clock, pub, tables).republished == 0
+    clock.advance(AFTER)
+    result = run(built, sqlite_sessions, clock, pub, tables)
+    assert (result.checked, result.republished, result.tasks, result.events) == (3, 1, 1, 0)
+    # Then it is the very message the relay sent: same task id, queue, arguments (the inbox would absorb a double)
+    [again] = pub.published
+    original = sent[lost]
+    assert again.headers["id"] == lost and again.headers["task"] == ia.RECORD
+    assert (again.exchange, again.routing_key, json.loads(again.body)) == (
+        original.exchange, original.routing_key, json.loads(original.body))
+    # And it was counted, shown in stats and metrics; the next pass sends nothing
+    with sqlite_sessions() as s:
+        st = stats.collect(s, tables=tables, clock=clock)
+    assert st.reconciled == {"total": 1, "events": 0, "tasks": 1, "plain_tasks": 0}
+    assert st.counters[counters.RELAY][RECONCILED_TASKS] == 1
+    text = metrics.render(metrics.make_registry(tables=tables, session_factory=sqlite_sessions, clock=clock)).decode()
+    assert 'outbox_relay_reconciled_total{kind="tasks"} 1.0' in text
+    clock.advance(AFTER)
+    assert run(built, sqlite_sessions, clock, pub, tables).republished == 0
+
+
+def test_a_plain_task_is_sent_again_only_without_a_receipt_and_only_after_its_own_window(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    # Given a reconciler that has run once, and two plain tasks the relay published
+    run(built, sqlite_sessions, clock, InMemoryPublisher(), tables)
+    clock.advance(1_000)
+    started, lost = enqueue(built, sqlite_sessions, built.plain, "started", "lost")
+    first = publish(built, sqlite_sessions, clock, tables)
+    assert all(m.headers[receipts.RECEIPT_HEADER] == 1 for m in first.published)  # each asks for a receipt
+    # And a worker that started one of them (its receipt)
+    assert Receipts(built.outbox).record(started)
+    # When the events window has passed, a plain task is not sent yet (it may merely be queued)
+    pub = InMemoryPublisher()
+    clock.advance(AFTER * 2)
+    assert run(built, sqlite_sessions, clock, pub, tables).republished == 0
+    # Then after the plain-task window, the one without a receipt is, with its task id
+    clock.advance(PLAIN_AFTER)
+    result = run(built, sqlite_sessions, clock, pub, tables)
+    assert (result.plain_checked, result.plain_tasks, result.republished) == (2, 1, 1)
+    assert [m.headers["id"] for m in pub.published] == [lost]
+    with sqlite_sessions() as s:
+        assert stats.collect(s, tables=tables, clock=clock).counters[counters.RELAY][RECONCILED_PLAIN_TASKS] == 1
+    # And the next pass sends nothing
+    clock.advance(PLAIN_AFTER)
+    assert run(built, sqlite_sessions, clock, pub, tables).republished == 0
+
+
+def test_with_the_plain_window_off_a_lost_plain_task_is_never_sent_again(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    run(built, sqlite_sessions, clock, InMemoryPublisher(), tables, plain_after=0)
+    clock.advance(1_000)
+    enqueue(built, sqlite_sessions, built.plain, "lost")
+    publish(built, sqlite_sessions, clock, tables)
+    pub = InMemoryPublisher()
+    clock.advance(10 * PLAIN_AFTER)
+    result = run(built, sqlite_sessions, clock, pub, tables, plain_after=0)
+    assert (result.republished, result.plain_watermark_ms) == (0, None) and pub.published == []
+
+
+def test_the_worker_records_a_receipt_for_a_plain_outbox_task_only(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    # Given the receipt handlers of this outbox connected (a worker's boot step does it)
+    handlers = Receipts(built.outbox)
+    signals.task_prerun.connect(handlers.on_prerun, weak=False, dispatch_uid="test-receipts")
+    try:
+        # When a plain task runs with the header the outbox puts on it, one without it, and an @outbox.task
+        marked, unmarked, idem = (str(uuid.uuid4()) for _ in range(3))
+        built.plain.apply(args=["a"], task_id=marked, headers={receipts.RECEIPT_HEADER: 1})
+        built.plain.apply(args=["b"], task_id=unmarked)
+        built.record.apply(args=["c"], task_id=idem, headers={receipts.RECEIPT_HEADER: 1})
+    finally:
+        signals.task_prerun.disconnect(dispatch_uid="test-receipts")
+    # Then only the plain outbox task has a receipt (the @outbox.task has its inbox row instead)
+    with sqlite_sessions() as s:
+        got = {str(t) for t in s.scalars(sa.select(tables.receipts.task_id))}
+    assert got == {marked}
+
+
+def test_a_receipt_the_database_refuses_is_logged_and_the_task_still_runs(
+        built: ia.TaskApp, clock: ManualClock, caplog: pytest.LogCaptureFixture) -> None:
+    # Given an outbox whose database is gone
+    class Broken:
+        def __call__(self) -> Any:
+            raise sa.exc.OperationalError("connect", {}, Exception("database unreachable"))
+
+    outbox = built.outbox
+    handlers = Receipts(outbox)
+    real = outbox.sessions
+    outbox.sessions = Broken()  # type: ignore[assignment]
+    try:
+        # When the receipt is written, it fails without raising
+        assert handlers.record(str(uuid.uuid4())) is False
+    finally:
+        outbox.sessions = real
+    assert "could not record the receipt" in caplog.text
+
+
+def test_a_plain_window_shorter_than_the_events_window_waits_for_the_events_window(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    # Given a plain-task window set below the events window, and a published plain task with no receipt
+    run(built, sqlite_sessions, clock, InMemoryPublisher(), tables, plain_after=AFTER // 4)
+    clock.advance(1_000)
+    [lost] = enqueue(built, sqlite_sessions, built.plain, "lost")
+    publish(built, sqlite_sessions, clock, tables)
+    # When the shorter window has passed but not the events window, nothing is sent
+    pub = InMemoryPublisher()
+    clock.advance(AFTER // 2)
+    assert run(built, sqlite_sessions, clock, pub, tables, plain_after=AFTER // 4).republished == 0
+    # Then after the events window it is
+    clock.advance(AFTER)
+    assert run(built, sqlite_sessions, clock, pub, tables, plain_after=AFTER // 4).plain_tasks == 1
+    assert [m.headers["id"] for m in pub.published] == [lost]
+
+
+def test_the_standalone_relay_reconciles_tasks_and_hands_what_it_resent_to_its_callback(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables,
+        tmp_home: Path) -> None:
+    from celery_outbox.relay.loop import RelayLoop
+
+    # Given the standalone relay's loop of this app (its @outbox.task names passed in, like its routes)
+    pub = InMemoryPublisher()
+    announced: list[ReconcileResult] = []
+    loop = RelayLoop(settings=built.settings, tables=tables, session_factory=sqlite_sessions, publisher=pub,
+                     clock=clock, routes={}, listen=False, idempotent_tasks=built.outbox.idempotent_tasks(),
+                     on_reconcile=announced.append)
+    try:
+        assert loop.reconcile_if_due() is not None and announced == []  # the first pass starts the watermarks
+        # When an @outbox.task it published is lost and the window passes
+        clock.advance(1_000)
+        [lost] = enqueue(built, sqlite_sessions, built.record, "lost")
+        assert loop.drain_once().published == 1
+        clock.advance(built.settings.relay_reconcile_after_ms + int(built.settings.relay_reconcile_interval_s * 1000))
+        result = loop.reconcile_if_due()
+        # Then it is sent again and handed to the callback (the CLI's sends it to Flower as an event)
+        assert result is not None and result.tasks == 1 and loop.stats.reconciled == 1
+        assert [(r.kind, r.message_id, r.target) for a in announced for r in a.resent] == [("task", lost, ia.RECORD)]
+    finally:
+        loop.close()
