@@ -25,6 +25,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,12 @@ class TakenMessage:
 
     @property
     def message_id(self) -> str:
-        """The outbox message id it carries (an event's header; a task's own id is its row's message id)."""
-        return str(self.headers.get("outbox_message_id") or self.headers.get("id"))
+        return _message_id(self.headers)
+
+
+def _message_id(headers: Mapping[str, Any]) -> str:
+    """The outbox message id a message carries (an event's header; a task's own id is its row's message id)."""
+    return str(headers.get("outbox_message_id") or headers.get("id"))
 
 
 def _headers(payload: Any) -> Mapping[str, Any]:
@@ -151,24 +156,35 @@ class RedisBroker:
         """Remove one ``wanted`` message from ``queue``'s lists (every priority level) with ``LREM``.
 
         ``LREM`` of the exact element is atomic: it returns 1 only if no worker's ``BRPOP`` took that
-        message first, so what is returned was never seen by a worker. None: no wanted message now.
+        message first, so what is returned was never seen by a worker. Only a message whose id appears
+        once in the queue and not in kombu's unacked hash is taken: a second copy (a relay killed
+        before its mark publishes a row twice) would bring it back without the reconciler. None: no
+        such message now.
         """
         import json
 
         import redis
 
+        def headers_of(raw: str, *, in_unacked: bool = False) -> Mapping[str, Any]:
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                return {}
+            if in_unacked:  # [message, exchange, routing key]
+                payload = payload[0] if isinstance(payload, list) and payload else {}
+            return _headers(payload)
+
         client = redis.Redis.from_url(self.url, socket_timeout=5, decode_responses=True)
         try:
             keys = [queue, *(f"{queue}\x06\x16{p}" for p in (3, 6, 9))]  # kombu's priority lists
-            for key in keys:
-                for item in client.lrange(key, 0, -1):
-                    raw = item if isinstance(item, str) else item.decode()
-                    try:
-                        headers = _headers(json.loads(raw))
-                    except ValueError:
-                        continue
-                    if wanted(headers) and client.lrem(key, 1, raw) == 1:
-                        return TakenMessage(queue=queue, headers=headers)
+            listed = [(key, str(raw)) for key in keys for raw in client.lrange(key, 0, -1)]
+            parsed = [(key, raw, headers_of(raw)) for key, raw in listed]
+            copies = Counter(_message_id(h) for _, _, h in parsed)
+            copies.update(_message_id(headers_of(str(raw), in_unacked=True))
+                          for raw in client.hvals("unacked"))
+            for key, raw, headers in parsed:
+                if copies[_message_id(headers)] == 1 and wanted(headers) and client.lrem(key, 1, raw) == 1:
+                    return TakenMessage(queue=queue, headers=headers)
             return None
         finally:
             client.close()
@@ -291,29 +307,39 @@ class RabbitBroker:
     def describe_take(self) -> str:
         return "basic_get + ack on a raw channel, never processed: a consumer that acked on receipt, then died"
 
-    def take_and_lose(self, *, queue: str, wanted: Wanted) -> TakenMessage | None:
-        """Take the next ready message of ``queue`` on a raw channel (``basic_get``) and, if ``wanted``,
-        acknowledge it without processing it; otherwise put it back (``basic_reject`` with requeue).
+    def take_and_lose(self, *, queue: str, wanted: Wanted, scan: int = 200) -> TakenMessage | None:
+        """Take the ready messages of ``queue`` on a raw channel (``basic_get``, up to ``scan``), acknowledge
+        one ``wanted`` message whose id none of the others carries, without processing it, and put the
+        others back (``basic_reject`` with requeue). A second copy (a relay killed before its mark
+        publishes a row twice) would bring it back without the reconciler.
 
         Acknowledged and dropped is the state a consumer that acks on receipt leaves when it is killed
-        before recording the message: the broker has nothing left to redeliver. None: nothing ready, or
-        the head of the queue is not wanted (yet).
+        before recording the message: the broker has nothing left to redeliver. None: nothing wanted
+        is ready now.
         """
         from kombu import Connection, Queue
 
         with Connection(self.upstream_url, connect_timeout=5) as conn:
             channel = conn.channel()
+            held = []
             try:
-                message = Queue(queue, channel=channel, no_declare=True).get(no_ack=False)
-                if message is None:
-                    return None
-                headers = dict(message.headers or {})
-                if wanted(headers):
-                    message.ack()
-                    return TakenMessage(queue=queue, headers=headers)
-                message.reject(requeue=True)
+                source = Queue(queue, channel=channel, no_declare=True)
+                for _ in range(scan):
+                    message = source.get(no_ack=False)
+                    if message is None:
+                        break
+                    held.append(message)
+                copies = Counter(_message_id(m.headers or {}) for m in held)
+                for message in held:
+                    headers = dict(message.headers or {})
+                    if copies[_message_id(headers)] == 1 and wanted(headers):
+                        message.ack()
+                        held.remove(message)
+                        return TakenMessage(queue=queue, headers=headers)
                 return None
             finally:
+                for message in held:
+                    message.reject(requeue=True)
                 channel.close()
 
     def close(self, *, namespace: str, queues: list[str]) -> None:

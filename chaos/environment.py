@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.messages import Envelope, TaskMessage, celery_task_message, encode_json, task_id, task_name
 from celery_outbox.schema import Tables, define_tables
 from celeryconfig import TASK_QUEUES, Settings
@@ -250,23 +251,25 @@ class ChaosEnvironment:
 
     def take_and_lose(self, delivery: str, *, exclude: Iterable[str] = ()) -> TakenMessage | None:
         """Remove from ``delivery``'s queue (a consumer, or ``email``) one message whose outbox row is
-        already marked published and whose message id is not in ``exclude``, before any worker took it:
-        the state a worker SIGKILLed between take and record leaves (chaos/broker.py). None if the
-        queue holds no such message right now."""
+        already marked published, that nobody has recorded and whose message id is not in ``exclude``,
+        before any worker took it: the state a worker SIGKILLed between take and record leaves
+        (chaos/broker.py). None if the queue holds no such message right now."""
         skip = set(exclude)
-        outbox = self.tables.outbox
+        outbox, inbox = self.tables.outbox, self.tables.inbox
+        tasks = {queue: task for task, queue in TASK_QUEUES.items()}
+        recorder = task_key(tasks[delivery]) if delivery in tasks else delivery
 
-        def published(headers: Mapping[str, Any]) -> bool:
+        def lose(headers: Mapping[str, Any]) -> bool:
             mid = str(headers.get("outbox_message_id") or headers.get("id") or "")
             try:
                 key = uuid.UUID(mid)
             except ValueError:
                 return False
-            if mid in skip:
-                return False
-            return self.count(outbox, outbox.message_id == key, outbox.published_at_ms.is_not(None)) == 1
+            return (mid not in skip
+                    and self.count(outbox, outbox.message_id == key, outbox.published_at_ms.is_not(None)) == 1
+                    and self.count(inbox, inbox.message_id == key, inbox.consumer == recorder) == 0)
 
-        return self.broker.take_and_lose(queue=self.settings.queue_name(delivery), wanted=published)
+        return self.broker.take_and_lose(queue=self.settings.queue_name(delivery), wanted=lose)
 
     def task_message(self, envelope: Envelope, consumer: str) -> TaskMessage:
         return celery_task_message(envelope, consumer=consumer, routing_key=self.settings.queue_name(consumer))

@@ -338,6 +338,9 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                 report.taken_and_lost.extend(lost)
                 if len(lost) == len(deliveries) or orders_done:
                     take_plan.popleft()
+                    if len(lost) < len(deliveries):
+                        report.unexpected_exits.append(f"take window: found nothing to lose on "
+                                                       f"{', '.join(sorted(set(deliveries) - {m.delivery for m in lost}))}")
                 say(f"take window: lost {', '.join(f'{m.delivery} {m.message_id}' for m in lost) or 'nothing'} "
                     f"({report.take_how})")
             if beat is not None and beat_plan and beat.alive() and frac >= beat_plan[0][0]:
@@ -472,7 +475,8 @@ def build_matrix(r: ChaosReport) -> list[MatrixRow]:
     add("worker killed between taking a message and recording it",
         f"{r.take_how} ({lost_kinds['e-mail task']} e-mail task(s), {lost_kinds['event']} event(s), "
         f"rows marked published)", len(r.taken_and_lost),
-        f"all {len(r.taken_and_lost)} recorded once after all; the reconciler re-sent {snap.reconciled} message(s)",
+        f"all {len(r.taken_and_lost)} recorded once after all; the reconciler re-sent {snap.reconciled} message(s) "
+        f"({snap.reconciled_tasks} e-mail task(s), {snap.reconciled_events} event deliveries)",
         violated(v, "taken and lost") + (
             [] if r.taken_and_lost else [invariants.Violation(invariant="taken and lost",
                                                               detail="nothing was lost: not provoked")]))

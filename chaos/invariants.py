@@ -36,7 +36,9 @@ ORDER_PLACED = "OrderPlaced"
 CONFIRMATION = NAME  # the confirmation e-mail task (orders/tasks.py)
 EMAIL = "email"
 CONFIRMATION_KEY = task_key(CONFIRMATION)  # the inbox ``consumer`` of the e-mail task
-RECONCILED = "reconciled"  # the relay's counter of re-sends (celery_outbox/relay/reconcile.py)
+RECONCILED = "reconciled"  # the relay's counters of re-sends (celery_outbox/relay/reconcile.py): all kinds,
+RECONCILED_EVENTS = "reconciled_events"  # (event, consumer) pairs,
+RECONCILED_TASKS = "reconciled_tasks"  # ``@outbox.task`` messages (the confirmation e-mail)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +58,9 @@ class Snapshot:
     effects: dict[str, int] = field(default_factory=dict)
     dead_letters: int = 0
     duplicates_absorbed: int = 0
-    reconciled: int = 0  # messages the reconciler published again
+    reconciled: int = 0  # messages the reconciler published again, all kinds
+    reconciled_events: int = 0  # of which (event, consumer) pairs
+    reconciled_tasks: int = 0  # of which @outbox.task messages
     oldest_pending_age_ms: int | None = None
 
 
@@ -110,10 +114,10 @@ def duplicates_absorbed(session: Session, *, tables: Tables) -> int:
     return int(sum(absorbed(session, tables).values()))
 
 
-def reconciled(session: Session, *, tables: Tables) -> int:
-    """How many (message, consumer or task) pairs the reconciler has published again, all passes."""
+def reconciled(session: Session, *, tables: Tables, name: str = RECONCILED) -> int:
+    """How many messages the reconciler has published again, all passes (``name``: all kinds, or one)."""
     value = session.execute(sa.select(tables.counters.value).where(
-        tables.counters.consumer == counters.RELAY, tables.counters.name == RECONCILED)).scalar_one_or_none()
+        tables.counters.consumer == counters.RELAY, tables.counters.name == name)).scalar_one_or_none()
     return int(value or 0)
 
 
@@ -175,6 +179,8 @@ def snapshot(session: Session, *, tables: Tables, consumers: Sequence[str], now_
     snap.dead_letters = session.execute(sa.select(sa.func.count()).select_from(tables.dead_letters)).scalar_one()
     snap.duplicates_absorbed = duplicates_absorbed(session, tables=tables)
     snap.reconciled = reconciled(session, tables=tables)
+    snap.reconciled_events = reconciled(session, tables=tables, name=RECONCILED_EVENTS)
+    snap.reconciled_tasks = reconciled(session, tables=tables, name=RECONCILED_TASKS)
     return snap
 
 

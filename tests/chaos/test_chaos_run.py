@@ -31,7 +31,7 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     # confirmation e-mail task and one event lost in the take window after their rows were marked
     # published; with beat, the relay runs as beat's tasks and beat is SIGKILLed twice
     report = run_chaos(orders=40, kills=6, broker=broker, seed=7, workdir=tmp_path / "run", timeout_s=150,
-                       relay=relay)
+                       relay=relay, progress=print)  # what it did, shown when the test fails
     # Then: every invariant holds (each lost message recorded once after all, one e-mail per committed
     # order, none for a rolled-back one) and the provocations really happened
     assert report.invariants is not None
@@ -40,9 +40,10 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     assert report.outage_s > 0 and report.second_relay_s > 0
     assert report.invariants.snapshot.dead_letters == report.poison == 2
     assert report.invariants.snapshot.duplicates_absorbed >= report.duplicates_injected > 0
-    lost = sorted(m.delivery for m in report.taken_and_lost)
-    assert len(lost) == 2 and lost[0] in report.invariants.snapshot.inbox_rows and lost[1] == invariants.EMAIL
-    assert report.invariants.snapshot.reconciled >= 1  # only a re-send brings such a message back
+    lost = [m.delivery for m in report.taken_and_lost]
+    assert len(lost) == 2 and lost[0] == invariants.EMAIL and lost[1] in report.invariants.snapshot.inbox_rows
+    # only a re-send by the reconciler brings such a message back (the run loses only single copies)
+    assert report.invariants.snapshot.reconciled_tasks >= 1 and report.invariants.snapshot.reconciled_events >= 1
     assert report.invariants.snapshot.effects[invariants.EMAIL] == report.invariants.snapshot.committed_orders
     assert report.beat_kills == report.beat_kills_planned == (2 if relay == "beat" else 0)
     rows = {row.failure: row for row in report.matrix}

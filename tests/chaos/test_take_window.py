@@ -59,3 +59,4 @@ def test_one_orders_four_messages_lost_after_publish_come_back_through_the_recon
     assert report.snapshot.effects == {d: 1 for d in env.deliveries}
     assert set(pairs) <= inbox
     assert report.snapshot.reconciled == len(env.deliveries) == 4
+    assert (report.snapshot.reconciled_events, report.snapshot.reconciled_tasks) == (3, 1)
