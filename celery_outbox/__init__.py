@@ -6,12 +6,14 @@ package starts nothing, connects to nothing and reads no environment.
 
 from __future__ import annotations
 
+from celery_outbox.cancel import Cancelled
 from celery_outbox.celery.config import celery_config as recommended_celery_config
 from celery_outbox.clock import Clock, ManualClock, SystemClock
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
 from celery_outbox.db import is_unique_violation, make_engine, wrap_driver_errors
 from celery_outbox.errors import (
+    AlreadyPublishedError,
     BrokerUnavailableError,
     ConfigError,
     DatabaseError,
@@ -40,7 +42,9 @@ from celery_outbox.sql import upsert
 from celery_outbox.writer import Event
 
 __all__ = [
+    "AlreadyPublishedError",
     "BrokerUnavailableError",
+    "Cancelled",
     "Clock",
     "ConfigError",
     "ConsumerRegistry",

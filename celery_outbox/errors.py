@@ -61,3 +61,7 @@ class NotFoundError(ValidationError):
 
 class TransactionRequiredError(OutboxError):
     """An outbox row was to be written outside a transaction (autocommit would publish rolled-back work)."""
+
+
+class AlreadyPublishedError(OutboxError):
+    """A cancel named a task the relay has already published: the outbox can no longer stop it."""

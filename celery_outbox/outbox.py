@@ -14,6 +14,7 @@ the settings (``OUTBOX_ROUTES``) may override them, but must name a known consum
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, overload
@@ -23,6 +24,8 @@ from celery import Celery, bootsteps
 from kombu import Exchange, Queue
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
+from celery_outbox.cancel import Cancelled
+from celery_outbox.cancel import cancel as cancel_row
 from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, receipts, relay_tasks
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
@@ -100,7 +103,7 @@ class Outbox:
 
     def include(self, spec: ConsumerSpec) -> ConsumerSpec:
         """Add a consumer built elsewhere (a package of consumers shared by several apps) as its task."""
-        spec.policy.resolve(self.settings)  # a policy the settings cannot honour fails here, not at delivery
+        spec.policy.resolve(self.settings, broker_url=self._app_broker_url())  # fails here, not at delivery
         self.registry.add(spec)
         self._add_queue(spec.name)
         self._tasks[spec.name] = consumer_tasks.define(self.app, self, spec)
@@ -193,10 +196,21 @@ class Outbox:
         with self.transaction(session):
             return signature.apply_async(**options)
 
+    def cancel(self, session: Session, task_id: str | uuid.UUID) -> Cancelled:
+        """Cancel a task (or event) still waiting in the outbox, in ``session``'s transaction: its row is
+        deleted when you commit, so it never runs, even with every worker down. A task the relay already
+        published raises ``AlreadyPublishedError`` (never silently ignored); an unknown id ``NotFoundError``.
+        See docs/scheduled.md."""
+        return cancel_row(session, task_id, tables=self.tables)
+
     def _install_enqueue(self) -> None:
         self._enqueue_interceptor = task_capture.install(self)
 
     # -- relay -----------------------------------------------------------------------------------
+    def _app_broker_url(self) -> str:
+        """The broker the settings or, when they name none, the Celery app name ('' when neither does)."""
+        return str(self.settings.broker_url or self.app.conf.broker_url or "")
+
     def broker_url(self) -> str:
         url = self.settings.broker_url or self.app.conf.broker_url or ""
         if not url:

@@ -53,13 +53,16 @@ class RetryPolicy:
                                or rm <= 0):
             raise ConfigError(f"retry_backoff_max must be a number of seconds > 0, got {rm!r}")
 
-    def resolve(self, settings: Settings) -> Backoff:
+    def resolve(self, settings: Settings, *, broker_url: str | None = None) -> Backoff:
+        """The backoff on ``settings``; ``broker_url`` (default: the settings') says whether Redis's
+        visibility timeout bounds the longest wait (it means nothing on RabbitMQ)."""
         base = float(settings.consumer_retry_backoff_s)
         if not isinstance(self.retry_backoff, bool):
             base = float(self.retry_backoff)
         max_s = float(self.retry_backoff_max if self.retry_backoff_max is not None
                       else settings.consumer_retry_backoff_max_s)
-        if max_s >= settings.broker_visibility_timeout_s:
+        on_redis = settings.kind_of_broker(settings.broker_url if broker_url is None else broker_url) == "redis"
+        if on_redis and max_s >= settings.broker_visibility_timeout_s:
             raise ConfigError(
                 f"retry_backoff_max ({max_s} s) must be below OUTBOX_BROKER_VISIBILITY_TIMEOUT_S "
                 f"({settings.broker_visibility_timeout_s} s): on Redis a retry waiting longer is delivered twice")

@@ -202,6 +202,9 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
         outbox=mapped("OutboxMessage", OutboxRow, "messages", (
             # Keeps the relay's query O(batch) however much published history the table holds.
             sa.Index(f"ix_{prefix}pending", "seq", postgresql_where=pending, sqlite_where=pending),
+            # The relay's claim: pending rows by due time, so rows held for later (a countdown, a backoff)
+            # are never read by a batch before they are due (docs/scheduled.md).
+            sa.Index(f"ix_{prefix}due", "next_attempt_at_ms", "seq", postgresql_where=pending, sqlite_where=pending),
             # Retention prunes published rows oldest first without scanning pending ones.
             sa.Index(f"ix_{prefix}published", "published_at_ms", postgresql_where=published,
                      sqlite_where=published),
@@ -225,5 +228,5 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
         counters=mapped("ConsumerCounter", CounterRow, "counters"),
         receipts=mapped("TaskReceipt", TaskReceiptRow, "task_receipts", (
             # Retention prunes receipts oldest first, as it prunes the inbox.
-            sa.Index(f"ix_{prefix}task_receipts_received", "received_at_ms"),)),
+            sa.Index(f"ix_{prefix}receipts_at", "received_at_ms"),)),
     )

@@ -435,9 +435,11 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "db_keepalives_count": IntRule(1, 127),  # Linux TCP_KEEPCNT maximum
     "consumer_time_limit_s": IntRule(1, 86_400),
     "metrics_port": IntRule(0, 65_535, zero="0 = off"),
-    # Celery tasks sent outside any bound transaction: refused (the default) or sent to the broker at once.
-    "enqueue_outside_transaction": ChoiceRule(("raise", "publish")),
+    # Celery tasks sent outside any bound transaction: a row committed on its own (the default), refused,
+    # or sent to the broker at once.
+    "enqueue_outside_transaction": ChoiceRule(("own_transaction", "raise", "publish")),
     "enqueue_exclude": TaskNamesRule(),  # task names never captured into the outbox
+    "enqueue_hold_eta_after_ms": IntRule(1, 365 * DAY_MS),
     "admin_token": TokenRule(),
     "crash_points": CrashPointsRule(),
 }
@@ -617,6 +619,9 @@ class Settings:
     # goes to the broker directly as plain Celery would; excluded task names are never captured.
     enqueue_outside_transaction: str = "raise"
     enqueue_exclude: tuple[str, ...] = ()
+    # A captured task whose eta (countdown) is further ahead than this stays an outbox row until due and is
+    # published then without an eta, so no worker holds it unacked (docs/scheduled.md).
+    enqueue_hold_eta_after_ms: int = 1_000
 
     metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
     admin_token: str = ""  # a secret: masked in repr/str and errors

@@ -5,6 +5,14 @@ for real (SIGKILL, so nothing gets a graceful flush) and restarted on the same p
 whatever it acknowledged must still be there. RabbitMQ: the shared server is never stopped, so the
 outage is a loopback TCP proxy we cut (every connection reset, the port refuses) and restore; every
 queue and exchange lives under the run's own namespace and is deleted at the end.
+
+Both also provoke the take-window loss (``take_and_lose``): a message published, its outbox row
+marked, then gone from the broker without any consumer having recorded it. On Redis that is exactly
+the state a worker SIGKILLed between kombu's take (``BRPOP``) and its unacked record leaves: the
+message is no longer in the queue list and not in the unacked set, so the broker never redelivers
+it. On RabbitMQ a worker killed there loses nothing (the broker requeues what a dead channel left
+unacked); the same state arises only when a channel acknowledges a message it never processed (an
+auto-ack consumer killed after the delivery, a task acked early), which is what we do.
 """
 
 from __future__ import annotations
@@ -17,13 +25,41 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from celery_outbox.errors import EmbeddedServerError
 from devtools.embedded import free_port
 
 SHARED_RABBITMQ_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+# Is this message (by its Celery headers) one to lose? Called with the headers of each candidate.
+Wanted = Callable[[Mapping[str, Any]], bool]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TakenMessage:
+    """A message ``take_and_lose`` removed from ``queue``: its Celery headers, never processed."""
+
+    queue: str
+    headers: Mapping[str, Any]
+
+    @property
+    def message_id(self) -> str:
+        return _message_id(self.headers)
+
+
+def _message_id(headers: Mapping[str, Any]) -> str:
+    """The outbox message id a message carries (an event's header; a task's own id is its row's message id)."""
+    return str(headers.get("outbox_message_id") or headers.get("id"))
+
+
+def _headers(payload: Any) -> Mapping[str, Any]:
+    headers = payload.get("headers") if isinstance(payload, Mapping) else None
+    return headers if isinstance(headers, Mapping) else {}
 
 
 class ChaosBroker(Protocol):
@@ -31,6 +67,10 @@ class ChaosBroker(Protocol):
 
     @property
     def url(self) -> str: ...
+
+    def take_and_lose(self, *, queue: str, wanted: Wanted) -> TakenMessage | None: ...
+
+    def describe_take(self) -> str: ...
 
     def start(self) -> None: ...
 
@@ -108,6 +148,46 @@ class RedisBroker:
 
     def describe_outage(self) -> str:
         return "own redis-server SIGKILLed and restarted on the same port (appendfsync always)"
+
+    def describe_take(self) -> str:
+        return "LREM from the queue list before any BRPOP: the state of a worker SIGKILLed between take and unacked record"
+
+    def take_and_lose(self, *, queue: str, wanted: Wanted) -> TakenMessage | None:
+        """Remove one ``wanted`` message from ``queue``'s lists (every priority level) with ``LREM``.
+
+        ``LREM`` of the exact element is atomic: it returns 1 only if no worker's ``BRPOP`` took that
+        message first, so what is returned was never seen by a worker. Only a message whose id appears
+        once in the queue and not in kombu's unacked hash is taken: a second copy (a relay killed
+        before its mark publishes a row twice) would bring it back without the reconciler. None: no
+        such message now.
+        """
+        import json
+
+        import redis
+
+        def headers_of(raw: str, *, in_unacked: bool = False) -> Mapping[str, Any]:
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                return {}
+            if in_unacked:  # [message, exchange, routing key]
+                payload = payload[0] if isinstance(payload, list) and payload else {}
+            return _headers(payload)
+
+        client = redis.Redis.from_url(self.url, socket_timeout=5, decode_responses=True)
+        try:
+            keys = [queue, *(f"{queue}\x06\x16{p}" for p in (3, 6, 9))]  # kombu's priority lists
+            listed = [(key, str(raw)) for key in keys for raw in client.lrange(key, 0, -1)]
+            parsed = [(key, raw, headers_of(raw)) for key, raw in listed]
+            copies = Counter(_message_id(h) for _, _, h in parsed)
+            copies.update(_message_id(headers_of(str(raw), in_unacked=True))
+                          for raw in client.hvals("unacked"))
+            for key, raw, headers in parsed:
+                if copies[_message_id(headers)] == 1 and wanted(headers) and client.lrem(key, 1, raw) == 1:
+                    return TakenMessage(queue=queue, headers=headers)
+            return None
+        finally:
+            client.close()
 
     def close(self, *, namespace: str, queues: list[str]) -> None:
         self.kill()
@@ -223,6 +303,44 @@ class RabbitBroker:
 
     def describe_outage(self) -> str:
         return "loopback TCP proxy to the shared RabbitMQ cut (connections reset, port closed) and restored"
+
+    def describe_take(self) -> str:
+        return "basic_get + ack on a raw channel, never processed: a consumer that acked on receipt, then died"
+
+    def take_and_lose(self, *, queue: str, wanted: Wanted, scan: int = 200) -> TakenMessage | None:
+        """Take the ready messages of ``queue`` on a raw channel (``basic_get``, up to ``scan``), acknowledge
+        one ``wanted`` message whose id none of the others carries, without processing it, and put the
+        others back (``basic_reject`` with requeue). A second copy (a relay killed before its mark
+        publishes a row twice) would bring it back without the reconciler.
+
+        Acknowledged and dropped is the state a consumer that acks on receipt leaves when it is killed
+        before recording the message: the broker has nothing left to redeliver. None: nothing wanted
+        is ready now.
+        """
+        from kombu import Connection, Queue
+
+        with Connection(self.upstream_url, connect_timeout=5) as conn:
+            channel = conn.channel()
+            held = []
+            try:
+                source = Queue(queue, channel=channel, no_declare=True)
+                for _ in range(scan):
+                    message = source.get(no_ack=False)
+                    if message is None:
+                        break
+                    held.append(message)
+                copies = Counter(_message_id(m.headers or {}) for m in held)
+                for message in held:
+                    headers = dict(message.headers or {})
+                    if copies[_message_id(headers)] == 1 and wanted(headers):
+                        message.ack()
+                        held.remove(message)
+                        return TakenMessage(queue=queue, headers=headers)
+                return None
+            finally:
+                for message in held:
+                    message.reject(requeue=True)
+                channel.close()
 
     def close(self, *, namespace: str, queues: list[str]) -> None:
         """Delete this run's queues and exchanges on the real server, then stop the proxy."""

@@ -19,11 +19,12 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.messages import Envelope, TaskMessage, celery_task_message, encode_json, task_id, task_name
 from celery_outbox.schema import Tables, define_tables
 from celeryconfig import TASK_QUEUES, Settings
-from chaos.broker import RabbitBroker, RedisBroker, make_broker
-from chaos.processes import ManagedProcess, ProcessGroup, orders_argv, relay_argv, worker_argv
+from chaos.broker import RabbitBroker, RedisBroker, TakenMessage, make_broker
+from chaos.processes import ManagedProcess, ProcessGroup, beat_argv, orders_argv, relay_argv, worker_argv
 from devtools.processes import wait_until
 from orders import migrate
 
@@ -45,6 +46,11 @@ CHAOS_ENV: dict[str, str] = {
     "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "2",
     "OUTBOX_BROKER_VISIBILITY_TIMEOUT_S": "10",  # see celery_outbox.celery.config.redis_transport_options
     "OUTBOX_CONSUMER_TIME_LIMIT_S": "8",  # below the visibility timeout (Settings enforces it)
+    # The reconciler re-sends what no consumer recorded 12 s after its publish (above the visibility
+    # timeout, so Redis redelivers a killed worker's unacked message first), checking every second:
+    # a message lost in the take window comes back within the run, not 10 minutes later.
+    "OUTBOX_RELAY_RECONCILE_AFTER_MS": "12000",
+    "OUTBOX_RELAY_RECONCILE_INTERVAL_S": "1",
 }
 
 
@@ -170,6 +176,20 @@ class ChaosEnvironment:
         return self.processes.add(ManagedProcess(name=name, argv=argv, env=self.env,
                                                  log_dir=self.workdir / "logs", cwd=REPO))
 
+    def relay_worker(self, name: str = "relay") -> ManagedProcess:
+        """A ``celery worker`` of the relay queue only: the relay as beat drives it (drain and reconcile
+        tasks). Solo pool, so a relay crash point reached in a drain kills the whole process."""
+        argv = worker_argv(queues=[f"{self.namespace}.relay"], pool="solo", concurrency=1,
+                           hostname=f"{name}-{self.namespace}")
+        return self.processes.add(ManagedProcess(name=name, argv=argv, env=self.env,
+                                                 log_dir=self.workdir / "logs", cwd=REPO))
+
+    def beat(self, name: str = "beat") -> ManagedProcess:
+        """A real ``celery beat`` of the deployment: schedules drain, reconcile and retention."""
+        argv = beat_argv(schedule=self.workdir / "home" / f"{name}-schedule")
+        return self.processes.add(ManagedProcess(name=name, argv=argv, env=self.env,
+                                                 log_dir=self.workdir / "logs", cwd=REPO))
+
     def orders(self, plan: Sequence[Mapping[str, Any]], *, name: str = "orders",
                interval_ms: int = 0) -> ManagedProcess:
         self._plans += 1
@@ -228,6 +248,28 @@ class ChaosEnvironment:
                 _, count, _ = Queue(self.settings.queue_name(c), channel=channel).queue_declare()
                 depths[c] = int(count)
         return depths
+
+    def take_and_lose(self, delivery: str, *, exclude: Iterable[str] = ()) -> TakenMessage | None:
+        """Remove from ``delivery``'s queue (a consumer, or ``email``) one message whose outbox row is
+        already marked published, that nobody has recorded and whose message id is not in ``exclude``,
+        before any worker took it: the state a worker SIGKILLed between take and record leaves
+        (chaos/broker.py). None if the queue holds no such message right now."""
+        skip = set(exclude)
+        outbox, inbox = self.tables.outbox, self.tables.inbox
+        tasks = {queue: task for task, queue in TASK_QUEUES.items()}
+        recorder = task_key(tasks[delivery]) if delivery in tasks else delivery
+
+        def lose(headers: Mapping[str, Any]) -> bool:
+            mid = str(headers.get("outbox_message_id") or headers.get("id") or "")
+            try:
+                key = uuid.UUID(mid)
+            except ValueError:
+                return False
+            return (mid not in skip
+                    and self.count(outbox, outbox.message_id == key, outbox.published_at_ms.is_not(None)) == 1
+                    and self.count(inbox, inbox.message_id == key, inbox.consumer == recorder) == 0)
+
+        return self.broker.take_and_lose(queue=self.settings.queue_name(delivery), wanted=lose)
 
     def task_message(self, envelope: Envelope, consumer: str) -> TaskMessage:
         return celery_task_message(envelope, consumer=consumer, routing_key=self.settings.queue_name(consumer))

@@ -3,10 +3,24 @@
 Against a Postgres database of its own and a real broker it runs the order writer, a relay and two
 workers as subprocesses; arms them with crash points from a seeded kill plan and, each time one dies
 by SIGKILL, restarts it armed with the next; takes the broker away once mid-run and brings it back;
-runs a second relay for a while; injects poison messages and duplicate deliveries; waits for
-quiescence; and checks chaos/invariants.py. The same seed gives the same plan (which orders fail,
-which crash points in which order, which consumers get poison); process timing is real, so what
-each kill hits varies, and the invariants must hold whatever it hits.
+runs a second relay for a while; injects poison messages and duplicate deliveries; loses messages
+in the take window (below); waits for quiescence; and checks chaos/invariants.py. The same seed
+gives the same plan (which orders fail, which crash points in which order, which consumers get
+poison, when beat dies); process timing is real, so what each kill hits varies, and the invariants
+must hold whatever it hits.
+
+The relay runs in one of the deployment's two shapes: ``standalone`` (``outbox relay`` processes) or
+``beat`` (``celery beat`` schedules the drain and reconcile tasks, ``celery worker`` processes of the
+relay queue run them). With beat, beat itself is SIGKILLed at random moments and restarted.
+
+The take window: kombu's Redis transport takes a message (``BRPOP``) before it records it as unacked,
+so a worker SIGKILLed between the two loses it for good on the broker's side, after its row was
+marked published. A kill almost never lands in that microsecond window, so the run provokes the
+state it leaves instead, deterministically: with the consumer workers frozen (SIGSTOP), it removes a
+just-published message whose row is marked from the ``<ns>.email`` queue (the confirmation e-mail
+task) and from one consumer's queue, before any worker took it (chaos/broker.py; on RabbitMQ, where
+such a kill loses nothing, a message acknowledged and never processed). Only the reconciler can bring
+these back; the invariant "taken and lost: re-sent and recorded" checks that it did.
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ import sqlalchemy as sa
 from chaos import invariants
 from chaos.environment import PG_ADMIN_URL, ChaosEnvironment
 from chaos.matrix import MatrixRow, verdict, violated
-from chaos.processes import ManagedProcess
+from chaos.processes import ManagedProcess, frozen
 from orders.models import Order
 
 ROLE_POINTS: dict[str, tuple[str, ...]] = {
@@ -36,7 +50,23 @@ ROLE_POINTS: dict[str, tuple[str, ...]] = {
     "orders": ("after_order_commit",),
 }
 
+RELAY_MODES = ("standalone", "beat")
+TAKE_WAIT_S = 10.0  # how long one take-window round waits for a message to lose (workers frozen)
+
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LostMessage:
+    """A message the run removed from the broker in the take window (``delivery``: a consumer or ``email``)."""
+
+    delivery: str
+    message_id: str
+
+    @property
+    def inbox_consumer(self) -> str:
+        """Who records it in the inbox: the consumer, or the e-mail task's ``task:<name>`` key."""
+        return invariants.CONFIRMATION_KEY if self.delivery == invariants.EMAIL else self.delivery
 
 
 @dataclass(kw_only=True)
@@ -51,6 +81,12 @@ class ChaosReport:
     rolled_back: int = 0
     poison: int = 0
     duplicates_injected: int = 0
+    relay_mode: str = "standalone"
+    taken_and_lost: list[LostMessage] = field(default_factory=list)
+    take_rounds: int = 0  # rounds planned: each loses one e-mail task and one event
+    take_how: str = ""
+    beat_kills: int = 0  # SIGKILLs of beat at random moments (beat mode)
+    beat_kills_planned: int = 0
     outage: str = ""
     outage_s: float = 0.0
     outage_peak_pending: int = 0
@@ -80,6 +116,41 @@ def plan_kills(kills: int, rng: random.Random) -> dict[str, deque[str]]:
     return queues
 
 
+def plan_fractions(n: int, rng: random.Random, *, lo: float, hi: float) -> list[float]:
+    """``n`` moments of the order stream (fractions of it), one drawn in each of ``n`` equal slices of
+    [lo, hi): spread over the run however many there are."""
+    width = (hi - lo) / max(n, 1)
+    return [lo + width * (i + rng.random()) for i in range(n)]
+
+
+def plan_takes(n: int, rng: random.Random) -> list[float]:
+    """When the ``n`` take-window rounds happen: the first half before the broker outage (which begins
+    at half the stream), the rest after it, so each finds the broker up and traffic flowing."""
+    first = (n + 1) // 2
+    return plan_fractions(first, rng, lo=0.1, hi=0.45) + plan_fractions(n - first, rng, lo=0.55, hi=0.9)
+
+
+def lose_in_take_window(env: ChaosEnvironment, *, workers: Sequence[ManagedProcess], deliveries: Sequence[str],
+                        exclude: set[str], wait_s: float = TAKE_WAIT_S) -> list[LostMessage]:
+    """Freeze the consumer workers and remove one published message of each of ``deliveries`` from the
+    broker (``ChaosEnvironment.take_and_lose``), not one of ``exclude``; thaw them. Returns what was lost
+    (fewer than asked if a queue got nothing to take within ``wait_s``)."""
+    lost: list[LostMessage] = []
+    remaining = list(deliveries)
+    with frozen(workers):
+        deadline = time.monotonic() + wait_s
+        while remaining and time.monotonic() < deadline:
+            for delivery in list(remaining):
+                taken = env.take_and_lose(delivery, exclude=exclude)
+                if taken is not None:
+                    lost.append(LostMessage(delivery=delivery, message_id=taken.message_id))
+                    exclude.add(taken.message_id)
+                    remaining.remove(delivery)
+            if remaining:
+                time.sleep(0.1)
+    return lost
+
+
 def quiet_outage(env: ChaosEnvironment, *, relays: Sequence[ManagedProcess], settle_s: float = 10.0) -> None:
     """Take the broker down. On Redis, first freeze the relays (SIGSTOP) and let the consumer queues
     empty: kombu's Redis transport pops a message before it records it as unacked, so a Redis server
@@ -107,12 +178,24 @@ def quiet_outage(env: ChaosEnvironment, *, relays: Sequence[ManagedProcess], set
 def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed: int = 0,
               workdir: Path | None = None, pg_admin_url: str = PG_ADMIN_URL, poison: int = 2,
               duplicates: int = 5, outage_s: float = 3.0, timeout_s: float = 180.0,
+              relay: str = "standalone", takes: int | None = None, beat_kills: int | None = None,
               progress: Progress | None = None) -> ChaosReport:
-    """Run the chaos scenario (see the module docstring) and return what was provoked and seen."""
+    """Run the chaos scenario (see the module docstring) and return what was provoked and seen.
+
+    ``relay``: ``standalone`` or ``beat`` (module docstring). ``takes``: take-window rounds, each losing
+    one e-mail task and one event (default one per 100 orders, at least one). ``beat_kills``: SIGKILLs
+    of beat in beat mode (default a quarter of ``kills``, at least two)."""
+    if relay not in RELAY_MODES:
+        from celery_outbox.errors import ConfigError
+
+        raise ConfigError(f"relay must be one of {', '.join(RELAY_MODES)}, got {relay!r}")
     say = progress or (lambda _msg: None)
     rng = random.Random(seed)
+    # The take window and beat's deaths draw from their own generator: the rest of a seed's plan is
+    # the same as before they existed.
+    extra_rng = random.Random(f"take-window-and-beat:{seed}")
     started = time.monotonic()
-    report = ChaosReport(broker=broker, seed=seed, orders=orders, kills_requested=kills)
+    report = ChaosReport(broker=broker, seed=seed, orders=orders, kills_requested=kills, relay_mode=relay)
     rollback_idx = set(rng.sample(range(orders), max(1, orders // 10))) if orders > 1 else set()
     plan = [{"order_id": f"s{seed}-{i}", "rollback": i in rollback_idx} for i in range(orders)]
     rolled_back = [str(p["order_id"]) for p in plan if p["rollback"]]
@@ -122,23 +205,39 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
     poison_consumers = [rng.choice(("shipping", "billing", "search")) for _ in range(poison)]
     longest = max((len(q) for q in kill_plan.values()), default=0)
     interval_ms = max(10, int(1000 * (4 + 2.5 * longest) / max(orders, 1)))
+    report.take_rounds = max(1, orders // 100) if takes is None else takes
+    take_plan = deque(plan_takes(report.take_rounds, extra_rng))
+    report.beat_kills_planned = 0 if relay != "beat" else (max(2, kills // 4) if beat_kills is None else beat_kills)
+    beat_plan = deque((frac, extra_rng.uniform(0.2, 2.0))  # (when, how long beat stays dead)
+                      for frac in plan_fractions(report.beat_kills_planned, extra_rng, lo=0.05, hi=0.95))
     base = workdir or Path(tempfile.mkdtemp(prefix="outbox-chaos-"))
     report.workdir = str(base)
 
     with ChaosEnvironment(broker=broker, workdir=base) as env:
         report.outage = env.broker.describe_outage()
+        report.take_how = env.broker.describe_take()
+        beat: ManagedProcess | None = None
+        if relay == "beat":
+            relay1, relay2, beat = env.relay_worker("relay"), env.relay_worker("relay-2"), env.beat("beat")
+        else:
+            relay1, relay2 = env.relay("relay"), env.relay("relay-2")
         roles: dict[str, ManagedProcess] = {
-            "relay": env.relay("relay"),
+            "relay": relay1,
             "worker": env.worker("worker-1"),
             "orders": env.orders(plan, interval_ms=interval_ms),
         }
         helpers = {"worker-2": env.worker("worker-2")}
-        relay2 = env.relay("relay-2")
-        say(f"database {env.db_name}, namespace {env.namespace}, broker {env.broker.url}, logs {base / 'logs'}")
+        workers = [roles["worker"], helpers["worker-2"]]
+        say(f"database {env.db_name}, namespace {env.namespace}, broker {env.broker.url}, relay {relay}, "
+            f"logs {base / 'logs'}")
         for name, proc in roles.items():
             proc.start(crash_points=kill_plan[name].popleft() if kill_plan[name] else "")
         for proc in helpers.values():
             proc.start()
+        if beat is not None:
+            beat.start()
+        beat_back_at: float | None = None
+        touched: set[str] = set()  # message ids re-published or duplicated: never lost too, and vice versa
         injected_poison = [env.poison(consumer=c) for c in poison_consumers]
         report.poison = len(injected_poison)
         say(f"injected {len(injected_poison)} poison message(s) into {', '.join(poison_consumers) or '-'}")
@@ -177,6 +276,13 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                 if proc.proc is not None and not proc.alive():
                     report.unexpected_exits.append(f"{proc.name} exited {proc.reap()}")
                     proc.start()
+            if beat is not None:
+                if beat.proc is not None and not beat.alive():
+                    report.unexpected_exits.append(f"{beat.name} exited {beat.reap()}")
+                    beat.start()
+                elif beat.proc is None and beat_back_at is not None and time.monotonic() >= beat_back_at:
+                    beat.start()
+                    beat_back_at = None
 
             # 2. sample the backlog (the "slow consumer" row's alert signals)
             outbox = env.tables.outbox
@@ -202,22 +308,49 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                 relay2_done = True
                 say(f"second relay stopped after {report.second_relay_s:.1f}s")
             if not dup_done and frac >= 0.4:
+                lost_ids = {m.message_id for m in report.taken_and_lost}
                 with env.sessions() as s:
-                    published = s.execute(sa.select(outbox.seq, outbox.type).where(
-                        outbox.published_at_ms.is_not(None))).all()
-                events = [seq for seq, kind in published if kind == invariants.ORDER_PLACED]
-                tasks = [seq for seq, kind in published if kind == invariants.CONFIRMATION]
+                    published = [(seq, kind, str(mid)) for seq, kind, mid in s.execute(
+                        sa.select(outbox.seq, outbox.type, outbox.message_id).where(
+                            outbox.published_at_ms.is_not(None))).all()]
+                published = [row for row in published if row[2] not in lost_ids]
+                events = [seq for seq, kind, _ in published if kind == invariants.ORDER_PLACED]
+                tasks = [seq for seq, kind, _ in published if kind == invariants.CONFIRMATION]
                 if events:
                     # an OrderPlaced row re-published reaches every consumer; an e-mail task row, its one task
-                    repended = env.repend(rng.sample(events, min(duplicates, len(events))))
-                    repended_tasks = env.repend(rng.sample(tasks, min(duplicates, len(tasks))))
-                    extra = env.duplicate(rng.choice(events), copies=1)
+                    chosen_events = rng.sample(events, min(duplicates, len(events)))
+                    chosen_tasks = rng.sample(tasks, min(duplicates, len(tasks)))
+                    doubled = rng.choice(events)
+                    picked = {*chosen_events, *chosen_tasks, doubled}
+                    touched.update(mid for seq, _, mid in published if seq in picked)
+                    repended = env.repend(chosen_events)
+                    repended_tasks = env.repend(chosen_tasks)
+                    extra = env.duplicate(doubled, copies=1)
                     report.duplicates_injected = repended * len(env.consumers) + repended_tasks + extra
                     dup_done = True
                     say(f"injected {report.duplicates_injected} duplicate deliveries ({repended} events and "
                         f"{repended_tasks} e-mail tasks re-published, 1 event sent twice at once)")
+            broker_up = outage_at is None or outage_done
+            if take_plan and broker_up and (frac >= take_plan[0] or orders_done):
+                deliveries = [invariants.EMAIL, extra_rng.choice(env.consumers)]
+                lost = lose_in_take_window(env, workers=workers, deliveries=deliveries,
+                                           exclude={*touched, *(m.message_id for m in report.taken_and_lost)})
+                report.taken_and_lost.extend(lost)
+                if len(lost) == len(deliveries) or orders_done:
+                    take_plan.popleft()
+                    if len(lost) < len(deliveries):
+                        report.unexpected_exits.append(f"take window: found nothing to lose on "
+                                                       f"{', '.join(sorted(set(deliveries) - {m.delivery for m in lost}))}")
+                say(f"take window: lost {', '.join(f'{m.delivery} {m.message_id}' for m in lost) or 'nothing'} "
+                    f"({report.take_how})")
+            if beat is not None and beat_plan and beat.alive() and frac >= beat_plan[0][0]:
+                _, down_s = beat_plan.popleft()
+                beat.kill()
+                report.beat_kills += 1
+                beat_back_at = time.monotonic() + down_s
+                say(f"beat SIGKILLed (back in {down_s:.1f}s)")
             if outage_at is None and frac >= 0.5:
-                quiet_outage(env, relays=[roles["relay"], relay2])
+                quiet_outage(env, relays=[p for p in (roles["relay"], relay2, beat) if p is not None])
                 outage_at = time.monotonic()
                 say(f"broker outage begins: {report.outage}")
             if outage_at is not None and not outage_done:
@@ -229,7 +362,7 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                     say(f"broker back after {report.outage_s:.1f}s")
 
             # 4. done provoking? the stream is over and every kill fired (or had its chance)
-            if orders_done and outage_done and dup_done and relay2_done:
+            if orders_done and outage_done and dup_done and relay2_done and not take_plan and not beat_plan:
                 if all(not q for q in kill_plan.values()) and all(not p.armed for p in roles.values()
                                                                    if p.name != "orders"):
                     break
@@ -252,6 +385,13 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
             report.armed_not_reached.extend(kill_plan[name])
         if roles["orders"].alive():
             roles["orders"].wait_exit(timeout_s=60)
+        if beat is not None and not beat.alive():
+            beat.reap()
+            beat.start()
+        if take_plan:
+            report.unexpected_exits.append(f"take window: {len(take_plan)} round(s) found nothing to lose")
+        if beat_plan:
+            report.unexpected_exits.append(f"beat: {len(beat_plan)} planned SIGKILL(s) never happened")
 
         poison_set = list(injected_poison)
         min_dups = report.duplicates_injected
@@ -265,7 +405,7 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
         say("waiting for quiescence")
         deadline = time.monotonic() + max(60.0, timeout_s - (time.monotonic() - started))
         while time.monotonic() < deadline and not done():
-            for proc in (*roles.values(), *helpers.values()):
+            for proc in (*roles.values(), *helpers.values(), *([beat] if beat is not None else [])):
                 if proc.name != "orders" and proc.proc is not None and not proc.alive():
                     report.unexpected_exits.append(f"{proc.name} exited {proc.reap()} while settling")
                     proc.start()
@@ -275,7 +415,8 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
         with env.sessions() as s:
             report.invariants = invariants.check(s, tables=env.tables, consumers=env.consumers, rolled_back=rolled_back,
                                                  poison=poison_set, min_duplicates=min_dups,
-                                                 now_ms=int(time.time() * 1000))
+                                                 now_ms=int(time.time() * 1000),
+                                                 lost=[(m.inbox_consumer, m.message_id) for m in report.taken_and_lost])
         report.matrix = build_matrix(report)
         report.duration_s = time.monotonic() - started
         if not report.ok:
@@ -330,4 +471,25 @@ def build_matrix(r: ChaosReport) -> list[MatrixRow]:
     add("slow consumer, fast relay", "backlog sampled every 0.2s during the run", 1,
         f"peak {r.peak_pending} pending rows, oldest pending age peaked at {r.peak_oldest_pending_age_ms} ms "
         "(the alert signals)", [])
+    lost_kinds = Counter("e-mail task" if m.delivery == invariants.EMAIL else "event" for m in r.taken_and_lost)
+    add("worker killed between taking a message and recording it",
+        f"{r.take_how} ({lost_kinds['e-mail task']} e-mail task(s), {lost_kinds['event']} event(s), "
+        f"rows marked published)", len(r.taken_and_lost),
+        f"all {len(r.taken_and_lost)} recorded once after all; the reconciler re-sent {snap.reconciled} message(s) "
+        f"({snap.reconciled_tasks} e-mail task(s), {snap.reconciled_events} event deliveries)",
+        violated(v, "taken and lost") + (
+            [] if r.taken_and_lost else [invariants.Violation(invariant="taken and lost",
+                                                              detail="nothing was lost: not provoked")]))
+    if r.relay_mode == "beat":
+        add("beat killed (the relay driven by beat)",
+            "SIGKILL `celery beat` at random moments, restarted 0.2-2 s later; relay-queue workers run its "
+            "drain and reconcile tasks", r.beat_kills,
+            f"{r.beat_kills} beat death(s); the drains resumed, {snap.pending} pending at the end",
+            violated(v, "relay drained") + effects_bad)
+    add("the confirmation e-mail (an `@outbox.task`) through all of the above",
+        "enqueued with each order in its transaction; every provocation above hits its path too",
+        snap.committed_orders,
+        f"{snap.effects.get(invariants.EMAIL, 0)} e-mail(s) for {snap.committed_orders} committed order(s), none "
+        f"for the {r.rolled_back} rolled back",
+        violated(v, f"{invariants.EMAIL}:", "e-mail task"))
     return rows

@@ -8,7 +8,10 @@
    the e-mail task: one inbox row per task and exactly one confirmation e-mail per order (distinct
    provider keys, however often the provider was called);
 4. dead letters are exactly the injected poison (by consumer and message id), nothing else;
-5. duplicates: the inbox absorbed at least the duplicates the run injected (counted, reported).
+5. duplicates: the inbox absorbed at least the duplicates the run injected (counted, reported);
+6. taken and lost: every message the run removed from the broker after its row was marked published
+   (the take window, chaos/broker.py) was recorded by its consumer or task all the same, which only a
+   re-send by the reconciler can do (the count of re-sends is in the snapshot).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from celery_outbox import counters
 from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.schema import Tables
 from consumers.models import Invoice, SearchDocument, SentEmail, Shipment
@@ -32,6 +36,9 @@ ORDER_PLACED = "OrderPlaced"
 CONFIRMATION = NAME  # the confirmation e-mail task (orders/tasks.py)
 EMAIL = "email"
 CONFIRMATION_KEY = task_key(CONFIRMATION)  # the inbox ``consumer`` of the e-mail task
+RECONCILED = "reconciled"  # the relay's counters of re-sends (celery_outbox/relay/reconcile.py): all kinds,
+RECONCILED_EVENTS = "reconciled_events"  # (event, consumer) pairs,
+RECONCILED_TASKS = "reconciled_tasks"  # ``@outbox.task`` messages (the confirmation e-mail)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +58,9 @@ class Snapshot:
     effects: dict[str, int] = field(default_factory=dict)
     dead_letters: int = 0
     duplicates_absorbed: int = 0
+    reconciled: int = 0  # messages the reconciler published again, all kinds
+    reconciled_events: int = 0  # of which (event, consumer) pairs
+    reconciled_tasks: int = 0  # of which @outbox.task messages
     oldest_pending_age_ms: int | None = None
 
 
@@ -102,6 +112,13 @@ def duplicates_absorbed(session: Session, *, tables: Tables) -> int:
     from consumers.effects import duplicates_absorbed as absorbed
 
     return int(sum(absorbed(session, tables).values()))
+
+
+def reconciled(session: Session, *, tables: Tables, name: str = RECONCILED) -> int:
+    """How many messages the reconciler has published again, all passes (``name``: all kinds, or one)."""
+    value = session.execute(sa.select(tables.counters.value).where(
+        tables.counters.consumer == counters.RELAY, tables.counters.name == name)).scalar_one_or_none()
+    return int(value or 0)
 
 
 def order_message_ids(session: Session, *, tables: Tables) -> dict[uuid.UUID, str]:
@@ -161,6 +178,9 @@ def snapshot(session: Session, *, tables: Tables, consumers: Sequence[str], now_
     snap.effects = {c: int(sum(counts.get(c, Counter()).values())) for c in (*consumers, EMAIL)}
     snap.dead_letters = session.execute(sa.select(sa.func.count()).select_from(tables.dead_letters)).scalar_one()
     snap.duplicates_absorbed = duplicates_absorbed(session, tables=tables)
+    snap.reconciled = reconciled(session, tables=tables)
+    snap.reconciled_events = reconciled(session, tables=tables, name=RECONCILED_EVENTS)
+    snap.reconciled_tasks = reconciled(session, tables=tables, name=RECONCILED_TASKS)
     return snap
 
 
@@ -171,8 +191,11 @@ def _sample(items: Iterable[Any], n: int = 5) -> str:
 
 
 def check(session: Session, *, tables: Tables, consumers: Sequence[str], rolled_back: Iterable[str],
-          poison: Iterable[tuple[str, str]], min_duplicates: int = 0, now_ms: int = 0) -> InvariantReport:
-    """Every invariant of the module docstring; ``poison`` is the injected (consumer, message_id) set."""
+          poison: Iterable[tuple[str, str]], min_duplicates: int = 0, now_ms: int = 0,
+          lost: Iterable[tuple[str, str]] = ()) -> InvariantReport:
+    """Every invariant of the module docstring; ``poison`` is the injected (consumer, message_id) set,
+    ``lost`` the (inbox consumer, message_id) pairs taken from the broker and dropped (the e-mail
+    task's inbox consumer is ``CONFIRMATION_KEY``)."""
     snap = snapshot(session, tables=tables, consumers=consumers, now_ms=now_ms)
     report = InvariantReport(snapshot=snap)
     v = report.violations
@@ -252,6 +275,20 @@ def check(session: Session, *, tables: Tables, consumers: Sequence[str], rolled_
     if ghosts:
         v.append(Violation(invariant=f"{EMAIL}: no effect without a committed order",
                            detail=f"e-mails for {len(ghosts)} unknown/rolled-back order(s): {_sample(ghosts)}"))
+
+    lost_pairs = set(lost)
+    if lost_pairs:
+        recorded = {(c, str(m)) for c, m in session.execute(
+            sa.select(tables.inbox.consumer, tables.inbox.message_id)
+            .where(tables.inbox.message_id.in_([uuid.UUID(m) for _, m in lost_pairs]))).all()}
+        never = lost_pairs - recorded
+        if never:
+            by_kind = Counter(EMAIL if c == CONFIRMATION_KEY else "event" for c, _ in never)
+            v.append(Violation(invariant="taken and lost: re-sent and recorded",
+                               detail=f"{len(never)} message(s) lost in the take window never came back "
+                                      f"({', '.join(f'{n} {k}' for k, n in sorted(by_kind.items()))}; the "
+                                      f"reconciler re-sent {snap.reconciled} in all): "
+                                      f"{_sample(f'{c}/{m}' for c, m in never)}"))
 
     dead = Counter((c, m) for c, m in session.execute(
         sa.select(tables.dead_letters.consumer, tables.dead_letters.message_id)).all())

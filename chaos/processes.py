@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +92,23 @@ class ManagedProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
 
+    def freeze(self) -> bool:
+        """SIGSTOP the incarnation's whole process group (it holds whatever it was doing); False if
+        nothing runs. ``thaw`` resumes it."""
+        return self._signal_group(signal.SIGSTOP)
+
+    def thaw(self) -> bool:
+        return self._signal_group(signal.SIGCONT)
+
+    def _signal_group(self, sig: int) -> bool:
+        if not self.alive() or self.proc is None:
+            return False
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
     def kill(self) -> None:
         """SIGKILL the incarnation and its children (prefork pool) at whatever it was doing."""
         if self.proc is None:
@@ -139,8 +156,23 @@ def worker_argv(*, queues: Sequence[str], pool: str = "solo", concurrency: int =
             "-n", f"{hostname}@%h", "--loglevel", "INFO"]
 
 
+def beat_argv(*, schedule: Path, app: str = "relay.app") -> list[str]:
+    return [str(BIN / "celery"), "-A", app, "beat", "-s", str(schedule), "--loglevel", "INFO"]
+
+
 def orders_argv(*, plan: Path, interval_ms: int) -> list[str]:
     return [sys.executable, "-m", "chaos.load", "--plan", str(plan), "--interval-ms", str(interval_ms)]
+
+
+@contextlib.contextmanager
+def frozen(procs: Iterable[ManagedProcess]) -> Iterator[list[ManagedProcess]]:
+    """SIGSTOP ``procs`` (those alive) for the duration of the block, SIGCONT them after, whatever happens."""
+    stopped = [p for p in procs if p.freeze()]
+    try:
+        yield stopped
+    finally:
+        for p in stopped:
+            p.thaw()
 
 
 class ProcessGroup:

@@ -17,6 +17,12 @@ from celery_outbox.cli.common import handle_errors
 @click.option("--broker", type=click.Choice(["redis", "rabbitmq"]), default="redis", show_default=True,
               help="redis: an own redis-server, killed and restarted; rabbitmq: the shared server behind a "
                    "loopback proxy that is cut and restored.")
+@click.option("--relay", type=click.Choice(["standalone", "beat"]), default="standalone", show_default=True,
+              help="standalone: `outbox relay` processes; beat: `celery beat` drives the relay tasks on relay-queue "
+                   "workers, and beat itself is SIGKILLed at random moments.")
+@click.option("--takes", type=click.IntRange(min=0), default=None,
+              help="Take-window rounds, each removing one e-mail task and one event from the broker after their "
+                   "rows were marked published (default: one per 100 orders, at least one).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Reproduces the run's plan.")
 @click.option("--pg-admin-url", default=None, help="Postgres URL allowed to CREATE/DROP DATABASE "
               "(default OUTBOX_TEST_PG_ADMIN_URL or postgresql://postgres@127.0.0.1:5432/postgres).")
@@ -26,9 +32,10 @@ from celery_outbox.cli.common import handle_errors
               help="Seconds the run may take before it is reported as not quiescent.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @handle_errors
-def chaos(orders: int, kills: int, broker: str, seed: int, pg_admin_url: str | None, workdir: Path | None,
-          timeout_s: float, as_json: bool) -> None:
-    """Kill processes at crash points, cut the broker, inject poison and duplicates; check invariants.
+def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, seed: int,
+          pg_admin_url: str | None, workdir: Path | None, timeout_s: float, as_json: bool) -> None:
+    """Kill processes at crash points, cut the broker, inject poison and duplicates, lose messages in the
+    take window; check invariants.
 
     Exits 1 if any invariant is violated (or the run never became quiescent).
     """
@@ -43,19 +50,26 @@ def chaos(orders: int, kills: int, broker: str, seed: int, pg_admin_url: str | N
         console = Console(stderr=as_json, width=160)
     report = run_chaos(orders=orders, kills=kills, broker=broker, seed=seed, workdir=workdir,
                        pg_admin_url=pg_admin_url or PG_ADMIN_URL, timeout_s=timeout_s,
+                       relay=relay, takes=takes,
                        progress=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
     assert report.invariants is not None
     if as_json:
         click.echo(json.dumps({
             "ok": report.ok, "broker": report.broker, "seed": report.seed, "orders": report.orders,
-            "kills": dict(report.kills), "armed_not_reached": report.armed_not_reached,
+            "relay": report.relay_mode, "kills": dict(report.kills), "beat_kills": report.beat_kills,
+            "armed_not_reached": report.armed_not_reached,
+            "taken_and_lost": [{"delivery": m.delivery, "message_id": m.message_id} for m in report.taken_and_lost],
+            "reconciled": {"all": report.invariants.snapshot.reconciled,
+                           "events": report.invariants.snapshot.reconciled_events,
+                           "tasks": report.invariants.snapshot.reconciled_tasks},
             "unexpected_exits": report.unexpected_exits, "duration_s": round(report.duration_s, 1),
             "violations": [{"invariant": v.invariant, "detail": v.detail} for v in report.invariants.violations],
             "matrix": [row.__dict__ for row in report.matrix], "workdir": report.workdir,
         }, indent=2))
     else:
-        console.print(render(report.matrix, title=f"failure matrix: {broker}, seed {seed}, {orders} orders, "
-                                                  f"{sum(report.kills.values())}/{kills} kills"))
+        console.print(render(report.matrix, title=f"failure matrix: {broker}, relay {relay}, seed {seed}, "
+                                                  f"{orders} orders, {sum(report.kills.values())}/{kills} kills, "
+                                                  f"{len(report.taken_and_lost)} taken and lost"))
         if report.armed_not_reached:
             console.print(f"armed but never reached (no traffic left): {', '.join(report.armed_not_reached)}")
         for exit_ in report.unexpected_exits:

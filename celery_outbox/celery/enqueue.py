@@ -35,6 +35,12 @@ callbacks naming tasks the outbox does not carry, arguments that do not fit the 
 UUID task id in another spelling (upper case, no dashes, braces, ``urn:uuid:``) is normalised to the
 canonical form, as the worker's gate does.
 
+Time lives in the database (docs/scheduled.md): a task whose ``eta`` (or ``countdown``) is more than
+``Settings.enqueue_hold_eta_after_ms`` ahead is written with ``next_attempt_at_ms`` = its eta and its
+message's ``eta`` removed; the relay publishes it when due, so no worker holds it unacked until then
+(Redis would redeliver it after the visibility timeout, a quorum queue cannot hold it the classic way,
+a worker restart would drop it back on the queue). A nearer eta is left in the message, as Celery sent it.
+
 The reused-id check costs one indexed lookup, and only for an id the caller chose (``task_id=...``,
 or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never collide.
 """
@@ -47,10 +53,12 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from datetime import datetime
 from typing import Any, Protocol
 
 import sqlalchemy as sa
 from celery import signals
+from celery.utils.time import maybe_make_aware
 from kombu import Exchange, Queue
 from sqlalchemy.orm import Session
 
@@ -291,8 +299,31 @@ class Interceptor:
                               what=f"task {name!r} message headers (JSON only)")
         check_size(encoded, limit=self.outbox.settings.max_message_bytes, what=f"task {name!r} message")
         now = self.outbox.clock.now_ms()
-        return {"message_id": message_id, "type": name, "payload": payload, "headers": json.loads(encoded)["headers"],
-                "created_at_ms": now, "next_attempt_at_ms": now, "attempts": 0}
+        stored = json.loads(encoded)["headers"]
+        due = self.held_until(stored["task_headers"], now)
+        if due is not None:  # held in the outbox until due, published then without an eta (docs/scheduled.md)
+            stored["task_headers"]["eta"] = None
+            stored["held_until_ms"] = due
+        return {"message_id": message_id, "type": name, "payload": payload, "headers": stored,
+                "created_at_ms": now, "next_attempt_at_ms": now if due is None else due, "attempts": 0}
+
+    def held_until(self, task_headers: Mapping[str, Any], now_ms: int) -> int | None:
+        """The eta in ms when it is more than ``enqueue_hold_eta_after_ms`` ahead of ``now_ms`` (the row is then
+        held until it), else None (the message keeps its eta, as Celery sent it).
+
+        Celery wrote ``eta`` as ISO 8601 (``countdown`` already turned into it at send time); a naive eta
+        is UTC, as Celery's worker reads it (``maybe_make_aware``)."""
+        raw = task_headers.get("eta")
+        if not isinstance(raw, str):
+            return None
+        try:
+            eta = datetime.fromisoformat(raw)
+        except ValueError:
+            raise ValidationError(f"task {task_headers.get('task')!r} has an eta {raw[:60]!r} that is not an ISO "
+                                  "8601 time; nothing was written") from None
+        eta = maybe_make_aware(eta)
+        eta_ms = int(eta.timestamp() * 1000)
+        return eta_ms if eta_ms > now_ms + self.outbox.settings.enqueue_hold_eta_after_ms else None
 
     def rules(self, name: str) -> TaskRules:
         """The rule table's view from this app: which callbacks it carries, the task's signature."""

@@ -257,7 +257,7 @@ def define_poison_task(outbox: Any) -> Any:
     app = outbox.app
     settings = outbox.settings
     soft_limit, hard_limit = consumer_time_limits(settings)
-    backoff = RetryPolicy().resolve(settings)
+    backoff = RetryPolicy().resolve(settings, broker_url=str(settings.broker_url or app.conf.broker_url or ""))
 
     @app.task(  # type: ignore[untyped-decorator]
         name=POISON_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, acks_on_timeout=False,

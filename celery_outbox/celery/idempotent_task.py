@@ -147,7 +147,7 @@ def define(app: Celery, ctx: Context, fn: TaskFunction, *, name: str, policy: Re
     if name in app._tasks:  # Celery would silently hand back the task already registered under that name
         raise ConfigError(f"a task named {name!r} is already registered on this Celery app")
     settings = ctx.settings
-    backoff = policy.resolve(settings)  # a policy the settings cannot honour fails here, not at delivery
+    backoff = policy.resolve(settings, broker_url=str(settings.broker_url or app.conf.broker_url or ""))
     soft_limit, hard_limit = consumer_time_limits(settings)
     key = task_key(name)
     base_spec = ConsumerSpec(name=key, events=frozenset({name}), handler=_not_called, policy=policy)

@@ -261,7 +261,7 @@ def _abort(session: Session, spans: tracing.RelaySpans, e: BaseException) -> Non
 
 def claim_batch(session: Session, clock: Clock, *, tables: Tables, limit: int,
                 routes: Mapping[str, Sequence[str]], max_message_bytes: int, namespace: str) -> Claimed:
-    """Claim up to ``limit`` due rows in seq order and build their broker messages (nothing is sent).
+    """Claim up to ``limit`` due rows (earliest due first, then seq) and build their broker messages (nothing is sent).
 
     An empty claim is committed at once. On SQLite the read transaction is committed before
     returning, so the database's one write lock is never held across broker I/O. An exception rolls
@@ -375,7 +375,7 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, tabl
                    routes: Mapping[str, Sequence[str]], max_message_bytes: int, namespace: str = "outbox",
                    breaker: CircuitBreaker | None = None, crash_points: CrashPointsLike | None = None,
                    ) -> BatchResult:
-    """Claim up to ``batch_size`` due rows in seq order, publish them, then mark them in one commit.
+    """Claim up to ``batch_size`` due rows (earliest due first, then seq), publish them, then mark them in one commit.
 
     ``namespace`` names the queues (``<namespace>.<consumer>``, as ``Settings.queue_name``). A broker
     outage (``BrokerUnavailableError``) leaves every row as it was, trips ``breaker`` and returns

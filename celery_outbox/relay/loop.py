@@ -60,6 +60,7 @@ from celery_outbox.relay.dispatch import (
     send_claimed,
 )
 from celery_outbox.relay.publisher import Publisher
+from celery_outbox.relay.queries import next_due
 from celery_outbox.relay.reconcile import ReconcileResult, reconcile
 from celery_outbox.relay.single_flight import single_flight, sqlite_lock_path
 from celery_outbox.schema import Tables
@@ -581,6 +582,18 @@ class RelayLoop:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+    def until_next_due_s(self) -> float:
+        """Seconds until the earliest pending row is due (a held task, a backoff), at least 10 ms, so the wait
+        ends when it is due even with no NOTIFY (nothing is inserted then); the poll interval when none is
+        pending or the database cannot say (docs/scheduled.md)."""
+        try:
+            with self.session_factory() as session:
+                due = session.execute(next_due(self.tables)).scalar()
+        except Exception as e:
+            log.warning("could not read the next due time (waiting the poll interval): %s", e)
+            return self.poll_interval_s
+        return self.poll_interval_s if due is None else max(0.01, (int(due) - self.clock.now_ms()) / 1000)
+
     # -- internals -------------------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         log.info("SIGTERM: finishing the current batch (at most %.1fs), then stopping", STOP_GIVE_UP_S)
@@ -605,10 +618,9 @@ class RelayLoop:
             self.stats.listening = False
 
     def _wait(self) -> None:
-        timeout = self.poll_interval_s
         breaker_wait = self.breaker.wait_ms(self.clock.now_ms()) / 1000
-        if breaker_wait > 0:
-            timeout = min(timeout, breaker_wait)
+        # an open breaker publishes nothing, due or not; otherwise wake when the next held row is due
+        timeout = min(self.poll_interval_s, breaker_wait if breaker_wait > 0 else self.until_next_due_s())
         fds: list[Any] = [self._wake_r]
         if self._listener is not None:
             fds.append(self._listener)

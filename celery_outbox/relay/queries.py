@@ -1,5 +1,6 @@
-"""The relay's SQL: due pending rows in seq order (served by the partial index ``ix_outbox_pending``),
-and the Postgres mark that stamps a batch and counts it in one statement."""
+"""The relay's SQL: due pending rows, earliest due first then in seq order (served by the partial index
+``ix_outbox_due``), the next due time the relay sleeps until, and the Postgres mark that stamps a
+batch and counts it in one statement."""
 
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ CLAIM_COLUMNS = ("seq", "message_id", "type", "payload", "headers", "created_at_
 
 
 def due_pending(now_ms: int, limit: int, *, tables: Tables, skip_locked: bool = False) -> sa.Select[Any]:
-    """Pending (not published, not dead-lettered) rows whose backoff has passed, oldest first.
+    """Pending (not published, not dead-lettered) rows that are due, by due time then seq.
 
-    Selects plain columns (Core rows, no ORM objects). The WHERE clause repeats the partial index's
-    predicate word for word so the planner can use it; with ``skip_locked`` (Postgres) concurrent
-    relays, and the pipelined relay's next batch, claim disjoint rows.
+    A row is due when its ``next_attempt_at_ms`` has passed: at once for an event or a task sent
+    without a delay, at its eta for a task held in the outbox (docs/scheduled.md), after its backoff
+    for a row the broker rejected. Ordered by ``(next_attempt_at_ms, seq)``, the columns of the
+    partial index ``ix_<prefix>due``, so the claim is a range read of that index that stops at
+    ``now`` and the batch's first ``limit`` entries: rows held for later are never read, however
+    many there are (bench/scheduled_claim.py). Rows written at once keep their seq order (their due
+    time is their creation time). Selects plain columns (Core rows, no ORM objects). The WHERE
+    clause repeats the partial index's predicate word for word so the planner can use it; with
+    ``skip_locked`` (Postgres) concurrent relays, and the pipelined relay's next batch, claim
+    disjoint rows.
     """
     outbox = tables.table(tables.outbox)
     stmt = (
@@ -29,12 +37,20 @@ def due_pending(now_ms: int, limit: int, *, tables: Tables, skip_locked: bool = 
             outbox.c.dead_lettered_at_ms.is_(None),
             outbox.c.next_attempt_at_ms <= now_ms,
         )
-        .order_by(outbox.c.seq)
+        .order_by(outbox.c.next_attempt_at_ms, outbox.c.seq)
         .limit(limit)
     )
     if skip_locked:
         stmt = stmt.with_for_update(skip_locked=True)
     return stmt
+
+
+def next_due(tables: Tables) -> sa.Select[Any]:
+    """The earliest ``next_attempt_at_ms`` of any pending row (NULL when none): one probe of
+    ``ix_<prefix>due``. The standalone relay sleeps no longer than until then (relay/loop.py)."""
+    outbox = tables.table(tables.outbox)
+    return sa.select(sa.func.min(outbox.c.next_attempt_at_ms)).where(
+        outbox.c.published_at_ms.is_(None), outbox.c.dead_lettered_at_ms.is_(None))
 
 
 def mark_published_pg(tables: Tables, dialect: sa.Dialect) -> sa.TextClause:

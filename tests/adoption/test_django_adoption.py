@@ -95,6 +95,9 @@ def test_a_django_project_with_its_own_orders_app_adopts_the_outbox(
     assert {"orders", "celery_outbox"} <= applied
     # and the models agree with the migrations (the project's and the library's)
     manage(project_env, "makemigrations", "--check", "--dry-run")
+    # and the library's own checks accept the schema Django created: one schema, two ways to create it
+    run([str(BIN / "outbox"), "-A", "proj.celery", "check"], project_env)
+    run([str(BIN / "outbox"), "-A", "proj.celery", "db", "upgrade"], project_env)  # nothing to do, no error
     # and the project's orders app is its own, the library the installed one
     paths = run([sys.executable, "-c", "import orders, celery_outbox; print(orders.__file__); "
                  "print(celery_outbox.__file__)"], project_env).split()
@@ -128,3 +131,37 @@ def test_a_django_project_with_its_own_orders_app_adopts_the_outbox(
     assert query(db, "SELECT order_id FROM orders_notification") == [("o-1",)]
     assert query(db, "SELECT count(*) FROM outbox_inbox") == [(1,)]
     assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+
+
+def shell(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "manage.py", "shell", "-c", code], cwd=HERE, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_process_not_bound_to_the_outbox_fails_loudly_at_the_first_delay(project_env: dict[str, str]) -> None:
+    db = Path(project_env["SHOP_DB_PATH"])
+    manage(project_env, "migrate", "--no-input")
+    # Given a Django process that never imports proj/celery.py (proj/__init__.py does not), and a @shared_task
+    out = shell(project_env, "from orders.tasks import confirm; confirm.delay('o-1')")
+    # Then the first .delay() fails with one clear line, and nothing is written or sent
+    assert out.returncode != 0
+    assert "ConfigError: task 'orders.confirm' was sent through Celery's default app" in out.stderr, out.stderr[-3000:]
+    assert query(db, "SELECT count(*) FROM outbox_messages") == [(0,)]
+
+
+def test_delay_in_a_shell_is_a_committed_row_that_a_real_worker_runs(
+        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[[], subprocess.Popen[bytes]]) -> None:
+    db = Path(project_env["SHOP_DB_PATH"])
+    manage(project_env, "migrate", "--no-input")
+    # Given a bound process (it imports proj.celery) sending a @shared_task with no atomic() open
+    out = shell(project_env, "import proj.celery; from orders.tasks import confirm; print(confirm.delay('o-1').id)")
+    assert out.returncode == 0, out.stderr[-3000:]
+    task_id = out.stdout.split()[-1]
+    # Then its row is committed already, before any relay or worker ran
+    assert query(db, "SELECT type, published_at_ms FROM outbox_messages") == [("orders.confirm", None)]
+    # and the relay hands it to a real worker, which runs it once
+    start_worker()
+    relay_once(project_env)
+    assert wait_for(db, "SELECT count(*) FROM orders_notification WHERE order_id = 'confirmed:o-1'", 1) == 1, \
+        (tmp_path / "worker.log").read_text()[-3000:]
+    assert query(db, "SELECT replace(message_id, '-', '') FROM outbox_messages") == [(task_id.replace("-", ""),)]

@@ -129,7 +129,8 @@ def _empty_tables(request: pytest.FixtureRequest) -> None:
     engine: sa.Engine = request.getfixturevalue("sa_engine")
     with engine.begin() as c:
         tables = c.exec_driver_sql(
-            "SELECT tablename FROM pg_tables WHERE schemaname='public' AND tablename <> 'django_migrations'"
+            "SELECT tablename FROM pg_tables WHERE schemaname='public' "
+            "AND tablename NOT IN ('django_migrations', 'outbox_schema_version')"  # schema versions, not data
         ).scalars().all()
         if tables:
             c.exec_driver_sql("TRUNCATE " + ", ".join(f'"{t}"' for t in tables) + " RESTART IDENTITY CASCADE")

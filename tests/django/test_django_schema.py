@@ -162,3 +162,13 @@ def test_schema_comparison_notices_a_difference(django_pg_url: str) -> None:
     # Then the introspection the schema test relies on sees it
     assert before != after
     assert after["outbox_inbox"]["columns"]["type"][1] == 100
+
+
+def test_outbox_db_check_accepts_the_schema_manage_py_migrate_created(django_pg_url: str) -> None:
+    # Given the session's database, created by Django's migrate only (never `outbox db upgrade`)
+    # Then it carries the library's revision, and `outbox db check` (revision + schema diff) finds nothing
+    assert migrate.current(django_pg_url) == migrate.head()
+    assert migrate.check(django_pg_url) == []
+    # and `outbox db upgrade` has nothing to do (no failure on the existing tables and trigger)
+    migrate.upgrade(django_pg_url)
+    assert migrate.current(django_pg_url) == migrate.head()

@@ -328,10 +328,10 @@ def test_100k_dead_letters_list_by_index_and_a_10k_group_replays_in_flat_memory(
 def test_dead_letters_written_before_fingerprints_get_them_on_upgrade(tmp_path: Path, tables: Tables) -> None:
     from celery_outbox import migrate
 
-    # Given a database at co0002 (no fingerprint column) holding two dead letters of one failure
+    # Given a database at co0003 (no fingerprint column) holding two dead letters of one failure
     url = f"sqlite:///{tmp_path}/old.db"
     migrate.upgrade(url)
-    migrate.downgrade(url, "co0002")
+    migrate.downgrade(url, "co0003")
     engine = make_engine(url)
     try:
         with engine.begin() as c:

@@ -103,23 +103,27 @@ def test_rollback_leaves_no_row_and_nothing_is_published(tasks: TaskApp) -> None
     assert tasks.broker_messages() == []
 
 
-def test_commit_then_relay_publishes_the_task_as_celery_built_it(tasks: TaskApp) -> None:
+def test_commit_then_relay_publishes_the_task_as_celery_built_it(tasks: TaskApp, clock: ManualClock) -> None:
     # Given a task enqueued at a frozen instant with countdown, expires and priority, routed by task_routes
     enqueued_at = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
+    clock.set(int(enqueued_at.timestamp() * 1000))
     with freeze_time(enqueued_at), tasks.sessions.begin() as s, tasks.outbox.transaction(s):
         result = tasks.mail.apply_async(("a@example.com",), {"subject": "hi"}, countdown=30, expires=600, priority=7)
     assert tasks.broker_messages() == []  # nothing was sent at delay() time
     [row] = tasks.rows()
     assert str(row.message_id) == result.id and row.type == "enq.mail"
     # When the relay publishes it ten minutes later
+    clock.advance(10 * 60_000)
     with freeze_time(enqueued_at + timedelta(minutes=10)):
         published = drain(tasks.outbox).published
     # Then it is one protocol-2 message: real name, args, kwargs, the task id as the outbox message id,
-    # the eta computed at enqueue time (not shifted by the relay), expires, priority and queue kept
+    # the countdown computed at enqueue time (not shifted by the relay) held as the row's due time, so
+    # the message carries no eta (docs/scheduled.md), expires, priority and queue kept
     [m] = published
     assert m.headers["task"] == "enq.mail" and m.headers["id"] == result.id == m.message_id
     assert body(m)[:2] == [["a@example.com"], {"subject": "hi"}]
-    assert datetime.fromisoformat(m.headers["eta"]) == enqueued_at + timedelta(seconds=30)
+    assert row.next_attempt_at_ms == int((enqueued_at + timedelta(seconds=30)).timestamp() * 1000)
+    assert m.headers["eta"] is None
     assert datetime.fromisoformat(m.headers["expires"]) == enqueued_at + timedelta(seconds=600)
     assert m.properties["priority"] == 7 and m.properties["correlation_id"] == result.id
     assert m.exchange == "" and m.routing_key == tasks.queue

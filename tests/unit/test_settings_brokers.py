@@ -66,3 +66,23 @@ def test_only_the_visibility_timeout_rules_are_broker_specific() -> None:
                         ("relay_reconcile_after_ms", "broker_visibility_timeout_s")}
     assert [broker_kind(u) for u in (REDIS, RABBITMQ, "", "memory://", "sentinel://h:1")] == [
         "redis", "rabbitmq", None, "memory", "redis"]
+
+
+@pytest.mark.parametrize(("broker", "refused"), [(RABBITMQ, False), (REDIS, True)])
+def test_a_consumer_retry_longer_than_the_visibility_timeout_is_refused_on_redis_only(broker: str,
+                                                                                      refused: bool) -> None:
+    # Given an app on `broker` and settings that name none
+    outbox = Outbox(app(broker), settings=LibrarySettings(database_url="sqlite://", broker_visibility_timeout_s=60,
+                                                          relay_reconcile_after_ms=90_000))
+
+    def declare() -> None:
+        @outbox.consumer("Thing", name="slow_retries", retry_backoff_max=120)
+        def handle(session: object, envelope: object) -> None: ...
+
+    # When a consumer asks for retries waiting longer than the visibility timeout
+    # Then only Redis refuses it (its unacked messages come back after the timeout)
+    if refused:
+        with pytest.raises(ConfigError, match="VISIBILITY_TIMEOUT"):
+            declare()
+    else:
+        declare()

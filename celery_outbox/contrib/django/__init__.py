@@ -23,10 +23,13 @@ This module imports no models, so it is safe to import before the app registry i
 
 from __future__ import annotations
 
-from celery_outbox.contrib.django.conf import database_settings, database_url
+from celery_outbox.contrib.django.cancel import cancel
+from celery_outbox.contrib.django.conf import connection_url, database_settings, database_url, outbox_settings
 from celery_outbox.contrib.django.consumer import DjangoConsumerSpec, idempotent_consumer
 from celery_outbox.contrib.django.dead_letters import use
 from celery_outbox.contrib.django.enqueue import atomic_writer
+from celery_outbox.contrib.django.outbox import DjangoOutbox
 from celery_outbox.contrib.django.writer import publish
 
-__all__ = ["DjangoConsumerSpec", "atomic_writer", "database_settings", "database_url", "idempotent_consumer", "publish", "use"]
+__all__ = ["DjangoConsumerSpec", "DjangoOutbox", "atomic_writer", "cancel", "connection_url", "database_settings",
+           "database_url", "idempotent_consumer", "outbox_settings", "publish", "use"]

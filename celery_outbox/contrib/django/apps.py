@@ -1,4 +1,5 @@
-"""The Django app config: the library's tables as managed models (``manage.py migrate`` creates them)."""
+"""The Django app config: the library's tables as managed models (``manage.py migrate`` creates them), the
+system checks (``manage.py check``), and no silent bypass of the outbox (``binding``)."""
 
 from __future__ import annotations
 
@@ -10,3 +11,8 @@ class OutboxDjangoConfig(AppConfig):  # type: ignore[misc]
     label = "celery_outbox"
     verbose_name = "Transactional outbox"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from celery_outbox.contrib.django import binding
+
+        binding.refuse_unbound_sends()

@@ -1,13 +1,81 @@
-"""One database for Django and the outbox: ``database_settings(url)`` (URL -> ``DATABASES`` entry) and
-``database_url(alias)`` (``DATABASES`` entry -> SQLAlchemy URL)."""
+"""Django's settings and databases for the outbox.
+
+* ``outbox_settings()``: the library's ``Settings`` from ``settings.py`` (``OUTBOX = {...}`` or ``OUTBOX_*``
+  names), over the ``OUTBOX_*`` environment, over the defaults;
+* ``database_settings(url)`` (URL -> ``DATABASES`` entry) and ``database_url(alias)`` (``DATABASES`` entry ->
+  SQLAlchemy URL); ``connection_url(alias)`` is the URL of the database Django's connection ``alias`` uses
+  now (the test database while Django's test runner has one).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from celery_outbox.errors import ConfigError
-from celery_outbox.settings import mask_url
+from celery_outbox.settings import Settings, mask_url
+
+NOT_SETTINGS = frozenset({"OUTBOX_INSTANCE"})
+"""``OUTBOX_*`` Django settings that are not fields of ``Settings`` (read by the admin)."""
+
+
+def _django_values(django_settings: Any) -> dict[str, Any]:
+    """Field -> value from ``OUTBOX = {...}`` (keys as ``relay_batch_size`` or ``RELAY_BATCH_SIZE``) and
+    ``OUTBOX_<FIELD>`` names; the same field given both ways is refused (which one would win is a guess)."""
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    values: dict[str, Any] = {}
+    block = getattr(django_settings, "OUTBOX", None)
+    if block is not None:
+        if not isinstance(block, Mapping):
+            raise ConfigError(f"settings.OUTBOX must be a dict of outbox settings, got {type(block).__name__}")
+        for key, value in block.items():
+            name = str(key).lower()
+            if not isinstance(key, str) or name not in fields:
+                raise ConfigError(f"settings.OUTBOX has an unknown key {str(key)[:80]!r} "
+                                  f"(known: {', '.join(sorted(fields))})")
+            values[name] = value
+    for attr in sorted(set(dir(django_settings))):  # set: an override_settings dir() lists a name twice
+        if not attr.startswith("OUTBOX_") or attr in NOT_SETTINGS:
+            continue
+        name = attr[len("OUTBOX_"):].lower()
+        if name not in fields:
+            continue  # reported by the system check (celery_outbox.E002), never silently used
+        if name in values:
+            raise ConfigError(f"settings.{attr} and settings.OUTBOX[{name!r}] both set {name}: keep one")
+        values[name] = getattr(django_settings, attr)
+    return values
+
+
+def unknown_setting_names(django_settings: Any) -> list[str]:
+    """``OUTBOX_*`` names in settings.py that no outbox setting has (a typo is otherwise silently ignored)."""
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    return sorted(a for a in set(dir(django_settings)) if a.startswith("OUTBOX_") and a not in NOT_SETTINGS
+                  and a[len("OUTBOX_"):].lower() not in fields)
+
+
+def outbox_settings(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """The outbox ``Settings`` of this Django project: ``overrides`` > ``settings.py`` > ``OUTBOX_*`` environment
+    > defaults. A text value in settings.py (``os.environ["..."]``) is read as the environment variable would be."""
+    from django.conf import settings as django_settings
+
+    from celery_outbox.settings import _Invalid
+
+    rules = Settings.RULES
+    values: dict[str, Any] = {}
+    errors: list[str] = []
+    for name, value in _django_values(django_settings).items():
+        if isinstance(value, str):
+            try:
+                value = rules[name].parse(value)
+            except _Invalid as e:
+                errors.append(f"OUTBOX_{name.upper()} {e}, got {rules[name].shown(value)}")
+                continue
+        values[name] = value
+    if errors:
+        raise ConfigError("; ".join(errors))
+    return Settings.from_env(environ, **{**values, **overrides})
 
 
 def database_settings(url: str, **extra: Any) -> dict[str, Any]:
@@ -45,13 +113,32 @@ def database_url(alias: str = "default") -> str:
     The inverse of ``database_settings``: give the ``Outbox`` the database Django writes, so the relay
     and the consumers' bookkeeping see the rows Django commits.
     """
-    import sqlalchemy as sa
     from django.conf import settings
 
     try:
         entry: dict[str, Any] = settings.DATABASES[alias]
     except KeyError:
         raise ConfigError(f"Django has no database {alias!r} in DATABASES") from None
+    return url_of(entry, alias)
+
+
+def connection_url(alias: str = "default") -> str:
+    """The SQLAlchemy URL of the database Django's connection ``alias`` uses now: while Django's test runner
+    (or pytest-django) has created the test database, that one, never the developer's."""
+    from django.db import connections
+    from django.utils.connection import ConnectionDoesNotExist
+
+    try:
+        entry: dict[str, Any] = connections[alias].settings_dict
+    except ConnectionDoesNotExist:
+        raise ConfigError(f"Django has no database {alias!r} in DATABASES") from None
+    return url_of(entry, alias)
+
+
+def url_of(entry: Mapping[str, Any], alias: str) -> str:
+    """A Django database entry -> its SQLAlchemy URL (PostgreSQL or a SQLite file)."""
+    import sqlalchemy as sa
+
     engine = str(entry.get("ENGINE", ""))
     if engine.endswith("postgresql"):
         port = str(entry.get("PORT") or "")
@@ -62,7 +149,8 @@ def database_url(alias: str = "default") -> str:
         return url.render_as_string(hide_password=False)
     if engine.endswith("sqlite3"):
         name = str(entry.get("NAME") or "")
-        if not name or name == ":memory:":
-            raise ConfigError(f"Django database {alias!r} is an in-memory SQLite; the relay cannot share it")
+        if not name or name == ":memory:" or "mode=memory" in name:
+            raise ConfigError(f"Django database {alias!r} is an in-memory SQLite; the relay cannot share it (tests: "
+                              f"set DATABASES[{alias!r}]['TEST']['NAME'] to a file)")
         return f"sqlite:///{name}"
     raise ConfigError(f"Django database {alias!r} uses {engine!r}; only PostgreSQL and SQLite are supported")

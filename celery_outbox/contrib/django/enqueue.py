@@ -11,8 +11,10 @@ back with the view's data. The view's body keeps its ``.delay()``:
         order = Order.objects.create(...)
         send_confirmation.delay(order.id)     # an outbox row; the relay sends it after the commit
 
-Outside ``atomic()`` (autocommit) nothing is captured here, and ``OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION``
-decides (raise, or send directly). Django's ``TestCase`` wraps every test in ``atomic()``: a task sent
+Outside ``atomic()`` (autocommit: a script, a management command, a shell, an ``on_commit`` callback),
+``OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION`` decides: ``own_transaction`` writes the row in an ``atomic()`` of
+its own (``OwnAtomicWriter``: durable, not atomic with earlier writes), ``raise`` and ``publish`` are
+left to the capture (refused, or sent directly). Django's ``TestCase`` wraps every test in ``atomic()``: a task sent
 in such a test is an uncommitted row the test's rollback removes, invisible to the relay (another
 connection); ``celery_outbox.contrib.django.testing`` shows and runs it inside the test.
 
@@ -30,7 +32,9 @@ from django.db import DatabaseError as DjangoDatabaseError
 from django.db import router, transaction
 
 from celery_outbox.celery import enqueue
-from celery_outbox.errors import DatabaseError
+from celery_outbox.errors import DatabaseError, ValidationError
+
+OWN_TRANSACTION = "own_transaction"
 
 
 class DjangoWriter:
@@ -59,8 +63,33 @@ class DjangoWriter:
                                 f"{e.__class__.__name__}: {e}") from e
 
 
+class OwnAtomicWriter(DjangoWriter):
+    """No ``atomic()`` is open on the alias (a script, a management command, a shell, an ``on_commit``
+    callback): the row commits at once in an ``atomic()`` of its own. Durable from then on (the relay sends
+    it after a crash or a broker outage), never atomic with anything written before (docs/django.md)."""
+
+    def write(self, values: dict[str, Any]) -> None:
+        from django.db import IntegrityError
+
+        try:
+            with transaction.atomic(using=self.alias):
+                super().write(values)
+        except DatabaseError as e:
+            if isinstance(e.__cause__, IntegrityError):  # a chosen task id another process wrote meanwhile
+                raise ValidationError(f"task {values['type']!r} has task_id {str(values['message_id'])!r}, which an "
+                                      "outbox row already holds (a task id is the message id: use a new one); "
+                                      "nothing was written") from None
+            raise
+
+
 def atomic_writer(outbox: Any) -> DjangoWriter | None:
-    """A writer when Django is set up and its outbox connection is inside ``atomic()``, else None."""
+    """The Django writer for ``outbox``'s task rows, or None (then ``enqueue_outside_transaction`` decides).
+
+    Inside ``atomic()`` on the outbox's alias (``DjangoOutbox(using=...)``, else the router's alias of
+    the outbox models): a row of that transaction. Outside it, with ``enqueue_outside_transaction`` set
+    to ``own_transaction``, a row committed in an ``atomic()`` of its own, except where the library sends
+    directly whatever the mode (inside a running worker task, in ``celery beat``).
+    """
     from django.apps import apps
     from django.conf import settings
 
@@ -68,11 +97,14 @@ def atomic_writer(outbox: Any) -> DjangoWriter | None:
         return None
     from celery_outbox.contrib.django.models import OutboxMessage
 
-    alias = router.db_for_write(OutboxMessage)
+    alias = getattr(outbox, "using", None) or router.db_for_write(OutboxMessage)
     connection = transaction.get_connection(alias)
-    if not connection.in_atomic_block:
+    if connection.in_atomic_block:
+        return DjangoWriter(connection.alias)
+    if outbox.settings.enqueue_outside_transaction != OWN_TRANSACTION or enqueue._process["beat"] \
+            or outbox.app.current_worker_task is not None:
         return None
-    return DjangoWriter(connection.alias)
+    return OwnAtomicWriter(connection.alias)
 
 
 enqueue.register_ambient(atomic_writer)

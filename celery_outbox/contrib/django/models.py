@@ -38,6 +38,8 @@ class OutboxMessage(models.Model):  # type: ignore[misc]
                          condition=Q(published_at_ms__isnull=True) & Q(dead_lettered_at_ms__isnull=True)),
             models.Index(fields=["published_at_ms"], name="ix_outbox_published",
                          condition=Q(published_at_ms__isnull=False)),
+            models.Index(fields=["next_attempt_at_ms", "seq"], name="ix_outbox_due",
+                         condition=Q(published_at_ms__isnull=True) & Q(dead_lettered_at_ms__isnull=True)),
             models.Index(fields=["seq"], name="ix_outbox_dead", condition=Q(dead_lettered_at_ms__isnull=False)),
         )
 
@@ -170,7 +172,7 @@ class TaskReceipt(models.Model):  # type: ignore[misc]
 
     class Meta:
         db_table = "outbox_task_receipts"
-        indexes = (models.Index(fields=["received_at_ms"], name="ix_outbox_task_receipts_received"),)
+        indexes = (models.Index(fields=["received_at_ms"], name="ix_outbox_receipts_at"),)
 
     def __str__(self) -> str:
         return f"receipt {self.task_id}"

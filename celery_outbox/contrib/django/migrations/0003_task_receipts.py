@@ -17,7 +17,7 @@ class Migration(migrations.Migration):  # type: ignore[misc]
             ],
             options={
                 'db_table': 'outbox_task_receipts',
-                'indexes': [models.Index(fields=['received_at_ms'], name='ix_outbox_task_receipts_received')],
+                'indexes': [models.Index(fields=['received_at_ms'], name='ix_outbox_receipts_at')],
             },
         ),
     ]

@@ -3,10 +3,8 @@ import os
 
 import django
 from celery import Celery
-from django.conf import settings
 
-from celery_outbox import Outbox, Settings
-from celery_outbox.contrib.django import database_url
+from celery_outbox.contrib.django import DjangoOutbox
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
 django.setup()
@@ -14,5 +12,6 @@ from orders.consumers import notify  # noqa: E402  (imports models: after django
 
 app = Celery("proj")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-outbox = Outbox(app, settings=Settings(database_url=database_url(), namespace=settings.OUTBOX_NAMESPACE))
+app.autodiscover_tasks()  # orders/tasks.py: @shared_task
+outbox = DjangoOutbox(app)  # settings.py's OUTBOX_*; Django's database (the test database in tests)
 outbox.include(notify)

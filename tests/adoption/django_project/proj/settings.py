@@ -13,3 +13,4 @@ USE_TZ = True
 
 CELERY_BROKER_URL = os.environ["SHOP_BROKER_URL"]  # read by app.config_from_object(..., namespace="CELERY")
 OUTBOX_NAMESPACE = os.environ.get("SHOP_NAMESPACE", "shop")  # queue prefix: the consumer's queue is <ns>.notify
+OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION = "own_transaction"  # .delay() outside atomic(): a row committed on its own

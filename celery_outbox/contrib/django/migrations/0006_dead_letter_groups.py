@@ -1,11 +1,15 @@
 """Dead-letter groups (``fingerprint`` and its index), dead letters by message id, the relay's dead rows:
-as the library's Alembic revision co0003 creates them, fingerprints of existing dead letters filled in."""
+as the library's Alembic revision co0004 creates them, fingerprints of existing dead letters filled in."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from django.db import migrations, models
+
+# The version-stamping operation lives in the migration that created the version table.
+StampRevision = importlib.import_module("celery_outbox.contrib.django.migrations.0004_schema_version").StampRevision
 
 
 def fill_fingerprints(apps: Any, schema_editor: Any) -> None:
@@ -18,7 +22,7 @@ def fill_fingerprints(apps: Any, schema_editor: Any) -> None:
 
 
 class Migration(migrations.Migration):  # type: ignore[misc]
-    dependencies = [("celery_outbox", "0003_task_receipts")]
+    dependencies = [("celery_outbox", "0005_due_index")]
 
     operations = [
         migrations.AddField(
@@ -41,4 +45,5 @@ class Migration(migrations.Migration):  # type: ignore[misc]
             index=models.Index(condition=models.Q(('dead_lettered_at_ms__isnull', False)), fields=['seq'],
                                name='ix_outbox_dead'),
         ),
+        StampRevision("co0004", "co0003"),
     ]

@@ -3,8 +3,8 @@ the dead letters already there, with the index 'outbox dead-letters groups' and 
 an index on a dead letter's message id ('outbox trace'); and a partial index holding only the outbox
 rows the relay dead-lettered (stats and groups without a scan of the published history).
 
-Revision ID: co0003
-Revises: co0002
+Revision ID: co0004
+Revises: co0003
 Create Date: 2026-12-05
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from alembic import context, op
 from celery_outbox.inbox.fingerprints import fingerprint
 from celery_outbox.schema import DEFAULT_PREFIX, Tables, define_tables
 
-revision = "co0003"
-down_revision = "co0002"
+revision = "co0004"
+down_revision = "co0003"
 branch_labels = None
 depends_on = None
 

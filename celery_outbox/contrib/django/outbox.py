@@ -1,0 +1,165 @@
+"""``DjangoOutbox``: the project's ``Outbox`` on Django's own settings and database connection.
+
+    # proj/celery.py
+    app = Celery("proj")
+    app.config_from_object("django.conf:settings", namespace="CELERY")
+    outbox = DjangoOutbox(app)          # settings.py's OUTBOX / OUTBOX_*; DATABASES["default"]
+
+No engine to configure: the relay, the consumers' bookkeeping, ``@outbox.task`` and the CLI open their
+SQLAlchemy connections to the database Django's connection ``using`` points at *when they connect*
+(``DjangoSessionSource``), so under Django's test runner or pytest-django they write the test database,
+never the developer's. The pool follows ``CONN_MAX_AGE``: 0 (Django's default, a connection per request)
+means no pool, each session connects and closes; a positive value or None keeps connections that long.
+While a Django test environment is set up there is never a pool, so no idle connection of ours stops
+Django from dropping the test database at the end of the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import Engine, pool
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox.clock import Clock
+from celery_outbox.db import SessionSource, make_engine, make_session_factory
+from celery_outbox.outbox import Outbox
+from celery_outbox.schema import DEFAULT_PREFIX
+from celery_outbox.settings import Settings
+
+
+def in_test_environment() -> bool:
+    """True between Django's ``setup_test_environment()`` and its teardown (the test runner, pytest-django):
+    that is when Django gives ``django.core.mail`` its ``outbox`` list (Django's testing docs, "Email services")."""
+    from django.core import mail
+
+    return hasattr(mail, "outbox")
+
+
+WORKER_DEFAULTS: dict[str, Any] = {
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+    "worker_prefetch_multiplier": 1,
+    "worker_send_task_events": True,
+    "task_send_sent_event": True,
+}
+"""The Celery settings ``DjangoOutbox`` sets on its app unless the project set them (``celery_config`` has the
+same values for the Flask path)."""
+
+
+class DjangoSessionSource(SessionSource):
+    """Sessions on the database of Django's connection ``using``, re-read at every call: a changed database
+    (the test runner swapped in the test database, or put the real one back) gets a new engine, and the old
+    engine's connections are closed."""
+
+    def __init__(self, *, using: str, settings: Settings) -> None:  # no super(): there is no fixed URL
+        self.using = using
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._key: tuple[int, str, bool, float] | None = None
+        self._factory: sessionmaker[Session] | None = None
+
+    @property
+    def url(self) -> str:
+        """The database URL with its password (the relay's SQLite lock file, ``outbox db``; never printed)."""
+        from celery_outbox.contrib.django.conf import connection_url
+
+        return connection_url(self.using)
+
+    def _pooling(self) -> tuple[bool, float]:
+        """(pooled, recycle seconds) from the connection's ``CONN_MAX_AGE``; never pooled under tests."""
+        from django.db import connections
+
+        age = connections[self.using].settings_dict.get("CONN_MAX_AGE", 0)
+        if age == 0 or in_test_environment():
+            return False, -1
+        return True, -1 if age is None else float(age)
+
+    def __call__(self) -> sessionmaker[Session]:
+        url = self.url
+        pooled, recycle = self._pooling()
+        key = (os.getpid(), url, pooled, recycle)
+        with self._lock:
+            if self._factory is None or self._key != key:
+                old = self._factory.kw.get("bind") if self._factory is not None else None
+                if isinstance(old, Engine):
+                    # another process's pool: forget it without touching its sockets; ours: close it
+                    old.dispose(close=self._key is not None and self._key[0] == key[0])
+                options: dict[str, Any] = {"pool_recycle": recycle} if pooled else {"poolclass": pool.NullPool}
+                self._factory = make_session_factory(make_engine(url, settings=self._settings, **options))
+                self._key = key
+            return self._factory
+
+    def dispose(self) -> None:
+        """Close the pooled connections (none without a pool)."""
+        with self._lock:
+            bind = self._factory.kw.get("bind") if self._factory is not None else None
+            if isinstance(bind, Engine):
+                bind.dispose()
+
+
+class DjangoOutbox(Outbox):
+    """An ``Outbox`` configured by Django: ``Settings`` from settings.py (``outbox_settings()``, or
+    ``settings=`` given), the database of ``DATABASES[using]`` through ``DjangoSessionSource``, and the
+    enqueue of ``.delay()`` in ``atomic()`` on that same alias. It also becomes Celery's default app in
+    this process (``@shared_task`` uses it in every thread) and the Outbox the admin acts through."""
+
+    def __init__(self, app: Celery, *, using: str | None = None, settings: Settings | None = None,
+                 clock: Clock | None = None) -> None:
+        from django.db import DEFAULT_DB_ALIAS
+
+        from celery_outbox.contrib.django import dead_letters
+        from celery_outbox.contrib.django.conf import outbox_settings
+
+        resolved = settings if settings is not None else outbox_settings()
+        self.using = using or DEFAULT_DB_ALIAS
+        self._django_sessions = DjangoSessionSource(using=self.using, settings=resolved)
+        # Outbox wants an engine, a factory or a URL; an unbound factory stands in until the line after,
+        # and nothing opens a session in between.
+        super().__init__(app, session_factory=sessionmaker(), settings=resolved, clock=clock)
+        self.sessions = self._django_sessions
+        app.set_default()
+        self._on_commit_methods()
+        self._worker_defaults()
+        if resolved.table_prefix == DEFAULT_PREFIX:  # the admin lists the default-prefix tables only
+            dead_letters.use(self)
+
+    def _worker_defaults(self) -> None:
+        """What ``recommended_celery_config`` gives the Flask path, for the app's OWN tasks too: late acks and
+        ``reject_on_worker_lost`` (a task whose worker is SIGKILLed is redelivered, not lost), prefetch 1, task
+        events for Flower without ``-E``. Only keys the project did not set (``CELERY_*`` in settings.py or
+        on ``app.conf``); its own choice wins. The keys are ``WORKER_DEFAULTS``."""
+        conf = self.app.conf
+        prefix = conf.__dict__.get("prefix") or ""
+        for key, value in WORKER_DEFAULTS.items():
+            names = {key, key.upper(), f"{prefix}{key.upper()}"}
+            if not any(name in source for source in conf.maps[:-1] for name in names):  # the last map: Celery's defaults
+                conf[key] = value
+
+    def _on_commit_methods(self) -> None:
+        """``delay_on_commit``/``apply_async_on_commit`` on this app's tasks (Celery's ``DjangoTask`` API, given
+        to every task of the app): inside ``atomic()`` on the outbox's alias a task the outbox carries is a row
+        of THAT transaction, written now (no window between the commit and a callback where a crash loses
+        it); a task the outbox does not carry keeps Django's ``on_commit``; outside ``atomic()`` it is sent at
+        once, as ``on_commit`` would (then ``enqueue_outside_transaction`` decides)."""
+        outbox = self
+
+        def apply_async_on_commit(task: Any, *args: Any, **kwargs: Any) -> Any:
+            from django.db import transaction
+
+            in_atomic = transaction.get_connection(outbox.using).in_atomic_block
+            if not in_atomic or outbox._enqueue_interceptor.captures(task.name, {}):
+                return task.apply_async(*args, **kwargs)
+            transaction.on_commit(functools.partial(task.apply_async, *args, **kwargs), using=outbox.using)
+            return None
+
+        def delay_on_commit(task: Any, *args: Any, **kwargs: Any) -> Any:
+            return apply_async_on_commit(task, args, kwargs)
+
+        base = self.app.Task
+        base.apply_async_on_commit = apply_async_on_commit
+        base.delay_on_commit = delay_on_commit

@@ -1,0 +1,89 @@
+"""An app that sends scheduled tasks through the outbox, built only on the public API (docs/scheduled.md).
+
+``celery -A tests.tasks.schedapp worker`` and ``outbox -A tests.tasks.schedapp relay`` load it; a test
+process builds its own copy with ``build(...)``. From the environment: ``SCHEDAPP_BROKER_URL``,
+``SCHEDAPP_DATABASE_URL``, ``SCHEDAPP_QUEUE``, ``SCHEDAPP_VISIBILITY_S`` (the Redis visibility timeout,
+shortened so a test sees its redelivery) and ``SCHEDAPP_QUORUM=1`` (the task's queue is a RabbitMQ quorum
+queue).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from celery import Celery
+from kombu import Exchange, Queue
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from celery_outbox import Outbox, Settings
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    """One row per run of the task (a test counts them), with when it ran and the eta it was given."""
+
+    __tablename__ = "schedapp_runs"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    task_id: Mapped[str] = mapped_column(sa.String(64))
+    ran_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+    eta: Mapped[str | None] = mapped_column(sa.String(64), nullable=True)
+
+
+@dataclass
+class SchedApp:
+    outbox: Outbox
+    sessions: sessionmaker[Session]
+    remind: Any
+    metadata: sa.MetaData
+
+    def create_schema(self) -> None:
+        engine = self.sessions.kw["bind"]
+        self.metadata.create_all(engine)
+        Base.metadata.create_all(engine)
+
+    def runs(self) -> list[Run]:
+        with self.sessions() as s:
+            return list(s.execute(sa.select(Run).order_by(Run.id)).scalars())
+
+
+def build(broker_url: str, database_url: str, queue: str, *, visibility_s: int = 300, quorum: bool = False) -> SchedApp:
+    from celery_outbox.clock import SystemClock
+
+    engine = sa.create_engine(database_url)
+    sessions = sessionmaker(engine)
+    app = Celery("schedapp", broker=broker_url, set_as_current=False)
+    arguments = {"x-queue-type": "quorum"} if quorum else None
+    app.conf.update(task_routes={"schedapp.remind": {"queue": queue}}, broker_connection_retry_on_startup=True,
+                    task_queues=[Queue(queue, Exchange(queue), routing_key=queue, durable=True,
+                                       queue_arguments=arguments)],
+                    accept_content=["json"], task_serializer="json", worker_hijack_root_logger=False)
+    # A short visibility timeout needs retries and time limits below it (Settings.RELATIONS).
+    below = 1 if visibility_s <= 60 else 60
+    settings = Settings(database_url=database_url, broker_url=broker_url, namespace=queue.replace(".", "-"),
+                        broker_visibility_timeout_s=visibility_s, relay_poll_interval_s=1.0,
+                        consumer_retry_backoff_max_s=below, consumer_time_limit_s=below)
+    outbox = Outbox(app, engine=engine, settings=settings)
+    metadata = sa.MetaData()
+    outbox.define_tables(metadata)
+
+    @app.task(name="schedapp.remind", bind=True, shared=False)  # type: ignore[untyped-decorator]
+    def remind(self: Any, who: str) -> None:
+        with sessions.begin() as s:
+            s.add(Run(task_id=str(self.request.id), ran_at_ms=SystemClock().now_ms(),
+                      eta=None if self.request.eta is None else str(self.request.eta)))
+
+    return SchedApp(outbox=outbox, sessions=sessions, remind=remind, metadata=metadata)
+
+
+_built = build(os.environ.get("SCHEDAPP_BROKER_URL", "memory://"), os.environ.get("SCHEDAPP_DATABASE_URL", "sqlite://"),
+               os.environ.get("SCHEDAPP_QUEUE", "schedapp.reminders"),
+               visibility_s=int(os.environ.get("SCHEDAPP_VISIBILITY_S", "300")),
+               quorum=os.environ.get("SCHEDAPP_QUORUM") == "1")
+outbox = _built.outbox
+app = outbox.app
