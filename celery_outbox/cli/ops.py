@@ -355,7 +355,7 @@ class Threshold:
 
 
 def thresholds(st: ops_stats.Stats, *, fail_on_dead_letters: bool, max_pending_age_ms: int | None,
-               max_overdue_ms: int | None = None) -> list[Threshold]:
+               max_overdue_ms: int | None = None, max_claim_held_ms: int | None = None) -> list[Threshold]:
     """The thresholds asked for, each with its value and whether it is crossed."""
     found: list[Threshold] = []
     if fail_on_dead_letters:
@@ -377,6 +377,14 @@ def thresholds(st: ops_stats.Stats, *, fail_on_dead_letters: bool, max_pending_a
             crossed=late is not None and late > max_overdue_ms,
             message=f"a pending outbox row has been due for {_age(late)} and no relay has published it, over the "
                     f"limit of {_age(max_overdue_ms)} (every relay stopped or stuck? rows backing off are not counted)"))
+    if max_claim_held_ms is not None:
+        held = st.claim_held_ms
+        found.append(Threshold(
+            name="max_claim_held_ms", limit=max_claim_held_ms, value=held,
+            crossed=held is not None and held > max_claim_held_ms,
+            message=f"a relay has held its claimed rows for {_age(held)} without publishing and marking them, over "
+                    f"the limit of {_age(max_claim_held_ms)} (a relay stopped or stuck mid-batch; other relays skip "
+                    "its rows until Postgres ends its transaction)"))
     return found
 
 
@@ -389,17 +397,20 @@ def thresholds(st: ops_stats.Stats, *, fail_on_dead_letters: bool, max_pending_a
 @click.option("--max-overdue", "max_overdue_ms", type=Duration(), default=None,
               help=f"Exit {EXIT_PROBLEM} if a pending row has been due for longer than this with no relay publishing "
                    "it (e.g. 1m); rows backing off after a failure are not due, so they never trip it.")
+@click.option("--max-claim-held", "max_claim_held_ms", type=Duration(), default=None,
+              help=f"Exit {EXIT_PROBLEM} if a relay has held claimed rows longer than this without marking them "
+                   "(e.g. 30s; Postgres: a relay stopped or stuck mid-batch).")
 @click.pass_context
 @handle_errors
 def stats(ctx: click.Context, as_json: bool, fail_on_dead_letters: bool, max_pending_age_ms: int | None,
-          max_overdue_ms: int | None) -> None:
+          max_overdue_ms: int | None, max_claim_held_ms: int | None) -> None:
     """Pending count, oldest pending age, dead letters per source/consumer, inbox size, duplicates.
     With a threshold: exit 3 and one line per crossed threshold on stderr (see README "Probes and exit codes")."""
     outbox = get_outbox(ctx)
     with _sessions(ctx)() as session:
         st = ops_stats.collect(session, tables=outbox.tables, clock=SystemClock())
     checks = thresholds(st, fail_on_dead_letters=fail_on_dead_letters, max_pending_age_ms=max_pending_age_ms,
-                        max_overdue_ms=max_overdue_ms)
+                        max_overdue_ms=max_overdue_ms, max_claim_held_ms=max_claim_held_ms)
     if as_json:
         data = st.to_dict()
         if checks:
@@ -417,10 +428,11 @@ def stats(ctx: click.Context, as_json: bool, fail_on_dead_letters: bool, max_pen
 def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     console = _console()
     outbox_t = Table(title="outbox")
-    for col in ("pending", "due", "retrying", "oldest pending", "due unpublished for", "published (retained)"):
+    for col in ("pending", "due", "retrying", "oldest pending", "due unpublished for", "relay claim held",
+                "published (retained)"):
         outbox_t.add_column(col)
     outbox_t.add_row(str(st.pending), str(st.due), str(st.retrying), _age(st.oldest_pending_age_ms),
-                     _age(st.oldest_overdue_ms), str(st.published))
+                     _age(st.oldest_overdue_ms), _age(st.claim_held_ms), str(st.published))
     console.print(outbox_t)
     re_t = Table(title="re-sent by the reconciler (never arrived)")
     for col in ("total", "events (per consumer)", "@outbox.task", "plain tasks"):

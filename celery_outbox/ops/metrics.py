@@ -41,6 +41,13 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
                                       "Pending outbox rows that failed to publish at least once"),
         "oldest": GaugeMetricFamily("outbox_oldest_pending_age_seconds",
                                     "Age of the oldest pending outbox row (0 when none)"),
+        "overdue": GaugeMetricFamily("outbox_oldest_overdue_seconds",
+                                     "How long the longest-due pending row has been due and unpublished (0 when "
+                                     "none); rows backing off after a failed publish are not due, so it grows only "
+                                     "when no relay claims due rows"),
+        "claim_held": GaugeMetricFamily("outbox_relay_claim_held_seconds",
+                                        "Postgres: how long the oldest relay claim (rows locked, mark not committed) "
+                                        "has been open (0 when none; always 0 on SQLite)"),
         "published": GaugeMetricFamily("outbox_published_retained_messages",
                                        "Published outbox rows not yet pruned by retention"),
         "dead": GaugeMetricFamily("outbox_dead_letters", "Unreplayed dead letters",
@@ -94,6 +101,8 @@ class OutboxCollector(Collector):
         fam["due"].add_metric([], st.due)
         fam["retrying"].add_metric([], st.retrying)
         fam["oldest"].add_metric([], (st.oldest_pending_age_ms or 0) / 1000)
+        fam["overdue"].add_metric([], (st.oldest_overdue_ms or 0) / 1000)
+        fam["claim_held"].add_metric([], (st.claim_held_ms or 0) / 1000)
         fam["published"].add_metric([], st.published)
         for g in st.dead_letters:
             labels = [g.source, g.consumer or ""]

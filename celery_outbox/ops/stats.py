@@ -47,6 +47,10 @@ class Stats:
     # How long the longest-due pending row has been due and unpublished. A row backing off after a failed
     # publish is not due yet, so it never counts: this grows only when no relay is claiming due rows.
     oldest_overdue_ms: int | None = None
+    # Postgres: how long the oldest relay claim in flight (rows locked FOR UPDATE by a claim that has not
+    # committed its mark) has been open. A relay stopped or stuck mid-batch holds its rows here, unpublished,
+    # while every other relay skips them. None when no claim is open (always on SQLite: see ``claim_held_ms``).
+    claim_held_ms: int | None = None
     dead_letters: list[DeadLetterGroup] = field(default_factory=list)
     inbox: dict[str, int] = field(default_factory=dict)
     duplicates_absorbed: dict[str, int] = field(default_factory=dict)
@@ -73,7 +77,7 @@ class Stats:
             "now_ms": self.now_ms,
             "outbox": {"pending": self.pending, "due": self.due, "retrying": self.retrying,
                        "oldest_pending_age_ms": self.oldest_pending_age_ms, "published_retained": self.published,
-                       "oldest_overdue_ms": self.oldest_overdue_ms},
+                       "oldest_overdue_ms": self.oldest_overdue_ms, "claim_held_ms": self.claim_held_ms},
             "dead_letters": {"total": self.dead_letter_total, "oldest_age_ms": self.oldest_dead_letter_age_ms,
                              "groups": [g.to_dict() for g in self.dead_letters]},
             "inbox": {"total": sum(self.inbox.values()), "per_consumer": dict(self.inbox)},
@@ -86,6 +90,28 @@ class Stats:
 
 def _pending_where(tables: Tables) -> tuple[sa.ColumnElement[bool], ...]:
     return (tables.outbox.published_at_ms.is_(None), tables.outbox.dead_lettered_at_ms.is_(None))
+
+
+def claim_held_ms(session: Session, *, tables: Tables) -> int | None:
+    """How long the oldest open claim on the outbox table has been held, in ms (None: no claim open).
+
+    Postgres only: a claim is the relay's ``SELECT ... FOR UPDATE SKIP LOCKED`` (relay/queries.py), which
+    holds a ``RowShareLock`` on the table until the batch's mark commits; nothing else in the library keeps
+    one open for longer than a statement or two. ``pg_locks`` and ``pg_stat_activity`` are small in-memory
+    views, so this costs one short query a scrape. Sessions of other database roles show no start time
+    without ``pg_read_all_stats`` and are not counted. On SQLite the relay's claim is committed before the
+    publish (a single-flight file lock serialises the relays instead), so there is never one to report.
+    """
+    bind = session.get_bind()
+    if bind.dialect.name != "postgresql":
+        return None
+    held = session.execute(sa.text(
+        "SELECT (extract(epoch FROM clock_timestamp() - min(a.xact_start)) * 1000)::bigint "
+        "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE l.locktype = 'relation' AND l.relation = to_regclass(:table) AND l.mode = 'RowShareLock' "
+        "AND l.granted AND l.pid <> pg_backend_pid()"
+    ), {"table": tables.table(tables.outbox).fullname}).scalar()
+    return None if held is None else max(0, int(held))
 
 
 def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
@@ -135,6 +161,7 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
         now_ms=now, pending=int(pending), due=int(due), retrying=int(retrying),
         oldest_pending_age_ms=None if oldest_created is None else max(0, now - int(oldest_created)),
         published=int(published), oldest_overdue_ms=None if first_due is None else max(0, now - int(first_due)),
+        claim_held_ms=claim_held_ms(session, tables=tables),
         dead_letters=groups, inbox=inbox, duplicates_absorbed=duplicates,
         counters=counters,
     )

@@ -60,3 +60,19 @@ def test_stats_max_overdue_sets_the_exit_code(sqlite_sessions: sessionmaker[Sess
     r = run(env, "stats", "--max-overdue", "1m")
     assert r.exit_code == 3
     assert "has been due for 5m" in r.stderr and "no relay has published it" in r.stderr
+
+
+def test_sqlite_never_reports_a_held_claim(sqlite_sessions: sessionmaker[Session], sqlite_url: str, tables: Tables,
+                                           tmp_home: Path, namespace: str) -> None:
+    # Given a SQLite outbox with a due row (its relay commits the claim before publishing: nothing stays held)
+    env = {"OUTBOX_DATABASE_URL": sqlite_url, "OUTBOX_HOME": str(tmp_home), "OUTBOX_NAMESPACE": namespace,
+           "OUTBOX_BROKER_URL": "memory://"}
+    with sqlite_sessions() as s:
+        outbox_row(s, tables=tables, created_at_ms=SystemClock().now_ms())
+    # When --max-claim-held is asked for
+    r = run(env, "stats", "--max-claim-held", "1s", "--json")
+    # Then it is reported, never crossed, and the stats say there is no claim
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["outbox"]["claim_held_ms"] is None
+    assert data["thresholds"] == [{"name": "max_claim_held_ms", "limit": 1_000, "value": None, "crossed": False}]
