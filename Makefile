@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 ORDERS ?= 100
 
-.PHONY: demo test lint typecheck unit integration chaos bench clean
+.PHONY: demo test lint typecheck unit integration chaos bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,9 @@ integration: $(STAMP)
 
 chaos: $(STAMP)
 	$(BIN)/pytest tests/chaos
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf var .pytest_cache .mypy_cache .ruff_cache

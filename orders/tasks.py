@@ -2,7 +2,7 @@
 
 ``place_order`` calls ``confirmation_email_task(outbox).delay(order_id)`` inside
 ``outbox.transaction(session)``: the task is an outbox row that commits or rolls back with the order,
-and the relay publishes it to ``<namespace>.email`` (README, "Transactional enqueue").
+and the relay publishes it to ``<namespace>.email`` (docs/tasks.md, "Transactional enqueue").
 
 The e-mail is an effect OUTSIDE the database, so it is handled like a consumer's ``prepare`` step
 (celery_outbox/inbox/handle.py). The function of an ``@outbox.task`` runs inside the inbox

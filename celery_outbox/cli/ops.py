@@ -405,7 +405,7 @@ def thresholds(st: ops_stats.Stats, *, fail_on_dead_letters: bool, max_pending_a
 def stats(ctx: click.Context, as_json: bool, fail_on_dead_letters: bool, max_pending_age_ms: int | None,
           max_overdue_ms: int | None, max_claim_held_ms: int | None) -> None:
     """Pending count, oldest pending age, dead letters per source/consumer, inbox size, duplicates.
-    With a threshold: exit 3 and one line per crossed threshold on stderr (see README "Probes and exit codes")."""
+    With a threshold: exit 3 and one line per crossed threshold on stderr (see docs/operations.md, "Probes and exit codes")."""
     outbox = get_outbox(ctx)
     with _sessions(ctx)() as session:
         st = ops_stats.collect(session, tables=outbox.tables, clock=SystemClock())

@@ -36,7 +36,7 @@ EXIT_PROBLEM = 3
 @handle_errors
 def check(ctx: click.Context, no_broker: bool, timeout_ms: int, as_json: bool) -> None:
     """Readiness: database reachable, schema at this library's head revision, broker reachable.
-    Exit 0 when all pass, 3 with one line per failed check otherwise (see README "Probes and exit codes")."""
+    Exit 0 when all pass, 3 with one line per failed check otherwise (see docs/operations.md, "Probes and exit codes")."""
     if timeout_ms <= 0:
         raise click.BadParameter("must be > 0", param_hint="--timeout")
     outbox = get_outbox(ctx)

@@ -14,7 +14,7 @@ a message whose outbox row retention has pruned other than its inbox rows and de
 
 A key that is not a message id is matched against the ``entity_key`` and ``correlation_id`` headers of
 outbox rows: no index serves that (the headers are JSON), so it reads the outbox table once, newest
-first, and stops at ``limit`` messages (README "One message's story" states the measured cost).
+first, and stops at ``limit`` messages (docs/operations.md, "One message's story", states the measured cost).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The README's "Running it for real" block, run as written against a fresh home directory.
+"""The "Running it for real" block (docs/deployment.md, linked from the README), run as written against a
+fresh home directory.
 
-The commands are read from README.md itself, so a command that changes there is the command tested
+The commands are read from the page itself, so a command that changes there is the command tested
 here. Only the values of the ``export`` line are replaced (its example hosts do not exist) by a fresh,
 unmigrated Postgres database and Redis; the namespace is unique (``OUTBOX_NAMESPACE``) so parallel
 runs share no queue, ``OUTBOX_HOME`` is a directory that does not exist yet, and gunicorn's own
@@ -39,13 +40,14 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.workers, pyte
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's celery, outbox, gunicorn, python
-SECTION = "## Running it for real"
+PAGE = ROOT / "docs" / "deployment.md"
+SECTION = "# Running it for real"
 EXPECTED = ["python", "celery", "celery", "outbox", "gunicorn"]  # the programs of the block, in order
 
 
 def readme_block() -> tuple[dict[str, str], list[list[str]]]:
-    """The ``export`` line's variables and every other command of the section's bash block."""
-    text = (ROOT / "README.md").read_text()
+    """The ``export`` line's variables and every other command of the page's first bash block."""
+    text = PAGE.read_text()
     section = text[text.index(SECTION):]
     body = section[section.index("```bash\n") + len("```bash\n"):]
     body = body[:body.index("```")]
@@ -73,7 +75,7 @@ def free_port() -> int:
 
 @pytest.fixture
 def fresh_database() -> Iterator[str]:
-    """An empty Postgres database (not migrated: the README's db-upgrade does that); dropped after."""
+    """An empty Postgres database (not migrated: the page's db-upgrade does that); dropped after."""
     require_service("PostgreSQL", "127.0.0.1", 5432)
     name = f"outbox_readme_{uuid.uuid4().hex[:10]}"
     admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
@@ -107,7 +109,7 @@ def answers(url: str) -> bool:
 def test_the_readme_commands_run_as_written(fresh_database: str, redis_url: str, namespace: str,
                                             tmp_path: Path) -> None:
     exports, commands = readme_block()
-    # Given the README's block: one export line naming the database and the broker, then the commands
+    # Given the page's block: one export line naming the database and the broker, then the commands
     assert set(exports) == {"OUTBOX_DATABASE_URL", "OUTBOX_BROKER_URL"}, exports
     assert [c[0] for c in commands] == EXPECTED, commands
     upgrade, *services = commands
@@ -205,7 +207,7 @@ def test_beat_that_cannot_make_its_state_directory_says_so_in_one_line(tmp_path:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env.update({"OUTBOX_HOME": str(blocker / "home"), "OUTBOX_BROKER_URL": "memory://",
                 "OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}", "PYTHONUNBUFFERED": "1"})
-    # When the README's beat command starts
+    # When the page's beat command starts
     done = subprocess.run([str(BIN / "celery"), "-A", "relay.app", "beat"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     out = done.stdout + done.stderr
