@@ -1,4 +1,5 @@
-"""The dead-letter admin page (``/admin/dead-letters``) and ``/metrics`` for the Flask app.
+"""The dead-letter admin page (``/admin/dead-letters``, its groups and one message's trace) and ``/metrics``
+for the Flask app.
 
 Access: ``settings.admin_token`` as a bearer token (``Authorization: Bearer <token>``) or as the
 basic-auth password (any user name). With no token configured the page does not exist (404), so a
@@ -38,9 +39,11 @@ from celery_outbox.celery.probe import broker_probe
 from celery_outbox.celery.sender import replay_sender
 from celery_outbox.clock import Clock
 from celery_outbox.errors import ConfigError, DatabaseError, NotFoundError, OutboxError
+from celery_outbox.ops import dead_letter_groups as dl_groups
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import health
 from celery_outbox.ops import metrics as ops_metrics
+from celery_outbox.ops import trace as ops_trace
 from celery_outbox.outbox import Outbox
 from celery_outbox.settings import Settings
 
@@ -72,6 +75,8 @@ _LAYOUT_HEAD = ("""<!doctype html><html><head><meta charset="utf-8"><title>{{ ti
 
 LIST_TEMPLATE = _LAYOUT_HEAD + """
 <h1>Dead letters</h1>
+<p><a href="{{ url_for('outbox_admin.groups') }}">groups</a> |
+<a href="{{ url_for('outbox_admin.trace') }}">trace a message</a></p>
 {% if flash %}<p class="flash" id="flash">{{ flash }}</p>{% endif %}
 {% if error %}<p class="error" id="error">{{ error }}</p>{% endif %}
 <p id="count">{{ items|length }} dead letter(s)</p>
@@ -103,6 +108,59 @@ SHOW_TEMPLATE = _LAYOUT_HEAD + """
 <h2>Payload</h2><pre id="payload">{{ pretty(d.payload) }}</pre>
 <h2>Headers</h2><pre id="headers">{{ pretty(d.headers) }}</pre>
 {{ buttons(d) }}
+</body></html>"""
+
+GROUPS_TEMPLATE = _LAYOUT_HEAD + """
+<p><a href="{{ url_for('outbox_admin.index') }}">&larr; all dead letters</a></p>
+<h1>Dead-letter groups</h1>
+<p id="count">{{ groups|length }} group(s), {{ total }} dead letter(s)</p>
+{% if groups %}
+<table id="groups">
+<tr><th>group</th><th>count</th><th>consumer</th><th>error</th><th>first seen</th><th>last seen</th><th>sample</th></tr>
+{% for g in groups %}
+<tr data-group="{{ g.id }}"><td>{{ g.id }}</td><td>{{ g.count }}</td><td>{{ g.consumer }}</td>
+<td>{{ (g.error_class ~ ": " if g.error_class else "") ~ g.message[:120] }}</td>
+<td>{{ ago(g.first_seen_ms) }}</td><td>{{ ago(g.last_seen_ms) }}</td>
+<td><a href="{{ url_for('outbox_admin.show', dl_id=g.sample_id) }}">{{ g.sample_id }}</a></td></tr>
+{% endfor %}
+</table>
+<p>Replay or purge a whole group, throttled and resumable: <code>outbox dead-letters replay --group GROUP</code>,
+<code>outbox dead-letters purge --group GROUP --yes --archive FILE</code>.</p>
+{% endif %}
+</body></html>"""
+
+TRACE_TEMPLATE = _LAYOUT_HEAD + """
+<p><a href="{{ url_for('outbox_admin.index') }}">&larr; all dead letters</a></p>
+<h1>Trace a message</h1>
+<form method="get" action="{{ url_for('outbox_admin.trace') }}">
+<input name="key" value="{{ key }}" size="50" placeholder="message id, entity key (order:42) or correlation id">
+<button type="submit">Trace</button></form>
+{% if error %}<p class="error" id="error">{{ error }}</p>{% endif %}
+{% for t in traces %}
+<h2 class="message">{{ t.message_id }} ({{ t.kind }}, {{ t.type or "?" }}): {{ t.state }}</h2>
+<table class="outbox-hop">
+<tr><th>entity key / correlation</th><td>{{ t.entity_key or "-" }} / {{ t.correlation_id or "-" }}</td></tr>
+<tr><th>committed</th><td>{{ ago(t.created_at_ms) }}</td></tr>
+<tr><th>published</th><td>{{ ago(t.published_at_ms) }}{% if t.publish_latency_ms is not none %}
+ (+{{ t.publish_latency_ms }} ms){% endif %}</td></tr>
+<tr><th>failed publish attempts</th><td>{{ t.publish_attempts_failed }}</td></tr>
+{% if t.last_publish_error %}<tr><th>last publish error</th><td>{{ t.last_publish_error[:300] }}</td></tr>{% endif %}
+{% if t.dead_lettered_at_ms %}<tr><th>relay dead-lettered</th><td>{{ ago(t.dead_lettered_at_ms) }}</td></tr>{% endif %}
+</table>
+<table class="hops">
+<tr><th>consumer or task</th><th>kind</th><th>state</th><th>processed</th><th>after publish</th>
+<th>failed deliveries</th><th>dead letters</th><th>last error</th></tr>
+{% for h in t.hops %}
+<tr data-hop="{{ h.name }}"><td>{{ h.name }}</td><td>{{ h.kind }}</td><td>{{ h.state }}</td>
+<td>{{ ago(h.processed_at_ms) }}</td><td>{{ "-" if h.latency_ms is none else h.latency_ms ~ " ms" }}</td>
+<td>{{ h.failed_deliveries }}</td>
+<td>{% for d in h.dead_letters %}<a href="{{ url_for('outbox_admin.show', dl_id=d.id) }}">{{ d.id }}</a>
+{% if d.replayed_at_ms %}(replayed){% endif %} {% else %}-{% endfor %}</td>
+<td>{{ (h.last_error or (h.dead_letters[-1].error if h.dead_letters else "") or "-")[:120] }}</td></tr>
+{% endfor %}
+</table>
+{% endfor %}
+{% if traces %}<p id="not-recorded">Not recorded, so not shown: {{ not_recorded }}</p>{% endif %}
 </body></html>"""
 
 BUTTONS_TEMPLATE = """<form method="post" action="{{ url_for('outbox_admin.replay', dl_id=d.id|string) }}">
@@ -218,6 +276,7 @@ def _page(template: str, **kw: Any) -> str:
 
     return render_template_string(
         template, age=lambda d: _human_age(d.age_ms(now)),
+        ago=lambda ms: "-" if ms is None else _human_age(max(0, now - ms)) + " ago",
         pretty=_pretty,
         buttons=lambda d: Markup(buttons(d)), **kw,
     )
@@ -271,6 +330,31 @@ def make_blueprint() -> Blueprint:
         items = dl.list_dead_letters(_session(), tables=_outbox().tables)
         return _page(LIST_TEMPLATE, title="Dead letters", items=items, flash=request.args.get("done"),
                      error=request.args.get("error"))
+
+    @bp.get("/groups")
+    def groups() -> str:
+        found = dl_groups.list_groups(_session(), tables=_outbox().tables)
+        return _page(GROUPS_TEMPLATE, title="Dead-letter groups", groups=found, total=sum(g.count for g in found))
+
+    @bp.get("/trace")
+    def trace() -> tuple[str, int]:
+        """One message's story (``outbox trace``): ``?key=`` a message id, an entity key or a correlation id."""
+        key = request.args.get("key", "")
+        traces: list[ops_trace.MessageTrace] = []
+        error, status = None, 200
+        if key:
+            outbox = _outbox()
+            try:
+                traces = ops_trace.trace(_session(), key, tables=outbox.tables, routes=outbox.routes(),
+                                         idempotent_tasks=outbox.idempotent_tasks())
+            except NotFoundError as e:
+                error, status = str(e), 404
+            except DatabaseError:
+                raise  # 503 without the database's text
+            except OutboxError as e:
+                error, status = str(e), 400
+        return _page(TRACE_TEMPLATE, title="Trace a message", key=key, traces=traces, error=error,
+                     not_recorded="; ".join(ops_trace.NOT_RECORDED)), status
 
     @bp.get("/<dl_id>")
     def show(dl_id: str) -> str:

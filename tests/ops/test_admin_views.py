@@ -1,0 +1,98 @@
+"""The web page shows what the CLI shows: dead-letter groups (``outbox dead-letters groups``) and one message's
+story (``outbox trace``), behind the same token, with the same refusals, HTML-escaped."""
+
+from __future__ import annotations
+
+import html
+import re
+import uuid
+
+import pytest
+from flask.testing import FlaskClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox.clock import ManualClock
+from celery_outbox.ops import dead_letter_groups as groups
+from celery_outbox.schema import Tables
+from celeryconfig import Settings
+from orders.web import create_app
+from tests.ops_seed import T0, consumer_dead_letter, envelope, order_payload
+
+TOKEN = "s3cret-token-0123456"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def client(settings: Settings, sqlite_sessions: sessionmaker[Session], clock: ManualClock) -> FlaskClient:
+    clock.set(T0 + 60_000)
+    app = create_app(settings=settings.replace(admin_token=TOKEN), session_factory=sqlite_sessions, clock=clock)
+    return app.test_client()
+
+
+def test_groups_page_lists_each_group_with_its_count_and_sample(client: FlaskClient, tables: Tables,
+                                                                sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given two billing dead letters for missing orders and one shipping one whose error holds markup
+    with sqlite_sessions() as s:
+        for order in ("1", "22"):
+            consumer_dead_letter(s, tables=tables, consumer="billing", env=envelope(order),
+                                 error=f"LookupError: order {order} not found")
+        consumer_dead_letter(s, tables=tables, consumer="shipping", error="RuntimeError: <script>alert(1)</script>")
+        listed = groups.list_groups(s, tables=tables)
+    # When the groups page is opened with the token
+    r = client.get("/admin/dead-letters/groups", headers=BEARER)
+    page = r.get_data(as_text=True)
+    # Then it shows both groups, as the CLI lists them, each with its count and a link to its sample
+    assert r.status_code == 200, page
+    assert "2 group(s), 3 dead letter(s)" in page
+    for g in listed:
+        row = re.search(rf'<tr data-group="{g.id}">(.*?)</tr>', page, flags=re.S)
+        assert row, g.id
+        assert f"<td>{g.count}</td>" in row.group(1) and f'/admin/dead-letters/{g.sample_id}"' in row.group(1)
+    # And the error text (normalised as the group has it) is escaped, never markup
+    assert "<script>alert" not in page
+    assert html.escape("RuntimeError: <script>alert(<n>)</script>", quote=False) in page  # normalised, escaped
+    # And the list page links to it
+    assert 'href="/admin/dead-letters/groups"' in client.get("/admin/dead-letters/", headers=BEARER).get_data(True)
+
+
+def test_trace_page_tells_one_orders_story(client: FlaskClient, tables: Tables,
+                                           sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given order 42's event, published after 40 ms, processed by shipping and dead-lettered by billing
+    mid = uuid.uuid4()
+    with sqlite_sessions() as s:
+        s.add(tables.outbox(message_id=mid, type="OrderPlaced", payload=order_payload("42"),
+                            headers={"correlation_id": "req-42", "entity_key": "order:42"},
+                            created_at_ms=T0, published_at_ms=T0 + 40, attempts=0, next_attempt_at_ms=T0))
+        s.add(tables.inbox(message_id=mid, consumer="shipping", type="OrderPlaced", processed_at_ms=T0 + 100))
+        s.commit()
+        dl_id = consumer_dead_letter(s, tables=tables, consumer="billing", env=envelope("42", message_id=mid),
+                                     error="LookupError: order 42 not found")
+    # When it is traced by its entity key
+    r = client.get("/admin/dead-letters/trace?key=order:42", headers=BEARER)
+    page = r.get_data(as_text=True)
+    # Then the page shows the message, its publish latency and each consumer's part
+    assert r.status_code == 200, page
+    assert f"{mid} (event, OrderPlaced): published" in page and "(+40 ms)" in page
+    shipping = re.search(r'<tr data-hop="shipping">(.*?)</tr>', page, flags=re.S)
+    billing = re.search(r'<tr data-hop="billing">(.*?)</tr>', page, flags=re.S)
+    assert shipping and "<td>processed</td>" in shipping.group(1) and "<td>60 ms</td>" in shipping.group(1)
+    assert billing and "dead-lettered" in billing.group(1) and f"/admin/dead-letters/consumer:{dl_id}" in billing.group(1)
+    assert "order 42 not found" in billing.group(1)
+    assert "Not recorded, so not shown" in page
+
+
+@pytest.mark.parametrize(("key", "status", "said"), [
+    ("order:404", 404, "no outbox message has id, entity_key or correlation_id"),
+    ("x" * 5000, 400, "is not a message id or key"),
+    ("order\x0042", 400, "is not a message id or key"),
+])
+def test_trace_page_refuses_what_the_cli_refuses(client: FlaskClient, key: str, status: int, said: str) -> None:
+    r = client.get("/admin/dead-letters/trace", query_string={"key": key}, headers=BEARER)
+    assert r.status_code == status
+    assert said in r.get_data(as_text=True)
+
+
+def test_groups_and_trace_need_the_token(client: FlaskClient) -> None:
+    for path in ("/admin/dead-letters/groups", "/admin/dead-letters/trace?key=order:42"):
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
