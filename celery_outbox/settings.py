@@ -434,8 +434,9 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "db_keepalives_count": IntRule(1, 127),  # Linux TCP_KEEPCNT maximum
     "consumer_time_limit_s": IntRule(1, 86_400),
     "metrics_port": IntRule(0, 65_535, zero="0 = off"),
-    # Celery tasks sent outside any bound transaction: refused (the default) or sent to the broker at once.
-    "enqueue_outside_transaction": ChoiceRule(("raise", "publish")),
+    # Celery tasks sent outside any bound transaction: a row committed on its own (the default), refused,
+    # or sent to the broker at once.
+    "enqueue_outside_transaction": ChoiceRule(("own_transaction", "raise", "publish")),
     "enqueue_exclude": TaskNamesRule(),  # task names never captured into the outbox
     "admin_token": TokenRule(),
     "crash_points": CrashPointsRule(),
@@ -550,9 +551,11 @@ class Settings:
     consumer_time_limit_s: int = 120  # below broker_visibility_timeout_s (Redis redelivers a longer one)
 
     # Transactional enqueue (celery_outbox/celery/enqueue.py): ``task.delay()`` outside a transaction
-    # bound with ``outbox.transaction(session)`` (or Django's ``atomic()``) raises, or ("publish")
-    # goes to the broker directly as plain Celery would; excluded task names are never captured.
-    enqueue_outside_transaction: str = "raise"
+    # bound with ``outbox.transaction(session)`` (or Django's ``atomic()``) writes its row in a short
+    # transaction of its own ("own_transaction": durable, not atomic with earlier writes), raises
+    # ("raise", the strict mode), or goes to the broker directly as plain Celery would ("publish");
+    # excluded task names are never captured.
+    enqueue_outside_transaction: str = "own_transaction"
     enqueue_exclude: tuple[str, ...] = ()
 
     metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
