@@ -238,6 +238,19 @@ class Outbox:
 
         return decorate if consumer_name is None else decorate(consumer_name)
 
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the database connections of the engine this outbox built from ``database_url`` (an
+        engine, session factory or Celery app you passed stays yours to close). Idempotent; a later use
+        reconnects. Call it at the end of a test, a script or ``atexit``."""
+        self.sessions.close()
+
+    def __enter__(self) -> Outbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- Celery wiring ---------------------------------------------------------------------------
     def _configure_app(self) -> None:
         conf = self.app.conf
