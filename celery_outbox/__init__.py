@@ -6,7 +6,7 @@ package starts nothing, connects to nothing and reads no environment.
 
 from __future__ import annotations
 
-from celery_outbox.celery.config import celery_config as recommended_celery_config
+from celery_outbox.celery.config import recommended_celery_config
 from celery_outbox.clock import Clock, ManualClock, SystemClock
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
