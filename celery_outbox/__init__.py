@@ -29,6 +29,7 @@ from celery_outbox.errors import (
 from celery_outbox.inbox.handle import effect_now_ms
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
+from celery_outbox.migrate import alembic_filters
 from celery_outbox.migrate import check as check_database
 from celery_outbox.migrate import upgrade as migrate_database
 from celery_outbox.outbox import Outbox
@@ -70,6 +71,7 @@ __all__ = [
     "TransactionRequiredError",
     "UnknownEventTypeError",
     "ValidationError",
+    "alembic_filters",
     "check_database",
     "consumer",
     "define_tables",

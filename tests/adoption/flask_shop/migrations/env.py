@@ -4,12 +4,13 @@ from alembic import context
 from shop.app import Base, create
 from sqlalchemy import create_engine
 
+from celery_outbox import alembic_filters
+
 create(context.config.get_main_option("sqlalchemy.url") or "", "memory://")  # define the outbox tables into Base.metadata
 target_metadata = Base.metadata
 
 engine = create_engine(context.config.get_main_option("sqlalchemy.url") or "")
 with engine.connect() as connection:
-    context.configure(connection=connection, target_metadata=target_metadata,
-                      include_name=lambda name, type_, parent: type_ != "table" or not str(name).startswith("outbox_"))
+    context.configure(connection=connection, target_metadata=target_metadata, **alembic_filters())
     with context.begin_transaction():
         context.run_migrations()
