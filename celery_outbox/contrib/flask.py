@@ -498,8 +498,16 @@ class FlaskOutbox:
     @staticmethod
     def _new_celery(app: Flask) -> Celery:
         """A Celery app for ``app`` as Flask's Celery guide makes one: configured from ``app.config["CELERY"]``,
-        the default app (``@shared_task`` binds to it), kept in ``app.extensions["celery"]``."""
-        celery_app = Celery(app.import_name)
+        every task run inside ``app.app_context()`` (``db.session`` works in a task), the default app
+        (``@shared_task`` binds to it), kept in ``app.extensions["celery"]``."""
+        from celery import Task
+
+        class FlaskTask(Task):
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                with app.app_context():
+                    return self.run(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+        celery_app = Celery(app.import_name, task_cls=FlaskTask)
         celery_app.config_from_object(dict(app.config.get("CELERY") or {}))
         celery_app.set_default()
         app.extensions["celery"] = celery_app
