@@ -23,7 +23,7 @@ from celery import Celery, bootsteps
 from kombu import Exchange, Queue
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
-from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, relay_tasks
+from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, relay_tasks, tracing_hook
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
 from celery_outbox.clock import Clock, SystemClock
@@ -64,6 +64,7 @@ class Outbox:
         ops_tasks.register(app, self)
         self._install_enqueue()
         gate.register(self)  # every task message a worker of this app takes is checked (celery/gate.py)
+        tracing_hook.install(self)  # OUTBOX_TRACER_PROVIDER: here and in each worker pool process
         app.steps["worker"].add(self._boot_check_step())
 
     # -- schema ----------------------------------------------------------------------------------

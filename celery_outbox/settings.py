@@ -444,6 +444,8 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "enqueue_exclude": TaskNamesRule(),  # task names never captured into the outbox
     "admin_token": TokenRule(),
     "crash_points": CrashPointsRule(),
+    "tracer_provider": PatternRule(r"(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)?",
+                                   "empty or module.path:function (returning an OpenTelemetry TracerProvider)"),
 }
 
 LIBRARY_RELATIONS: tuple[Relation, ...] = (
@@ -565,6 +567,9 @@ class Settings:
     metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
     admin_token: str = ""  # a secret: masked in repr/str and errors
     crash_points: str = ""  # comma separated names armed for chaos tests
+    # "module:function" returning an OpenTelemetry TracerProvider, installed in every process that runs
+    # outbox work: where the Outbox is built and in each worker pool process (celery/tracing_hook.py).
+    tracer_provider: str = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # ``@dataclass`` on a subclass would generate a repr showing every value, passwords included;

@@ -58,6 +58,7 @@ from kombu import Exchange, Queue
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
+from celery_outbox import tracing
 from celery_outbox.errors import (
     ConfigError,
     DatabaseError,
@@ -313,7 +314,8 @@ class Interceptor:
         properties = {k: v for k, v in publish.items() if k not in _PUBLISH_ARGS and _is_json(v)}
         row_headers: dict[str, Any] = {
             "outbox_kind": TASK_KIND,
-            "task_headers": dict(publish.get("headers") or task_headers),
+            # the caller's trace context (a no-op without OpenTelemetry): the relay and worker continue it
+            "task_headers": tracing.traced_headers(dict(publish.get("headers") or task_headers)),
             "properties": properties,
             "exchange": str(exchange_name),
             "routing_key": str(publish.get("routing_key") or ""),

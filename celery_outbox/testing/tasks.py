@@ -108,7 +108,8 @@ def _apply(app: Any, name: str, message: TaskMessage, *, throw: bool) -> Any:
     errbacks = [signature(s, app=app) for s in embed.get("errbacks") or ()]
     result = app.tasks[name].apply(args=args, kwargs=kwargs, task_id=str(message.headers["id"]),
                                    retries=message.headers.get("retries") or 0, link=links or None,
-                                   link_error=errbacks or None, throw=throw)
+                                   link_error=errbacks or None, throw=throw, headers=dict(message.headers),
+                                   routing_key=message.routing_key)
     chain = list(embed.get("chain") or ())
     if chain and result.successful():  # as Celery's tracer does: the next step gets the result
         following = signature(chain.pop(), app=app)
