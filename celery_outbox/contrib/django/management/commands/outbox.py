@@ -20,10 +20,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from celery_outbox.errors import ConfigError
-from celery_outbox.outbox import Outbox
+from celery_outbox.contrib.django.outbox import project_outbox
 
-PROG = "manage.py outbox"
+PROG = "manage.py outbox"  # also in project_outbox()'s message
 _DJANGO_VALUE_OPTIONS = ("--settings", "--pythonpath")  # applied by manage.py before the command runs
 _APP_OPTIONS = ("-A", "--app")
 
@@ -53,23 +52,6 @@ def _names_an_app(argv: list[str]) -> bool:
         if not arg.startswith("-"):
             return False
     return False
-
-
-def project_outbox() -> Outbox:
-    """The ``Outbox`` ``DjangoOutbox(app)`` registered in this process, else the one ``OUTBOX_INSTANCE`` names."""
-    from django.conf import settings
-
-    from celery_outbox.contrib.django import dead_letters
-
-    outbox = dead_letters.registered()
-    if outbox is not None:
-        return outbox
-    if getattr(settings, dead_letters.SETTING, None) is None:
-        raise ConfigError(
-            "this process built no DjangoOutbox: import your Celery app where Django starts (proj/__init__.py: "
-            f"`from .celery import app as celery_app`), set {dead_letters.SETTING} = 'proj.celery:outbox' in "
-            f"settings.py, or name it: {PROG} -A proj.celery ...")
-    return dead_letters.configured()[0]
 
 
 class ProjectOutbox(dict[str, Any]):
