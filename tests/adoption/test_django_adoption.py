@@ -77,14 +77,15 @@ def project_env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def start_worker(project_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
+def start_worker(project_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     with ExitStack() as stack:
-        yield lambda: stack.enter_context(support.celery_worker("proj", cwd=HERE, env=project_env,
-                                                                 log_path=tmp_path / "worker.log"))
+        yield lambda *pool: stack.enter_context(support.celery_worker("proj", cwd=HERE, env=project_env,
+                                                                       log_path=tmp_path / "worker.log",
+                                                                       pool=pool or ("-P", "solo")))
 
 
 def test_a_django_project_with_its_own_orders_app_adopts_the_outbox(
-        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[[], subprocess.Popen[bytes]]) -> None:
+        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[..., subprocess.Popen[bytes]]) -> None:
     db = Path(project_env["SHOP_DB_PATH"])
     # Given the project migrated by Django's own `migrate`: its tables and the library's, from their migrations
     manage(project_env, "migrate", "--no-input")
@@ -150,7 +151,7 @@ def test_a_process_not_bound_to_the_outbox_fails_loudly_at_the_first_delay(proje
 
 
 def test_delay_in_a_shell_is_a_committed_row_that_a_real_worker_runs(
-        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[[], subprocess.Popen[bytes]]) -> None:
+        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[..., subprocess.Popen[bytes]]) -> None:
     db = Path(project_env["SHOP_DB_PATH"])
     manage(project_env, "migrate", "--no-input")
     # Given a bound process (it imports proj.celery) sending a @shared_task with no atomic() open
@@ -165,3 +166,24 @@ def test_delay_in_a_shell_is_a_committed_row_that_a_real_worker_runs(
     assert wait_for(db, "SELECT count(*) FROM orders_notification WHERE order_id = 'confirmed:o-1'", 1) == 1, \
         (tmp_path / "worker.log").read_text()[-3000:]
     assert query(db, "SELECT replace(message_id, '-', '') FROM outbox_messages") == [(task_id.replace("-", ""),)]
+
+
+def test_a_plain_task_whose_worker_process_is_sigkilled_mid_task_is_redelivered(
+        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[..., subprocess.Popen[bytes]]) -> None:
+    db = Path(project_env["SHOP_DB_PATH"])
+    marker = tmp_path / "killed-once"
+    manage(project_env, "migrate", "--no-input")
+    # Given a plain @shared_task, with only what DjangoOutbox sets (no acks_late in settings.py or on the task),
+    # committed as a row by a bound shell and published by the relay
+    out = shell(project_env, f"import proj.celery; from orders.tasks import confirm_once_killed; "
+                             f"confirm_once_killed.delay('o-9', {str(marker)!r})")
+    assert out.returncode == 0, out.stderr[-3000:]
+    # When a real prefork worker takes it and its process is SIGKILLed mid-task
+    worker = start_worker("-P", "prefork", "-c", "1")
+    relay_once(project_env)
+    # Then the message is not lost: redelivered, it runs to the end once
+    assert wait_for(db, "SELECT count(*) FROM orders_notification WHERE order_id = 'confirmed:o-9'", 1) == 1, \
+        (tmp_path / "worker.log").read_text()[-3000:]
+    log = (tmp_path / "worker.log").read_text(errors="replace")
+    assert marker.read_text() == "killed" and "signal 9" in log, log[-3000:]  # it really was killed mid-task
+    assert worker.poll() is None
