@@ -187,3 +187,37 @@ def test_a_plain_task_whose_worker_process_is_sigkilled_mid_task_is_redelivered(
     log = (tmp_path / "worker.log").read_text(errors="replace")
     assert marker.read_text() == "killed" and "signal 9" in log, log[-3000:]  # it really was killed mid-task
     assert worker.poll() is None
+
+
+KILL = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+
+
+def test_each_idiom_under_a_sigkill_right_after_the_commit_delivers_what_the_docs_promise(
+        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[..., subprocess.Popen[bytes]]) -> None:
+    db = Path(project_env["SHOP_DB_PATH"])
+    manage(project_env, "migrate", "--no-input")
+    bound = "import os, signal; import proj.celery; from django.db import transaction; " \
+            "from orders.models import Order; from orders.tasks import confirm; "
+    # Given three processes, each SIGKILLed right after its commit, before any relay ran:
+    # a script's .delay() (its row commits on its own),
+    script = shell(project_env, bound + f"confirm.delay('script'); {KILL}")
+    # delay_on_commit() inside atomic() (a row of that transaction, so even a kill in the first on_commit
+    # callback, before any callback could send it, cannot lose it),
+    on_commit_method = shell(project_env, bound + "\nwith transaction.atomic():\n    Order.objects.create(id='doc')\n"
+                                                  "    transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))\n"
+                                                  "    confirm.delay_on_commit('doc')\n")
+    # and transaction.on_commit(lambda: .delay()) killed the same way, between the commit and its callback
+    callback = shell(project_env, bound + "\nwith transaction.atomic():\n    Order.objects.create(id='cb')\n"
+                                          "    transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))\n"
+                                          "    transaction.on_commit(lambda: confirm.delay('cb'))\n")
+    assert [p.returncode for p in (script, on_commit_method, callback)] == [-9, -9, -9], callback.stderr[-2000:]
+    assert sorted(query(db, "SELECT id FROM orders_order")) == [("cb",), ("doc",)]
+    # When the relay and a real worker run
+    start_worker()
+    relay_once(project_env)
+    # Then the script's task and the delay_on_commit task each run once; the on_commit callback's task is lost,
+    # as docs/django.md says (a crash between the commit and the callback), while its order committed
+    confirmed = "SELECT count(*) FROM orders_notification WHERE order_id IN ('confirmed:script', 'confirmed:doc')"
+    assert wait_for(db, confirmed, 2) == 2, (tmp_path / "worker.log").read_text()[-3000:]
+    assert sorted(query(db, "SELECT order_id FROM orders_notification")) == [("confirmed:doc",), ("confirmed:script",)]
+    assert query(db, "SELECT count(*) FROM outbox_messages WHERE published_at_ms IS NULL") == [(0,)]
