@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 ORDERS ?= 100
 
-.PHONY: demo test lint typecheck unit integration chaos bench docs clean
+.PHONY: demo test test-django6 lint typecheck unit integration chaos bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,6 +19,29 @@ demo: $(STAMP)
 
 test: $(STAMP) lint typecheck
 	$(BIN)/pytest
+	$(MAKE) test-django6
+
+# Django 6 (the newest release; it needs Python >= 3.12) beside the 5.2 LTS of .venv: the Django suite,
+# the django.tasks backend tests and the Django adoption test, in a second virtualenv.
+DJ6_VENV ?= .venv-django6
+DJ6_STAMP := $(DJ6_VENV)/.installed-stamp
+# python3.12 or python3.13 on PATH (under pyenv, the newest installed 3.12/3.13 when the shim has none active)
+ifndef DJ6_PY
+DJ6_PY := $(shell for p in python3.12 python3.13; do $$p -c 'import sys; assert sys.version_info >= (3, 12); print(sys.executable)' 2>/dev/null && exit; done; \
+	for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[23]\.' | sort -V); do PYENV_VERSION=$$v python3 -c 'import sys; print(sys.executable)' 2>/dev/null && exit; done)
+endif
+
+$(DJ6_STAMP): pyproject.toml
+	@test -n "$(DJ6_PY)" || { echo "test-django6: Django 6 needs python3.12 or python3.13 on PATH" >&2; exit 1; }
+	test -x $(DJ6_VENV)/bin/python || $(DJ6_PY) -m venv $(DJ6_VENV)
+	$(DJ6_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DJ6_VENV)/bin/python -m pip install -q -e '.[postgres,redis,otel]' 'django>=6.0,<7' 'pytest>=8,<10' \
+		'pytest-timeout>=2.3,<3' 'pytest-django>=4.9,<5' 'freezegun>=1.5,<2' 'hypothesis>=6.100,<7' 'opentelemetry-sdk>=1.25,<2'
+	touch $(DJ6_STAMP)
+
+test-django6: $(DJ6_STAMP)
+	$(DJ6_VENV)/bin/python -c 'import django, sys; assert django.VERSION >= (6,), django.get_version()'
+	$(DJ6_VENV)/bin/pytest tests/django tests/adoption/test_django_adoption.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

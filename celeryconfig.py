@@ -69,7 +69,8 @@ def celery_config(settings: Settings, broker_url: str) -> dict[str, Any]:
     home-relative beat file, ``worker_concurrency`` pool processes unless ``celery worker -c`` says otherwise)."""
     from celery_outbox import recommended_celery_config
 
-    return {**recommended_celery_config(settings, broker_url, beat_schedule_filename=settings.beat_schedule_filename,
+    return {**recommended_celery_config(settings, broker_url, dedicated=True,
+                                        beat_schedule_filename=settings.beat_schedule_filename,
                                         consumers=tuple(TASK_QUEUES.values())),
             "task_routes": {task: {"queue": settings.queue_name(queue)} for task, queue in TASK_QUEUES.items()},
             "worker_concurrency": settings.worker_concurrency}

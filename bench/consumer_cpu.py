@@ -69,7 +69,7 @@ def _plain_app() -> Any:
 
     settings = Settings(database_url=os.environ["BENCH_DB_URL"], namespace=os.environ["BENCH_NAMESPACE"])
     app = Celery("plain")
-    app.conf.update(recommended_celery_config(settings, os.environ["BENCH_BROKER_URL"]))
+    app.conf.update(recommended_celery_config(settings, os.environ["BENCH_BROKER_URL"], dedicated=True))
     app.conf.task_queues = [plain_queue(settings.namespace)]
     spec = default_registry()[os.environ["BENCH_CONSUMER"]]
     holder: dict[str, Any] = {}

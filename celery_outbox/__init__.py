@@ -7,7 +7,7 @@ package starts nothing, connects to nothing and reads no environment.
 from __future__ import annotations
 
 from celery_outbox.cancel import Cancelled
-from celery_outbox.celery.config import celery_config as recommended_celery_config
+from celery_outbox.celery.config import recommended_celery_config
 from celery_outbox.clock import Clock, ManualClock, SystemClock
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
@@ -31,6 +31,7 @@ from celery_outbox.errors import (
 from celery_outbox.inbox.handle import effect_now_ms
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
+from celery_outbox.migrate import alembic_filters
 from celery_outbox.migrate import check as check_database
 from celery_outbox.migrate import upgrade as migrate_database
 from celery_outbox.outbox import Outbox
@@ -74,6 +75,7 @@ __all__ = [
     "TransactionRequiredError",
     "UnknownEventTypeError",
     "ValidationError",
+    "alembic_filters",
     "check_database",
     "consumer",
     "define_tables",

@@ -277,3 +277,15 @@ class SessionSource:
                     self._factory = self._given
                 self._pid = pid
             return self._factory
+
+    def close(self) -> None:
+        """Close the pooled connections of the engine this source built from a URL (a given engine or
+        session factory is its owner's to dispose). The next use opens new ones."""
+        with self._lock:
+            if self._url is not None and self._factory is not None and self._pid == os.getpid():
+                bind = self._factory.kw.get("bind")
+                if bind is not None:
+                    bind.dispose()
+            if self._url is not None:
+                self._factory = None
+                self._pid = None

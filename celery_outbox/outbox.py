@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from celery_outbox.cancel import Cancelled
 from celery_outbox.cancel import cancel as cancel_row
-from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, receipts, relay_tasks
+from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, receipts, relay_tasks, tracing_hook
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
 from celery_outbox.clock import Clock, SystemClock
@@ -67,6 +67,7 @@ class Outbox:
         ops_tasks.register(app, self)
         self._install_enqueue()
         gate.register(self)  # every task message a worker of this app takes is checked (celery/gate.py)
+        tracing_hook.install(self)  # OUTBOX_TRACER_PROVIDER: here and in each worker pool process
         app.steps["worker"].add(self._boot_check_step())
         app.steps["worker"].add(receipts.receipt_step(self))  # plain outbox tasks' receipts (reconciler)
 
@@ -256,6 +257,19 @@ class Outbox:
             return idempotent_task.define(self.app, self, fn, name=task_name_, policy=policy, options=options)
 
         return decorate if consumer_name is None else decorate(consumer_name)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the database connections of the engine this outbox built from ``database_url`` (an
+        engine, session factory or Celery app you passed stays yours to close). Idempotent; a later use
+        reconnects. Call it at the end of a test, a script or ``atexit``."""
+        self.sessions.close()
+
+    def __enter__(self) -> Outbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- Celery wiring ---------------------------------------------------------------------------
     def _configure_app(self) -> None:

@@ -1,7 +1,11 @@
-"""Settings: one validated object passed in; ``OUTBOX_*`` environment variables only as a fallback.
+"""Settings: one validated object passed in, with one precedence rule wherever it is built.
 
-``Settings.from_env()`` is the one place that reads the environment, called at the edge (the CLI, a
-deployment's config module), never on import.
+**Explicit arguments > ``OUTBOX_*`` environment variables > defaults.** ``Settings(namespace="shop")``
+takes ``namespace`` from the code and every other field from its ``OUTBOX_<FIELD>`` variable when the
+operator set one (``OUTBOX_ADMIN_TOKEN``, ``OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION``...), else its default.
+``Settings.from_env(environ, **overrides)`` is the same rule over a given mapping (``from_env({}, ...)``:
+no environment at all, for tests). ``replace()`` keeps every value it copies. The environment is read
+when a ``Settings`` is built, never on import.
 
 Every field has exactly one rule in ``Settings.RULES`` (a deployment's subclass extends the table):
 how its variable is read, which values it may take (numbers finite and in range for where they go,
@@ -442,6 +446,8 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "enqueue_hold_eta_after_ms": IntRule(1, 365 * DAY_MS),
     "admin_token": TokenRule(),
     "crash_points": CrashPointsRule(),
+    "tracer_provider": PatternRule(r"(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)?",
+                                   "empty or module.path:function (returning an OpenTelemetry TracerProvider)"),
 }
 
 REDIS_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel")
@@ -554,7 +560,7 @@ LIBRARY_RELATIONS: tuple[Relation, ...] = (
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """Every knob of the library. Pass one to ``Outbox``; ``from_env`` is the fallback at the edge."""
+    """Every knob of the library. Pass one to ``Outbox``: explicit arguments > ``OUTBOX_*`` > defaults."""
 
     RULES: ClassVar[Mapping[str, Rule]] = LIBRARY_RULES
     RELATIONS: ClassVar[tuple[Relation, ...]] = LIBRARY_RELATIONS
@@ -615,9 +621,11 @@ class Settings:
     consumer_time_limit_s: int = 20  # below broker_visibility_timeout_s (Redis redelivers a longer one)
 
     # Transactional enqueue (celery_outbox/celery/enqueue.py): ``task.delay()`` outside a transaction
-    # bound with ``outbox.transaction(session)`` (or Django's ``atomic()``) raises, or ("publish")
-    # goes to the broker directly as plain Celery would; excluded task names are never captured.
-    enqueue_outside_transaction: str = "raise"
+    # bound with ``outbox.transaction(session)`` (or Django's ``atomic()``) writes its row in a short
+    # transaction of its own ("own_transaction": durable, not atomic with earlier writes), raises
+    # ("raise", the strict mode), or goes to the broker directly as plain Celery would ("publish");
+    # excluded task names are never captured.
+    enqueue_outside_transaction: str = "own_transaction"
     enqueue_exclude: tuple[str, ...] = ()
     # A captured task whose eta (countdown) is further ahead than this stays an outbox row until due and is
     # published then without an eta, so no worker holds it unacked (docs/scheduled.md).
@@ -626,6 +634,9 @@ class Settings:
     metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
     admin_token: str = ""  # a secret: masked in repr/str and errors
     crash_points: str = ""  # comma separated names armed for chaos tests
+    # "module:function" returning an OpenTelemetry TracerProvider, installed in every process that runs
+    # outbox work: where the Outbox is built and in each worker pool process (celery/tracing_hook.py).
+    tracer_provider: str = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # ``@dataclass`` on a subclass would generate a repr showing every value, passwords included;
@@ -667,7 +678,18 @@ class Settings:
                 seen[name] = None
         return tuple(seen)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # Which fields the caller gave: only the others are read from the environment (``__post_init__``).
+        self = super().__new__(cls)
+        object.__setattr__(self, "_explicit", frozenset(kwargs))
+        return self
+
     def __post_init__(self) -> None:
+        explicit = self.__dict__.pop("_explicit", None)
+        names = {f.name for f in dataclasses.fields(self)}
+        if explicit is not None and not names <= explicit:
+            for name, value in self._read_env(os.environ, skip=explicit).items():
+                object.__setattr__(self, name, value)
         rules = self._rules()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -703,18 +725,30 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Self:
-        """Build settings from ``OUTBOX_<FIELD>`` variables.
+        """``overrides`` > ``OUTBOX_<FIELD>`` variables of ``environ`` (``os.environ`` by default) > defaults.
 
         Any bad value raises one ``ConfigError`` whose message is one line: a clause per bad variable,
         naming it, separated by ``; `` (a secret's value is never repeated).
         """
-        env = os.environ if environ is None else environ
+        values = cls._read_env(os.environ if environ is None else environ, skip=frozenset(overrides))
+        for f in dataclasses.fields(cls):  # every field given: the constructor reads no other environment
+            if f.name not in values and f.name not in overrides and f.init:
+                if f.default is not dataclasses.MISSING:
+                    values[f.name] = f.default
+                elif f.default_factory is not dataclasses.MISSING:
+                    values[f.name] = f.default_factory()
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def _read_env(cls, env: Mapping[str, str], *, skip: frozenset[str]) -> dict[str, Any]:
+        """The fields (except ``skip``) whose ``OUTBOX_<FIELD>`` variable ``env`` sets, parsed by their rule."""
         rules = cls._rules()
         values: dict[str, Any] = {}
         errors: list[str] = []
         for f in dataclasses.fields(cls):
             key = f"OUTBOX_{f.name.upper()}"
-            if key not in env or f.name in overrides:
+            if key not in env or f.name in skip:
                 continue
             raw = env[key]
             rule = rules[f.name]
@@ -724,8 +758,7 @@ class Settings:
                 errors.append(_clause(key, str(e), raw, rule))
         if errors:
             raise ConfigError("; ".join(errors))
-        values.update(overrides)
-        return cls(**values)
+        return values
 
     @classmethod
     def _rules(cls) -> Mapping[str, Rule]:

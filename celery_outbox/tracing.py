@@ -10,16 +10,26 @@ check (the current span for the writer, the global provider for relay and consum
   propagator (W3C ``traceparent``/``tracestate`` by default). It never overwrites the outbox's own
   headers, and never makes an event refused: when the context would push it over the size limit,
   the event is written without it.
+- **task enqueue** (``celery.enqueue``): a task sent with ``.delay()`` through the outbox carries the
+  current trace context in its Celery message headers (``traced_headers`` on the task headers).
 - **relay** (``relay.dispatch``): ``relay_spans`` opens one PRODUCER span per claimed row, a child
-  of the context the row was written in, and the envelope the consumers receive carries that span's
-  context instead; the spans end with the row's outcome (published, failed, dead-lettered, broker
-  unavailable). A row the context would make unpublishable (over the size limit) goes without it.
+  of the context the row was written in, and the envelope the consumers receive (a task row: the
+  task's message headers) carries that span's context instead; the span names the row's real
+  destination (a consumer's queue, a task's own queue). The spans end with the row's outcome
+  (published, failed, dead-lettered, broker unavailable). A row the context would make
+  unpublishable (over the size limit) goes without it. Celery's own instrumentation on the worker
+  continues a plain task's trace from those headers.
 - **consumer** (``delivery.deliver``): ``consuming`` opens the CONSUMER span of one delivery, a
   child of the context in the envelope's headers (the relay's span), current while the handler runs
   (an event it publishes continues the trace), ending with the delivery's outcome. Envelope headers
   are untrusted: only string values of a bounded length reach the propagator. A span already
   current in another trace (Celery's own instrumentation, whose task headers the outbox's strategy
-  does not carry) is kept as a link.
+  does not carry) is kept as a link. On a worker (``worker_message``, set by the consumer and
+  ``@outbox.task`` tasks), the span names the queue the message really came from, and an
+  ``@outbox.task`` run continues the trace its task message carries.
+- **tracer providers** (``Settings.tracer_provider``, ``OUTBOX_TRACER_PROVIDER=module:function``):
+  one hook for every process: the ``Outbox`` calls it where it is built (web, ``outbox relay``,
+  ``celery beat``) and again in each Celery worker pool process after the fork (``celery/tracing_hook.py``).
 
 Nothing here may fail the work it observes: an error inside OpenTelemetry is logged and ignored.
 """
@@ -30,6 +40,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -39,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("celery_outbox.tracing")
 
 TRACER_NAME = "celery_outbox"
+TASK_KIND = "task"  # messages.TASK_KIND: a row holding a Celery task message (its headers in "task_headers")
 MESSAGING_SYSTEM = "celery"  # every outbox message is a Celery task message (messages.py)
 HEADER_MAX_CHARS = 8192  # longest header value handed to the propagator (W3C baggage's own limit)
 
@@ -144,6 +156,26 @@ def traced_headers(headers: dict[str, Any]) -> dict[str, Any]:
         return headers
 
 
+def _carrier(headers: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Where a row's trace context lives: a task row's Celery message headers, an event row's own headers."""
+    if isinstance(headers, Mapping) and headers.get("outbox_kind") == TASK_KIND \
+            and isinstance(headers.get("task_headers"), Mapping):
+        task_headers: Mapping[str, Any] = headers["task_headers"]
+        return task_headers
+    return headers if isinstance(headers, Mapping) else {}
+
+
+def _destination(row: _Row, routes: Mapping[str, Sequence[str]], namespace: str) -> list[str]:
+    """The queues a row goes to: a task's own queue (as Celery routed it), an event's consumers' queues."""
+    headers = row.headers if isinstance(row.headers, Mapping) else {}
+    if headers.get("outbox_kind") == TASK_KIND:
+        queue = headers.get("queue")
+        name = queue.get("name") if isinstance(queue, Mapping) else None
+        found = _text(name) or _text(headers.get("routing_key"))
+        return [found] if found else []
+    return [f"{namespace}.{c}" for c in routes.get(row.type, ())]
+
+
 # -- relay ------------------------------------------------------------------------------------------
 class _Row(Protocol):
     @property
@@ -196,8 +228,12 @@ class RelaySpans:
         assert self._api is not None
         span, parent = self._spans[i]
         try:
-            headers = _with_context(self._api, row.headers, self._api.trace.set_span_in_context(span, parent),
-                                    replace=True)
+            context = self._api.trace.set_span_in_context(span, parent)
+            if _carrier(row.headers) is not row.headers:  # a task row: the worker reads the task's headers
+                task_headers = _with_context(self._api, _carrier(row.headers), context, replace=True)
+                headers = {**row.headers, "task_headers": task_headers}
+            else:
+                headers = _with_context(self._api, row.headers, context, replace=True)
         except Exception:
             log.debug("could not add the relay's trace context to row %s", row.seq, exc_info=True)
             return row
@@ -249,8 +285,8 @@ def relay_spans(rows: Sequence[_Row], *, routes: Mapping[str, Sequence[str]], na
     spans: list[tuple[Span, Context]] = []
     try:
         for row in rows:
-            parent = _extract(api, row.headers)
-            queues = [f"{namespace}.{c}" for c in routes.get(row.type, ())]
+            parent = _extract(api, _carrier(row.headers))
+            queues = _destination(row, routes, namespace)
             attributes: dict[str, Any] = {
                 "messaging.system": MESSAGING_SYSTEM, "messaging.operation.type": "send",
                 "messaging.operation.name": "publish", "messaging.message.id": str(row.message_id),
@@ -304,8 +340,13 @@ def consuming(*, consumer: str, destination: str, message_id: str, event_type: A
     if api is None or tracer is None:
         yield NO_CONSUMER_SPAN
         return
+    worker = _WORKER.get()
+    if worker is not None:
+        destination = worker.destination or destination
     try:
         parent: Context | None = _extract(api, headers)
+        if worker is not None and worker.headers and not api.trace.get_current_span(parent).get_span_context().is_valid:
+            parent = _extract(api, worker.headers)  # an @outbox.task run: the trace its task message carries
         links = []
         theirs = api.trace.get_current_span(parent).get_span_context()
         current = api.trace.get_current_span().get_span_context()
@@ -333,3 +374,56 @@ def consuming(*, consumer: str, destination: str, message_id: str, event_type: A
         return
     with api.trace.use_span(span, end_on_exit=True, record_exception=True, set_status_on_exception=True):
         yield ConsumerSpan(api, span)
+
+
+# -- worker -----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _WorkerMessage:
+    destination: str | None
+    headers: Mapping[str, Any]
+
+
+_WORKER: ContextVar[_WorkerMessage | None] = ContextVar("celery_outbox_worker_message", default=None)
+
+
+@contextmanager
+def worker_message(request: Any) -> Iterator[None]:
+    """Inside this block a delivery's span names the queue Celery's ``request`` came from (its routing
+    key: every outbox queue is bound under its own name) and may continue the trace in its headers."""
+    info = getattr(request, "delivery_info", None) or {}
+    destination = _text(info.get("routing_key")) if isinstance(info, Mapping) else None
+    headers: dict[str, str] = {}
+    api = _api()
+    if api is not None:
+        try:
+            given = getattr(request, "headers", None)  # an eager run's headers; a worker's are attributes
+            given = given if isinstance(given, Mapping) else {}
+            for name in api.propagate.get_global_textmap().fields:
+                value = getattr(request, name, None)
+                value = value if value is not None else given.get(name)
+                if isinstance(value, str) and len(value) <= HEADER_MAX_CHARS:
+                    headers[name] = value
+        except Exception:
+            log.debug("could not read the trace context of a task request", exc_info=True)
+    token = _WORKER.set(_WorkerMessage(destination=destination or None, headers=headers))
+    try:
+        yield
+    finally:
+        _WORKER.reset(token)
+
+
+# -- tracer providers ----------------------------------------------------------------------------------
+def install_tracer_provider(factory: Callable[[], Any]) -> bool:
+    """Make ``factory()`` the global tracer provider unless one is already set in this process (OpenTelemetry
+    allows it once per process); True when it was installed here. Never raises: tracing stays off."""
+    api = _api()
+    if api is None:
+        return False
+    try:
+        if not isinstance(api.trace.get_tracer_provider(), api.trace.ProxyTracerProvider):
+            return False
+        api.trace.set_tracer_provider(factory())
+        return True
+    except Exception:
+        log.warning("the tracer provider hook failed; tracing is off in this process", exc_info=True)
+        return False

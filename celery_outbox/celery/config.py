@@ -148,3 +148,37 @@ def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename
         **({"beat_schedule_filename": beat_schedule_filename} if beat_schedule_filename else {}),
         "worker_hijack_root_logger": False,
     }
+
+
+# What ``recommended_celery_config`` sets on an app you already run: behaviour the guarantees rely on, never
+# your queues, default queue, routes, result backend, transport options or beat schedule (``Outbox`` adds
+# its own queues, routes, transport options and beat entries to those, keeping yours; README "Adopt it").
+MERGED_KEYS = (
+    "broker_connection_retry_on_startup",
+    "task_serializer", "result_serializer", "event_serializer", "accept_content", "result_accept_content",
+    "task_acks_late", "task_reject_on_worker_lost",
+    "worker_prefetch_multiplier", "worker_enable_prefetch_count_reduction",
+    "worker_send_task_events", "task_send_sent_event",
+)
+
+
+def recommended_celery_config(settings: Settings, broker_url: str | None = None, *, dedicated: bool = False,
+                              beat_schedule_filename: str | None = None, consumers: tuple[str, ...] = ()
+                              ) -> dict[str, Any]:
+    """What we run Celery with, for ``app.conf.update(...)`` on the app your ``Outbox`` is built on.
+
+    By default it merges into an app you already run: JSON only, late acks with ``reject_on_worker_lost``
+    (a task of a killed worker is redelivered, yours too), prefetch 1, task events for Flower without
+    ``-E`` (``MERGED_KEYS``), and ``broker_url`` when you pass one. Your queues, default queue, routes and
+    result backend stay; the ``Outbox`` adds its queues beside yours. ``dedicated=True`` is for an app
+    that runs only the outbox (the reference deployment): every key of ``celery_config``, including
+    the queue list, the relay's queue as the default, no result backend.
+    """
+    url = broker_url if broker_url is not None else (settings.broker_url or "")
+    full = celery_config(settings, url, beat_schedule_filename=beat_schedule_filename, consumers=consumers)
+    if dedicated:
+        return full
+    merged = {key: full[key] for key in MERGED_KEYS}
+    if broker_url:
+        merged["broker_url"] = broker_url
+    return merged

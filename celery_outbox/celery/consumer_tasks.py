@@ -27,6 +27,7 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import Reject
 
+from celery_outbox import tracing
 from celery_outbox.celery import events
 from celery_outbox.celery.config import consumer_time_limits
 from celery_outbox.celery.strategy import STRATEGY
@@ -79,9 +80,10 @@ def deliver_or_retry(task: Any, ctx: Context, spec: ConsumerSpec, body: Any, *, 
     retry with the policy's countdown instead of returning. Shared by consumer and idempotent tasks."""
     try:
         info = task.request.delivery_info or {}
-        result = deliver(ctx.sessions(), spec, body, tables=ctx.tables, request_id=request_id,
-                         settings=settings, clock=ctx.clock, crash_points=ctx.crash_points,
-                         first_delivery=not task.request.retries, redelivered=bool(info.get("redelivered")))
+        with tracing.worker_message(task.request):  # the span names the real queue (celery_outbox/tracing.py)
+            result = deliver(ctx.sessions(), spec, body, tables=ctx.tables, request_id=request_id,
+                             settings=settings, clock=ctx.clock, crash_points=ctx.crash_points,
+                             first_delivery=not task.request.retries, redelivered=bool(info.get("redelivered")))
     except Exception as e:  # never let a failure escape: acks_late would ack (and drop) the message
         result = Delivery(outcome=Outcome.RETRY, deliveries=0,
                           error=storable_text(f"{e.__class__.__name__}: {e}", limit=2000),

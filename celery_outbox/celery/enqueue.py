@@ -16,8 +16,11 @@ Where the row goes, in order:
    ``outbox.enqueue(session, signature)``: the SQLAlchemy ``session``;
 2. an ambient transaction a contrib registers (``celery_outbox.contrib.django``: inside
    ``transaction.atomic()``, through the Django ORM);
-3. none: ``Settings.enqueue_outside_transaction`` says ``"raise"`` (``TransactionRequiredError``,
-   nothing sent) or ``"publish"`` (sent at once, as plain Celery would).
+3. none (a script, a shell, a command, code after the commit): ``Settings.enqueue_outside_transaction``
+   says ``"own_transaction"`` (the default: the row commits at once in a short transaction of its own
+   on the outbox's engine, ``OwnTransactionWriter``; durable across a broker outage and a crash, but not
+   atomic with anything the caller wrote before), ``"raise"`` (the strict mode:
+   ``TransactionRequiredError``, nothing sent) or ``"publish"`` (sent at once, as plain Celery would).
 
 Never captured, always sent as Celery sends them: the library's own tasks (``celery_outbox.*``, the
 consumer tasks), Celery's built-ins (``celery.*``), names in ``Settings.enqueue_exclude``, a retry a
@@ -60,10 +63,13 @@ import sqlalchemy as sa
 from celery import signals
 from celery.utils.time import maybe_make_aware
 from kombu import Exchange, Queue
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
+from celery_outbox import tracing
 from celery_outbox.errors import (
     ConfigError,
+    DatabaseError,
     MalformedMessageError,
     SerializationError,
     TransactionRequiredError,
@@ -128,6 +134,38 @@ class SessionWriter:
         # (they are flushed when the caller says so), and no ORM overhead on a per-call lookup.
         stmt = sa.select(sa.literal(1)).where(self.tables.table(model).c.message_id == message_id).limit(1)
         return self.session.connection().execute(stmt).first() is not None
+
+
+class OwnTransactionWriter:
+    """No transaction is open (a script, a shell, code after the commit): the row commits at once in a
+    short transaction of its own on the outbox's engine. Durable (the relay sends it after a crash or a
+    broker outage), never atomic with what the caller wrote before (README "Transactional enqueue")."""
+
+    def __init__(self, outbox: Any) -> None:
+        self.outbox = outbox
+
+    def write(self, values: dict[str, Any]) -> None:
+        name = values["type"]
+        try:
+            with self.outbox.sessions()() as session, session.begin():
+                session.add(self.outbox.tables.outbox(**values))
+        except sa_exc.IntegrityError:  # a chosen task id another process wrote between the check and the insert
+            raise ValidationError(f"task {name!r} has task_id {str(values['message_id'])!r}, which an outbox row "
+                                  "already holds (a task id is the message id: use a new one); nothing was written"
+                                  ) from None
+        except sa_exc.SQLAlchemyError as e:
+            raise DatabaseError(f"writing the outbox row of task {name!r} ({values['message_id']}) in a transaction "
+                                f"of its own failed: {e.__class__.__name__}; nothing was written") from e
+
+    def holds(self, message_id: uuid.UUID) -> bool:
+        stmt = sa.select(sa.literal(1)).where(self.outbox.tables.table(self.outbox.tables.outbox).c.message_id
+                                              == message_id).limit(1)
+        try:
+            with self.outbox.sessions()() as session:
+                return session.connection().execute(stmt).first() is not None
+        except sa_exc.SQLAlchemyError as e:
+            raise DatabaseError(f"checking task id {message_id} against the outbox failed: "
+                                f"{e.__class__.__name__}") from e
 
 
 # (outbox, writer) pairs bound by ``Outbox.transaction``, innermost last.
@@ -221,14 +259,16 @@ class Interceptor:
             return self.original(producer, name, message, **options)
         writer = _bound_writer(self.outbox)
         if writer is None:
-            if self.outbox.settings.enqueue_outside_transaction == "publish" or _process["beat"] \
-                    or self.outbox.app.current_worker_task is not None:
+            mode = self.outbox.settings.enqueue_outside_transaction
+            if mode == "publish" or _process["beat"] or self.outbox.app.current_worker_task is not None:
                 return self.original(producer, name, message, **options)
-            raise TransactionRequiredError(
-                f"task {name!r} was sent outside a transaction: wrap the work in `with outbox.transaction(session):` "
-                "(or Django's transaction.atomic()), use outbox.enqueue(session, signature), or set "
-                "OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION=publish to send it directly (it is then lost if the process "
-                "dies, and runs even if your transaction rolls back); nothing was sent")
+            if mode == "raise":
+                raise TransactionRequiredError(
+                    f"task {name!r} was sent outside a transaction: wrap the work in `with outbox.transaction("
+                    "session):` (or Django's transaction.atomic()), use outbox.enqueue(session, signature), or set "
+                    "OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION=own_transaction (a row committed at once on its own) or "
+                    "publish (sent directly: lost if the process dies); nothing was sent")
+            writer = OwnTransactionWriter(self.outbox)
         values = self.row_values(producer, name, message, options)
         if _CHOSEN.get() and writer.holds(values["message_id"]):
             raise ValidationError(f"task {name!r} has task_id {str(values['message_id'])!r}, which an outbox row "
@@ -286,7 +326,8 @@ class Interceptor:
             sent_headers[RECEIPT_HEADER] = 1  # a plain task: its worker records a receipt (celery/receipts.py)
         row_headers: dict[str, Any] = {
             "outbox_kind": TASK_KIND,
-            "task_headers": sent_headers,
+            # the caller's trace context (a no-op without OpenTelemetry): the relay and worker continue it
+            "task_headers": tracing.traced_headers(sent_headers),
             "properties": properties,
             "exchange": str(exchange_name),
             "routing_key": str(publish.get("routing_key") or ""),

@@ -86,7 +86,11 @@ def load_outbox(spec: str) -> Outbox:
 
 
 def get_outbox(ctx: click.Context) -> Outbox:
-    """The Outbox of ``-A``, loaded once per invocation; bad config exits 2 with the reason."""
+    """The Outbox of ``-A``, loaded once per invocation; bad config exits 2 with the reason. A group that
+    already holds one (``flask outbox``: the app's) hands it down in its ``obj``."""
+    given = ctx.obj.get("outbox") if isinstance(ctx.obj, dict) else None
+    if isinstance(given, Outbox):
+        return given
     root = ctx.find_root()
     root.ensure_object(dict)
     if "outbox" not in root.obj:

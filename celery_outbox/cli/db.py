@@ -32,6 +32,19 @@ def upgrade(ctx: click.Context, revision: str) -> None:
 
 
 @db.command()
+@click.option("--revision", default="head", show_default=True, help="The revision to record.")
+@click.pass_context
+@handle_errors
+def stamp(ctx: click.Context, revision: str) -> None:
+    """Record the library's schema revision without migrating: for outbox tables your own migrations created
+    (Alembic from define_tables, Django's migrate). Then `outbox db check` says whether they match."""
+    outbox = get_outbox(ctx)
+    url, prefix = outbox.sessions.url, outbox.settings.table_prefix
+    migrate.stamp(url, revision, prefix=prefix)
+    click.echo(f"outbox tables stamped at {migrate.current(url, prefix=prefix)} ({_where(url)})")
+
+
+@db.command()
 @click.pass_context
 @handle_errors
 def current(ctx: click.Context) -> None:

@@ -1,5 +1,28 @@
-"""The dead-letter admin page (``/admin/dead-letters``, its groups and one message's trace) and ``/metrics``
-for the Flask app.
+"""Flask: the ``FlaskOutbox`` extension, and the dead-letter admin page (``/admin/dead-letters``, with the
+groups and one message's trace), ``/metrics`` and ``/readyz`` it mounts (``init_app(app, outbox)`` mounts them on any app).
+
+The extension, in the usual shape (declare at import, bind in the app factory)::
+
+    db = SQLAlchemy(model_class=Base)
+    outbox = FlaskOutbox()
+    outbox.define_tables(Base.metadata)
+
+    @outbox.consumer("OrderPlaced", name="notify")
+    def notify(session, event): ...
+
+    def create_app():
+        app = Flask("shop")
+        app.config.from_prefixed_env()            # OUTBOX_*, SQLALCHEMY_DATABASE_URI, CELERY...
+        db.init_app(app)
+        outbox.init_app(app, db=db)
+        return app
+
+``init_app`` builds the app's ``Outbox`` from ``app.config``'s ``OUTBOX_*`` keys (explicit arguments:
+they beat the environment, which beats the defaults), on Flask-SQLAlchemy's ``db.engine`` (one pool),
+on the Celery app in ``app.extensions["celery"]`` (or a new one configured from ``app.config["CELERY"]``,
+as Flask's Celery guide does), merges ``recommended_celery_config`` into it, mounts ``/readyz``,
+``/metrics`` and the dead-letter page, and adds ``flask outbox ...``: the ``outbox`` command's
+commands, on this app's outbox.
 
 Access: ``settings.admin_token`` as a bearer token (``Authorization: Bearer <token>``) or as the
 basic-auth password (any user name). With no token configured the page does not exist (404), so a
@@ -20,32 +43,55 @@ the app in werkzeug's ``ProxyFix`` so Flask sees the scheme).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import hmac
 import json
+import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlparse
 
-from flask import Blueprint, Flask, Response, abort, current_app, g, redirect, render_template_string, request, url_for
+import click
+import sqlalchemy as sa
+from celery import Celery
+from flask import (
+    Blueprint,
+    Flask,
+    Response,
+    abort,
+    current_app,
+    g,
+    has_app_context,
+    redirect,
+    render_template_string,
+    request,
+    url_for,
+)
 from markupsafe import Markup
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 from werkzeug.wrappers import Response as WerkzeugResponse
 
+from celery_outbox.celery.config import recommended_celery_config
 from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S as DEFAULT_BROKER_TIMEOUT_S
 from celery_outbox.celery.probe import broker_probe
 from celery_outbox.celery.sender import replay_sender
 from celery_outbox.clock import Clock
+from celery_outbox.consumer import ConsumerSpec, consumer
 from celery_outbox.errors import ConfigError, DatabaseError, NotFoundError, OutboxError
+from celery_outbox.inbox.handle import Handler
 from celery_outbox.ops import dead_letter_groups as dl_groups
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import health
 from celery_outbox.ops import metrics as ops_metrics
 from celery_outbox.ops import trace as ops_trace
 from celery_outbox.outbox import Outbox
+from celery_outbox.schema import Tables, define_tables
 from celery_outbox.settings import Settings
+from celery_outbox.writer import Event
 
 CSRF_COOKIE = "outbox_csrf"
 CSRF_FIELD = "csrf_token"
@@ -435,3 +481,159 @@ def _mount_readiness(app: Flask, outbox: Outbox, path: str, broker_timeout_s: fl
         return resp
 
     app.add_url_rule(path, endpoint="celery_outbox_readyz", view_func=readyz, methods=["GET"])
+
+
+# -- the extension ------------------------------------------------------------------------------
+
+EXT_OUTBOX = "celery_outbox"  # app.extensions key of the app's Outbox
+
+
+def settings_from_config(config: Mapping[str, Any]) -> Settings:
+    """``app.config``'s ``OUTBOX_<FIELD>`` keys as explicit arguments: they beat the ``OUTBOX_*``
+    environment, which beats the defaults. Text is read as the environment variable would be (``"50"``
+    is 50); an ``OUTBOX_`` key naming no setting is refused (a typo would be ignored for ever)."""
+    fields = {f"OUTBOX_{f.name.upper()}": f.name for f in dataclasses.fields(Settings)}
+    ours = {k: v for k, v in config.items() if isinstance(k, str) and k.startswith("OUTBOX_")}
+    unknown = sorted(k for k in ours if k not in fields)
+    if unknown:
+        raise ConfigError(f"app.config has {', '.join(unknown)[:200]}, which names no outbox setting "
+                          f"(known: OUTBOX_NAMESPACE, OUTBOX_DATABASE_URL, ... see README 'Settings')")
+    text = {k: v for k, v in ours.items() if isinstance(v, str)}
+    given = {fields[k]: v for k, v in ours.items() if not isinstance(v, str)}
+    return Settings.from_env({**os.environ, **text}, **given)
+
+
+class FlaskOutbox:
+    """The Flask extension: ``FlaskOutbox()`` at import (consumers declared on it), ``init_app(app, db=db)``
+    in the app factory (module docstring). Each app gets its own ``Outbox`` (``app.extensions``); the
+    methods here act on the current app's."""
+
+    def __init__(self, app: Flask | None = None, *, db: Any = None, celery: Celery | None = None) -> None:
+        self._db = db
+        self._celery = celery
+        self._specs: list[ConsumerSpec] = []
+        self._routes: list[tuple[str, tuple[str, ...]]] = []
+        self._tables: Tables | None = None
+        self._last: Outbox | None = None
+        if app is not None:
+            self.init_app(app)
+
+    # -- at import ------------------------------------------------------------------------------
+    def consumer(self, event: str | Iterable[str], *, name: str, **options: Any) -> Callable[[Handler], ConsumerSpec]:
+        """``@outbox.consumer(...)`` as on ``Outbox``: the consumer joins every app's outbox at ``init_app``."""
+        make = consumer(name=name, event=event, **options)
+
+        def decorate(handler: Handler) -> ConsumerSpec:
+            spec = make(handler)
+            self._specs.append(spec)
+            return spec
+
+        return decorate
+
+    def route(self, event_type: str, *consumers: str) -> None:
+        """``Outbox.route``: consumers that live in another service."""
+        self._routes.append((event_type, consumers))
+
+    def define_tables(self, metadata: sa.MetaData, *, prefix: str | None = None) -> Tables:
+        """Put the library's tables into your ``metadata`` (``OUTBOX_TABLE_PREFIX`` of the environment, or
+        ``prefix``); every app's ``OUTBOX_TABLE_PREFIX`` must then agree."""
+        if self._tables is not None:
+            raise ConfigError("the outbox tables are already defined; call define_tables(metadata) once")
+        self._tables = define_tables(metadata, prefix=prefix if prefix is not None else Settings().table_prefix)
+        return self._tables
+
+    # -- in the app factory ---------------------------------------------------------------------
+    def init_app(self, app: Flask, *, db: Any = None, celery: Celery | None = None, celery_config: bool = True,
+                 readiness_path: str | None = "/readyz", metrics_path: str | None = "/metrics",
+                 broker_timeout_s: float = DEFAULT_BROKER_TIMEOUT_S) -> Outbox:
+        """Build this app's ``Outbox`` and mount ``/readyz``, ``/metrics``, the dead-letter page and
+        ``flask outbox``; returns the ``Outbox``. ``celery_config=False`` leaves the Celery app's
+        configuration as it is (else ``recommended_celery_config`` is merged into it)."""
+        if EXT_OUTBOX in app.extensions:
+            raise ConfigError("FlaskOutbox.init_app was already called on this Flask app")
+        settings = settings_from_config(app.config)
+        if self._tables is not None and self._tables.prefix != settings.table_prefix:
+            raise ConfigError(f"OUTBOX_TABLE_PREFIX is {settings.table_prefix!r} but define_tables() used "
+                              f"{self._tables.prefix!r}: give both the same prefix")
+        celery_app = celery or self._celery or app.extensions.get("celery") or self._new_celery(app)
+        if celery_config:
+            celery_app.conf.update(recommended_celery_config(settings))
+        database = db if db is not None else self._db
+        engine: sa.Engine | None = None
+        if database is not None:
+            with app.app_context():
+                engine = database.engine  # Flask-SQLAlchemy's engine: one pool for the app and the outbox
+        outbox = Outbox(celery_app, engine=engine, settings=settings)
+        if self._tables is not None:
+            outbox._tables = self._tables  # the tables in the team's metadata, one mapping for every app
+        for spec in self._specs:
+            outbox.include(spec)
+        for event_type, consumers in self._routes:
+            outbox.route(event_type, *consumers)
+        outbox.check()
+        init_app(app, outbox, readiness_path=readiness_path, metrics_path=metrics_path,
+                 broker_timeout_s=broker_timeout_s)
+        app.extensions[EXT_OUTBOX] = outbox
+        app.cli.add_command(flask_cli(), name="outbox")
+        self._last = outbox
+        return outbox
+
+    @staticmethod
+    def _new_celery(app: Flask) -> Celery:
+        """A Celery app for ``app`` as Flask's Celery guide makes one: configured from ``app.config["CELERY"]``,
+        every task run inside ``app.app_context()`` (``db.session`` works in a task), the default app
+        (``@shared_task`` binds to it), kept in ``app.extensions["celery"]``."""
+        from celery import Task
+
+        class FlaskTask(Task):
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                with app.app_context():
+                    return self.run(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+        celery_app = Celery(app.import_name, task_cls=FlaskTask)
+        celery_app.config_from_object(dict(app.config.get("CELERY") or {}))
+        celery_app.set_default()
+        app.extensions["celery"] = celery_app
+        return celery_app
+
+    # -- at run time ----------------------------------------------------------------------------
+    @property
+    def outbox(self) -> Outbox:
+        """The current app's ``Outbox`` (outside an app context: the last one ``init_app`` built)."""
+        if has_app_context() and EXT_OUTBOX in current_app.extensions:
+            found: Outbox = current_app.extensions[EXT_OUTBOX]
+            return found
+        if self._last is None:
+            raise ConfigError("FlaskOutbox.init_app(app) has not run yet")
+        return self._last
+
+    def publish(self, session: Any, event: Event) -> Any:
+        """``Outbox.publish`` on the current app's outbox (``db.session`` works)."""
+        return self.outbox.publish(session() if isinstance(session, scoped_session) else session, event)
+
+    @contextmanager
+    def transaction(self, session: Any) -> Iterator[Session]:
+        """``Outbox.transaction``: inside it ``task.delay()`` becomes a row of ``session`` (``db.session``)."""
+        with self.outbox.transaction(session) as bound:
+            yield bound
+
+    def enqueue(self, session: Any, signature: Any, **options: Any) -> Any:
+        return self.outbox.enqueue(session, signature, **options)
+
+
+def flask_cli() -> click.Group:
+    """``flask outbox ...``: the ``outbox`` command's commands on the current app's ``Outbox``."""
+    from flask.cli import with_appcontext
+
+    from celery_outbox.cli import cli as outbox_cli
+    from celery_outbox.cli.common import OutboxGroup
+
+    @click.group(cls=OutboxGroup, help="The transactional outbox of this app (same commands as `outbox`).")
+    @with_appcontext
+    @click.pass_context
+    def group(ctx: click.Context) -> None:
+        ctx.obj = {"outbox": current_app.extensions[EXT_OUTBOX]}
+
+    for command in outbox_cli.commands.values():
+        group.add_command(command)
+    return group

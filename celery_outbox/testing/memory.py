@@ -1,7 +1,7 @@
 """An in-memory publisher with scriptable failures, for this project's tests and for users' own.
 
-It records every message "the broker got" in ``published`` and can be told to be unreachable N
-times, to reject given message ids (N times or forever), to take a batch and then die before
+It records every message "the broker got" (``messages()``, ``events()``, ``tasks()``) and can be told
+to be unreachable N times, to reject given message ids (N times or forever), to take a batch and then die before
 answering (a relay crash after publish, before mark), or to take part of a batch and then lose the
 connection. It is thread-safe so several relays can share one.
 """
@@ -79,6 +79,21 @@ class InMemoryPublisher:
             self._partial.append(delivered)
 
     # -- reading ---------------------------------------------------------------------------------
+    def messages(self) -> list[TaskMessage]:
+        """Every message the broker got, in order (a copy): events (one per consumer) and tasks."""
+        with self._lock:
+            return list(self.published)
+
+    def events(self) -> list[TaskMessage]:
+        """The published event deliveries (one per event and consumer), in order."""
+        with self._lock:
+            return [m for m in self.published if m.exchange is None]
+
+    def clear(self) -> None:
+        """Forget what was published (the scripted failures stay)."""
+        with self._lock:
+            self.published.clear()
+
     def message_ids(self) -> list[str]:
         """Outbox message ids of every published message, one per (event, consumer) or task, in order."""
         with self._lock:

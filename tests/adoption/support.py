@@ -19,10 +19,11 @@ def run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 120
 
 
 @contextmanager
-def celery_worker(app: str, *, cwd: Path, env: dict[str, str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A real ``celery -A app worker`` (solo pool), stopped (then killed) on exit."""
+def celery_worker(app: str, *, cwd: Path, env: dict[str, str], log_path: Path,
+                  pool: tuple[str, ...] = ("-P", "solo")) -> Iterator[subprocess.Popen[bytes]]:
+    """A real ``celery -A app worker`` (solo pool unless ``pool`` says otherwise), stopped (then killed) on exit."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(BIN / "celery"), "-A", app, "worker", "-P", "solo", "-l", "INFO",
+        proc = subprocess.Popen([str(BIN / "celery"), "-A", app, "worker", *pool, "-l", "INFO",
                                  "--without-gossip", "--without-mingle", "--without-heartbeat"],
                                 cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -77,14 +77,15 @@ def project_env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def start_worker(project_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
+def start_worker(project_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     with ExitStack() as stack:
-        yield lambda: stack.enter_context(support.celery_worker("proj", cwd=HERE, env=project_env,
-                                                                 log_path=tmp_path / "worker.log"))
+        yield lambda *pool: stack.enter_context(support.celery_worker("proj", cwd=HERE, env=project_env,
+                                                                       log_path=tmp_path / "worker.log",
+                                                                       pool=pool or ("-P", "solo")))
 
 
 def test_a_django_project_with_its_own_orders_app_adopts_the_outbox(
-        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[[], subprocess.Popen[bytes]]) -> None:
+        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[..., subprocess.Popen[bytes]]) -> None:
     db = Path(project_env["SHOP_DB_PATH"])
     # Given the project migrated by Django's own `migrate`: its tables and the library's, from their migrations
     manage(project_env, "migrate", "--no-input")
@@ -150,7 +151,7 @@ def test_a_process_not_bound_to_the_outbox_fails_loudly_at_the_first_delay(proje
 
 
 def test_delay_in_a_shell_is_a_committed_row_that_a_real_worker_runs(
-        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[[], subprocess.Popen[bytes]]) -> None:
+        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[..., subprocess.Popen[bytes]]) -> None:
     db = Path(project_env["SHOP_DB_PATH"])
     manage(project_env, "migrate", "--no-input")
     # Given a bound process (it imports proj.celery) sending a @shared_task with no atomic() open
@@ -165,3 +166,58 @@ def test_delay_in_a_shell_is_a_committed_row_that_a_real_worker_runs(
     assert wait_for(db, "SELECT count(*) FROM orders_notification WHERE order_id = 'confirmed:o-1'", 1) == 1, \
         (tmp_path / "worker.log").read_text()[-3000:]
     assert query(db, "SELECT replace(message_id, '-', '') FROM outbox_messages") == [(task_id.replace("-", ""),)]
+
+
+def test_a_plain_task_whose_worker_process_is_sigkilled_mid_task_is_redelivered(
+        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[..., subprocess.Popen[bytes]]) -> None:
+    db = Path(project_env["SHOP_DB_PATH"])
+    marker = tmp_path / "killed-once"
+    manage(project_env, "migrate", "--no-input")
+    # Given a plain @shared_task, with only what DjangoOutbox sets (no acks_late in settings.py or on the task),
+    # committed as a row by a bound shell and published by the relay
+    out = shell(project_env, f"import proj.celery; from orders.tasks import confirm_once_killed; "
+                             f"confirm_once_killed.delay('o-9', {str(marker)!r})")
+    assert out.returncode == 0, out.stderr[-3000:]
+    # When a real prefork worker takes it and its process is SIGKILLed mid-task
+    worker = start_worker("-P", "prefork", "-c", "1")
+    relay_once(project_env)
+    # Then the message is not lost: redelivered, it runs to the end once
+    assert wait_for(db, "SELECT count(*) FROM orders_notification WHERE order_id = 'confirmed:o-9'", 1) == 1, \
+        (tmp_path / "worker.log").read_text()[-3000:]
+    log = (tmp_path / "worker.log").read_text(errors="replace")
+    assert marker.read_text() == "killed" and "signal 9" in log, log[-3000:]  # it really was killed mid-task
+    assert worker.poll() is None
+
+
+KILL = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+
+
+def test_each_idiom_under_a_sigkill_right_after_the_commit_delivers_what_the_docs_promise(
+        project_env: dict[str, str], tmp_path: Path, start_worker: Callable[..., subprocess.Popen[bytes]]) -> None:
+    db = Path(project_env["SHOP_DB_PATH"])
+    manage(project_env, "migrate", "--no-input")
+    bound = "import os, signal; import proj.celery; from django.db import transaction; " \
+            "from orders.models import Order; from orders.tasks import confirm; "
+    # Given three processes, each SIGKILLed right after its commit, before any relay ran:
+    # a script's .delay() (its row commits on its own),
+    script = shell(project_env, bound + f"confirm.delay('script'); {KILL}")
+    # delay_on_commit() inside atomic() (a row of that transaction, so even a kill in the first on_commit
+    # callback, before any callback could send it, cannot lose it),
+    on_commit_method = shell(project_env, bound + "\nwith transaction.atomic():\n    Order.objects.create(id='doc')\n"
+                                                  "    transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))\n"
+                                                  "    confirm.delay_on_commit('doc')\n")
+    # and transaction.on_commit(lambda: .delay()) killed the same way, between the commit and its callback
+    callback = shell(project_env, bound + "\nwith transaction.atomic():\n    Order.objects.create(id='cb')\n"
+                                          "    transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))\n"
+                                          "    transaction.on_commit(lambda: confirm.delay('cb'))\n")
+    assert [p.returncode for p in (script, on_commit_method, callback)] == [-9, -9, -9], callback.stderr[-2000:]
+    assert sorted(query(db, "SELECT id FROM orders_order")) == [("cb",), ("doc",)]
+    # When the relay and a real worker run
+    start_worker()
+    relay_once(project_env)
+    # Then the script's task and the delay_on_commit task each run once; the on_commit callback's task is lost,
+    # as docs/django.md says (a crash between the commit and the callback), while its order committed
+    confirmed = "SELECT count(*) FROM orders_notification WHERE order_id IN ('confirmed:script', 'confirmed:doc')"
+    assert wait_for(db, confirmed, 2) == 2, (tmp_path / "worker.log").read_text()[-3000:]
+    assert sorted(query(db, "SELECT order_id FROM orders_notification")) == [("confirmed:doc",), ("confirmed:script",)]
+    assert query(db, "SELECT count(*) FROM outbox_messages WHERE published_at_ms IS NULL") == [(0,)]

@@ -56,6 +56,11 @@ def _configure_django() -> None:
         DEBUG=False,
         DATABASES={"default": database_settings(DB_URL)},
         LOGGING_CONFIG=None,  # leave the rest of the suite's logging alone
+        # Django 6's Tasks framework (ignored by Django 5.2): "outbox" is the library's backend
+        # (tests/django/test_django_task_backend.py)
+        TASKS={"default": {"BACKEND": "django.tasks.backends.immediate.ImmediateBackend"},
+               "outbox": {"BACKEND": "celery_outbox.contrib.django.task_backend.OutboxTaskBackend",
+                          "QUEUES": ["default", "mail"]}},
     )
     settings.configure(**values)
     _without_leaks(django.setup)

@@ -88,8 +88,10 @@ def test_a_savepoint_rolled_back_takes_its_task_with_it(shop_outbox: Any, confir
     assert [m.headers["id"] for m in drain(shop_outbox).published] == [kept.id]
 
 
-def test_outside_atomic_raises_and_bad_arguments_are_refused_inside(shop_outbox: Any, confirm: Any) -> None:
-    # Given no atomic() (autocommit), Then the default mode refuses and writes nothing
+def test_outside_atomic_raises_and_bad_arguments_are_refused_inside(shop_outbox: Any, confirm: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given no atomic() (autocommit) and the strict mode, Then delay() refuses and writes nothing
+    monkeypatch.setattr(shop_outbox, "settings", shop_outbox.settings.replace(enqueue_outside_transaction="raise"))
     with pytest.raises(TransactionRequiredError):
         confirm.delay("o-3")
     # Given atomic(), When an argument is not JSON, Then delay() raises there and nothing is written

@@ -142,12 +142,15 @@ def test_explicit_enqueue_and_nested_binding(tasks: TaskApp) -> None:
     assert [m.headers["id"] for m in drain(tasks.outbox).published] == [r1.id, r2.id]
 
 
-def test_outside_a_transaction_raise_mode_raises_and_writes_nothing(tasks: TaskApp) -> None:
-    # Given the default mode, When a task is sent with no transaction bound
+def test_outside_a_transaction_raise_mode_raises_and_writes_nothing(any_sessions: sessionmaker[Session],
+                                                                     clock: ManualClock, tables: Tables,
+                                                                     queue: str) -> None:
+    # Given the strict mode, When a task is sent with no transaction bound
+    t = TaskApp(any_sessions, clock, tables, queue, enqueue_outside_transaction="raise")
     with pytest.raises(TransactionRequiredError, match="outside a transaction"):
-        tasks.mail.delay("a@example.com")
+        t.mail.delay("a@example.com")
     # Then nothing was written and nothing was sent
-    assert tasks.rows() == [] and tasks.broker_messages() == []
+    assert t.rows() == [] and t.broker_messages() == []
 
 
 def test_outside_a_transaction_publish_mode_sends_directly(any_sessions: sessionmaker[Session], clock: ManualClock,
@@ -184,6 +187,7 @@ def test_a_retry_sent_by_a_running_worker_task_is_never_captured(tasks: TaskApp,
             pass
 
     monkeypatch.setattr(Celery, "current_worker_task", property(lambda self: Running()))
+    tasks.broker_messages(queue="celery")  # kombu's memory transport is process-wide: forget other tests' leftovers
     with tasks.sessions.begin() as s, tasks.outbox.transaction(s):
         # When it retries itself (same task id) and enqueues another task
         tasks.mail.apply_async(("a@example.com",), task_id=Request.id, retries=1)
@@ -269,7 +273,7 @@ def test_one_outbox_per_celery_app(tasks: TaskApp) -> None:
 def test_settings_of_enqueue_are_validated_and_read_from_the_environment() -> None:
     s = Settings.from_env({"OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION": "publish", "OUTBOX_ENQUEUE_EXCLUDE": " a.x, b.y ,"})
     assert s.enqueue_outside_transaction == "publish" and s.enqueue_exclude == ("a.x", "b.y")
-    assert Settings.from_env(s.to_env()) == s and Settings().enqueue_outside_transaction == "raise"
+    assert Settings.from_env(s.to_env()) == s and Settings().enqueue_outside_transaction == "own_transaction"
     for bad in ({"enqueue_outside_transaction": "sometimes"}, {"enqueue_exclude": "a.x"},
                 {"enqueue_exclude": ("a,b",)}, {"enqueue_exclude": (" a",)}, {"enqueue_exclude": ("a\x00",)}):
         with pytest.raises(ConfigError, match="OUTBOX_ENQUEUE_"):

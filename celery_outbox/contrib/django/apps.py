@@ -13,6 +13,7 @@ class OutboxDjangoConfig(AppConfig):  # type: ignore[misc]
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from celery_outbox.contrib.django import binding
+        from celery_outbox.contrib.django import binding, checks
 
         binding.refuse_unbound_sends()
+        checks.register()

@@ -48,9 +48,14 @@ def _django_values(django_settings: Any) -> dict[str, Any]:
     return values
 
 
+def known_setting_names() -> list[str]:
+    """The fields of ``Settings``: ``OUTBOX = {name: ...}`` keys, ``OUTBOX_<NAME>`` in settings.py."""
+    return sorted(f.name for f in dataclasses.fields(Settings))
+
+
 def unknown_setting_names(django_settings: Any) -> list[str]:
     """``OUTBOX_*`` names in settings.py that no outbox setting has (a typo is otherwise silently ignored)."""
-    fields = {f.name for f in dataclasses.fields(Settings)}
+    fields = set(known_setting_names())
     return sorted(a for a in set(dir(django_settings)) if a.startswith("OUTBOX_") and a not in NOT_SETTINGS
                   and a[len("OUTBOX_"):].lower() not in fields)
 

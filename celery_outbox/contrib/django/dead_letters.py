@@ -92,6 +92,12 @@ def load(spec: object) -> Outbox:
     return found
 
 
+def registered() -> Outbox | None:
+    """The ``Outbox`` given to ``use()`` (``DjangoOutbox`` calls it), or None; never imports anything."""
+    with _lock:
+        return _registered.outbox
+
+
 def configured() -> tuple[Outbox, dl.Sender | None]:
     """The ``Outbox`` (and the test sender, if any) the admin acts through; ``ConfigError`` if there is none."""
     from django.conf import settings

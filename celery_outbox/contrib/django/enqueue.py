@@ -101,8 +101,11 @@ def atomic_writer(outbox: Any) -> DjangoWriter | None:
     connection = transaction.get_connection(alias)
     if connection.in_atomic_block:
         return DjangoWriter(connection.alias)
-    if outbox.settings.enqueue_outside_transaction != OWN_TRANSACTION or enqueue._process["beat"] \
-            or outbox.app.current_worker_task is not None:
+    from celery_outbox.contrib.django.outbox import DjangoOutbox
+
+    # A plain ``Outbox`` (its own engine) in a Django process commits its own row through that engine.
+    if not isinstance(outbox, DjangoOutbox) or outbox.settings.enqueue_outside_transaction != OWN_TRANSACTION \
+            or enqueue._process["beat"] or outbox.app.current_worker_task is not None:
         return None
     return OwnAtomicWriter(connection.alias)
 

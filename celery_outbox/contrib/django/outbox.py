@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.clock import Clock
 from celery_outbox.db import SessionSource, make_engine, make_session_factory
+from celery_outbox.errors import ConfigError
 from celery_outbox.outbox import Outbox
 from celery_outbox.schema import DEFAULT_PREFIX
 from celery_outbox.settings import Settings
@@ -112,7 +113,7 @@ class DjangoOutbox(Outbox):
                  clock: Clock | None = None) -> None:
         from django.db import DEFAULT_DB_ALIAS
 
-        from celery_outbox.contrib.django import dead_letters
+        from celery_outbox.contrib.django import dead_letters, task_runner
         from celery_outbox.contrib.django.conf import outbox_settings
 
         resolved = settings if settings is not None else outbox_settings()
@@ -125,6 +126,7 @@ class DjangoOutbox(Outbox):
         app.set_default()
         self._on_commit_methods()
         self._worker_defaults()
+        task_runner.define(self)  # Django Tasks (django.tasks) sent through OutboxTaskBackend run here
         if resolved.table_prefix == DEFAULT_PREFIX:  # the admin lists the default-prefix tables only
             dead_letters.use(self)
 
@@ -163,3 +165,22 @@ class DjangoOutbox(Outbox):
         base = self.app.Task
         base.apply_async_on_commit = apply_async_on_commit
         base.delay_on_commit = delay_on_commit
+
+
+def project_outbox() -> Outbox:
+    """The project's ``Outbox``: the one ``DjangoOutbox(app)`` registered in this process, else the one
+    ``OUTBOX_INSTANCE`` names; ``ConfigError`` naming the fixes when there is none (``manage.py outbox``, the
+    ``django.tasks`` backend)."""
+    from django.conf import settings
+
+    from celery_outbox.contrib.django import dead_letters
+
+    outbox = dead_letters.registered()
+    if outbox is not None:
+        return outbox
+    if getattr(settings, dead_letters.SETTING, None) is None:
+        raise ConfigError(
+            "this process built no DjangoOutbox: import your Celery app where Django starts (proj/__init__.py: "
+            f"`from .celery import app as celery_app`), set {dead_letters.SETTING} = 'proj.celery:outbox' in "
+            "settings.py, or name it: manage.py outbox -A proj.celery ...")
+    return dead_letters.configured()[0]

@@ -1,40 +1,38 @@
-# The glue a Flask + SQLAlchemy team writes to adopt celery-outbox (README "Adopt it" copies this file).
-import sqlalchemy as sa
-from celery import Celery
+# The glue a Flask + Flask-SQLAlchemy team writes to adopt celery-outbox (README "Adopt it" copies this file).
+from celery import shared_task
 from flask import Flask, jsonify, request
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from flask_sqlalchemy import SQLAlchemy
 
-from celery_outbox import Event, Outbox, Settings
+from celery_outbox import Event
+from celery_outbox.contrib.flask import FlaskOutbox
+from shop.models import Base, Confirmation, Notification, Order
 
+db = SQLAlchemy(model_class=Base)
+outbox = FlaskOutbox()
+outbox.define_tables(Base.metadata)              # outbox_* tables in MY metadata; alembic_filters() hides them
 
-class Base(DeclarativeBase):
-    pass
+@outbox.consumer("OrderPlaced", name="notify", max_retries=3)
+def notify(session, event):                      # effect + inbox row commit together
+    session.add(Notification(order_id=event.payload["order_id"]))
 
-class Order(Base):
-    __tablename__ = "orders"
-    id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+@shared_task(name="shop.confirm")
+def confirm(order_id):                           # a plain task, in the app context: db.session works
+    db.session.add(Confirmation(order_id=order_id))
+    db.session.commit()
 
-class Notification(Base):
-    __tablename__ = "notifications"
-    order_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+def create_app():
+    app = Flask("shop")
+    app.config.from_prefixed_env("SHOP")         # SHOP_SQLALCHEMY_DATABASE_URI, SHOP_CELERY__broker_url; OUTBOX_* too
+    db.init_app(app)
+    outbox.init_app(app, db=db)                  # settings, db.engine, Celery, /readyz, /metrics, `flask outbox`
 
-def create(database_url: str, broker_url: str, namespace: str = "shop") -> tuple[Flask, Outbox]:
-    engine = sa.create_engine(database_url)
-    Session = sessionmaker(engine)
-    outbox = Outbox(Celery("shop", broker=broker_url), engine=engine, settings=Settings(namespace=namespace))
-    outbox.define_tables(Base.metadata)          # outbox_* tables in MY metadata (my Alembic sees them)
-
-    @outbox.consumer("OrderPlaced", name="notify", max_retries=3)
-    def notify(session, event):                  # effect + inbox row commit together
-        session.add(Notification(order_id=event.payload["order_id"]))
-
-    web = Flask("shop")
-
-    @web.post("/orders")
+    @app.post("/orders")
     def place():
-        with Session.begin() as s:               # the order and its event: one commit
-            s.add(Order(id=request.json["id"]))
-            outbox.publish(s, Event("OrderPlaced", {"order_id": request.json["id"]}))
+        with outbox.transaction(db.session):     # the order, its event and its task: one commit
+            db.session.add(Order(id=request.json["id"]))
+            outbox.publish(db.session, Event("OrderPlaced", {"order_id": request.json["id"]}))
+            confirm.delay(request.json["id"])
+            db.session.commit()
         return jsonify(ok=True), 201
 
-    return web, outbox
+    return app
