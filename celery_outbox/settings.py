@@ -603,7 +603,7 @@ class Settings:
     # Redis only: a message a worker took and never acked (worker killed whole) is redelivered after
     # this long. It must exceed the longest retry countdown (Redis holds ETA retries unacked too),
     # else a waiting retry is delivered twice (absorbed by the inbox, but wasted work). Short, so a
-    # killed worker's messages come back in seconds (README "Settings": a plain task running longer
+    # killed worker's messages come back in seconds (docs/settings.md: a plain task running longer
     # than this on Redis is delivered twice; raise it with the consumer time limit for slow work).
     broker_visibility_timeout_s: int = 30
 

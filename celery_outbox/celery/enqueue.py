@@ -139,7 +139,7 @@ class SessionWriter:
 class OwnTransactionWriter:
     """No transaction is open (a script, a shell, code after the commit): the row commits at once in a
     short transaction of its own on the outbox's engine. Durable (the relay sends it after a crash or a
-    broker outage), never atomic with what the caller wrote before (README "Transactional enqueue")."""
+    broker outage), never atomic with what the caller wrote before (docs/tasks.md, "Transactional enqueue")."""
 
     def __init__(self, outbox: Any) -> None:
         self.outbox = outbox

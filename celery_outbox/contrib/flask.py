@@ -497,7 +497,7 @@ def settings_from_config(config: Mapping[str, Any]) -> Settings:
     unknown = sorted(k for k in ours if k not in fields)
     if unknown:
         raise ConfigError(f"app.config has {', '.join(unknown)[:200]}, which names no outbox setting "
-                          f"(known: OUTBOX_NAMESPACE, OUTBOX_DATABASE_URL, ... see README 'Settings')")
+                          f"(known: OUTBOX_NAMESPACE, OUTBOX_DATABASE_URL, ... see docs/settings.md)")
     text = {k: v for k, v in ours.items() if isinstance(v, str)}
     given = {fields[k]: v for k, v in ours.items() if not isinstance(v, str)}
     return Settings.from_env({**os.environ, **text}, **given)

@@ -43,7 +43,7 @@ def settings_check(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         close = difflib.get_close_matches(name, known, n=1)
         errors.append(checks.Error(
             f"settings.{name} is not an outbox setting, so it has no effect",
-            hint=f"did you mean {close[0]}?" if close else "see the Settings table in the README for the names",
+            hint=f"did you mean {close[0]}?" if close else "see docs/settings.md for the names",
             obj=f"settings.{name}", id="celery_outbox.E002"))
     try:
         outbox_settings()
