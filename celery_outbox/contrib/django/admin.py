@@ -15,6 +15,11 @@ for ``use(outbox)`` / ``OUTBOX_INSTANCE``):
   skipped, never sent again.
 * **Purge** needs the model's *delete* permission and a confirmation page; it deletes for good.
 
+The consumer dead letters' list links two more read-only pages (the model's *view* permission, through
+the project's ``Outbox`` like the actions): **Groups** (``outbox dead-letters groups``: dead letters of both
+stores grouped by failure, with count, first and last seen and a sample) and **Trace a message**
+(``outbox trace``: one message's story, by message id, entity key or correlation id).
+
 Nothing can be added or edited; Django's own "delete selected" is off (it would bypass the library).
 Every value shown comes from the stored message, which an attacker may have written: it is only ever
 rendered through Django's escaping (``format_html``, autoescaped templates), and bodies are decoded
@@ -39,15 +44,18 @@ from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template import engines
 from django.template.backends.django import DjangoTemplates
+from django.urls import URLPattern, path
 from django.utils.html import format_html
 from sqlalchemy import exc as sa_exc
 
 from celery_outbox.contrib.django import dead_letters as ops
 from celery_outbox.contrib.django.models import ConsumerDeadLetter, OutboxMessage
-from celery_outbox.errors import DatabaseError, OutboxError, PublishError
+from celery_outbox.errors import DatabaseError, NotFoundError, OutboxError, PublishError
 from celery_outbox.inbox.dead_letters import BODY_B64_PREFIX, body_of
 from celery_outbox.messages import DEFAULT_MAX_JSON_DEPTH, decode_json, storable_text
+from celery_outbox.ops import dead_letter_groups as dl_groups
 from celery_outbox.ops import dead_letters as dl
+from celery_outbox.ops import trace as ops_trace
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -74,6 +82,59 @@ PURGE_CONFIRMATION = """{% extends "admin/base_site.html" %}{% load admin_urls %
 <a href="{% url opts|admin_urlname:'changelist' %}" class="button cancel-link">No, take me back</a>
 </form>
 {% endblock %}"""
+
+
+# The consumer dead letters' list with links to the groups and trace pages (Django's object tools).
+CHANGE_LIST_WITH_TOOLS = """{% extends "admin/change_list.html" %}
+{% block object-tools-items %}<li><a href="{% url groups_url %}" id="dead-letter-groups">Groups</a></li>
+<li><a href="{% url trace_url %}" id="trace-a-message">Trace a message</a></li>{{ block.super }}{% endblock %}"""
+
+GROUPS_PAGE = """{% extends "admin/base_site.html" %}{% load admin_urls %}
+{% block breadcrumbs %}<div class="breadcrumbs"><a href="{% url 'admin:index' %}">Home</a>
+&rsaquo; <a href="{% url opts|admin_urlname:'changelist' %}">{{ opts.verbose_name_plural|capfirst }}</a>
+&rsaquo; Groups</div>{% endblock %}
+{% block content %}
+{% if error %}<p class="errornote" id="error">{{ error }}</p>{% else %}
+<p id="count">{{ groups|length }} group(s), {{ total }} dead letter(s)</p>
+<table id="groups"><thead><tr><th>group</th><th>count</th><th>source</th><th>consumer</th><th>error</th>
+<th>first seen</th><th>last seen</th><th>sample</th></tr></thead><tbody>
+{% for g in groups %}<tr data-group="{{ g.id }}"><td>{{ g.id }}</td><td>{{ g.count }}</td><td>{{ g.source }}</td>
+<td>{{ g.consumer }}</td><td>{{ g.error }}</td><td>{{ g.first_seen }}</td><td>{{ g.last_seen }}</td>
+<td>{{ g.sample_id }}</td></tr>{% endfor %}</tbody></table>
+<p>Replay or purge a whole group, throttled and resumable: <code>outbox dead-letters replay --group GROUP</code>,
+<code>outbox dead-letters purge --group GROUP --yes --archive FILE</code>.</p>{% endif %}
+{% endblock %}"""
+
+TRACE_PAGE = """{% extends "admin/base_site.html" %}{% load admin_urls %}
+{% block breadcrumbs %}<div class="breadcrumbs"><a href="{% url 'admin:index' %}">Home</a>
+&rsaquo; <a href="{% url opts|admin_urlname:'changelist' %}">{{ opts.verbose_name_plural|capfirst }}</a>
+&rsaquo; Trace a message</div>{% endblock %}
+{% block content %}
+<form method="get"><input name="key" value="{{ key }}" size="50"
+ placeholder="message id, entity key (order:42) or correlation id"> <input type="submit" value="Trace"></form>
+{% if error %}<p class="errornote" id="error">{{ error }}</p>{% endif %}
+{% for t in traces %}
+<h2 class="message">{{ t.message_id }} ({{ t.kind }}, {{ t.type|default:"?" }}): {{ t.state }}</h2>
+<table class="outbox-hop"><tbody>
+<tr><th>entity key / correlation</th><td>{{ t.entity_key|default:"-" }} / {{ t.correlation_id|default:"-" }}</td></tr>
+<tr><th>committed at</th><td>{{ t.committed }}</td></tr>
+<tr><th>published at</th><td>{{ t.published }}</td></tr>
+<tr><th>failed publish attempts</th><td>{{ t.publish_attempts_failed }}</td></tr>
+{% if t.last_publish_error %}<tr><th>last publish error</th><td>{{ t.last_publish_error }}</td></tr>{% endif %}
+</tbody></table>
+<table class="hops"><thead><tr><th>consumer or task</th><th>kind</th><th>state</th><th>processed at</th>
+<th>after publish</th><th>failed deliveries</th><th>dead letters</th><th>last error</th></tr></thead><tbody>
+{% for h in t.hops %}<tr data-hop="{{ h.name }}"><td>{{ h.name }}</td><td>{{ h.kind }}</td><td>{{ h.state }}</td>
+<td>{{ h.processed }}</td><td>{{ h.latency }}</td><td>{{ h.failed_deliveries }}</td><td>{{ h.dead_letters }}</td>
+<td>{{ h.error }}</td></tr>{% endfor %}</tbody></table>
+{% endfor %}
+{% if traces %}<p id="not-recorded">Not recorded, so not shown: {{ not_recorded }}</p>{% endif %}
+{% endblock %}"""
+
+
+def _django_templates() -> DjangoTemplates:
+    """The admin requires a DjangoTemplates backend, whatever the project named it."""
+    return next(e for e in engines.all() if isinstance(e, DjangoTemplates))
 
 
 def display(**options: Any) -> Callable[[F], F]:
@@ -278,9 +339,7 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[misc]
             "pks": [o.pk for o in objects], "checkbox": helpers.ACTION_CHECKBOX_NAME, "action": PURGE_ACTION,
         }
         request.current_app = self.admin_site.name
-        # the admin requires a DjangoTemplates backend, whatever the project named it
-        engine = next(e for e in engines.all() if isinstance(e, DjangoTemplates))
-        html = engine.from_string(PURGE_CONFIRMATION).render(context, request)
+        html = _django_templates().from_string(PURGE_CONFIRMATION).render(context, request)
         return HttpResponse(html)
 
 
@@ -380,3 +439,93 @@ class ConsumerDeadLetterAdmin(DeadLetterAdmin):
 
     def dead_since_ms(self, obj: Any) -> int:
         return int(obj.last_failed_at_ms)
+
+    # -- the groups and trace pages ----------------------------------------------------------------
+    def _url_name(self, page: str) -> str:
+        return f"{self.opts.app_label}_{self.opts.model_name}_{page}"
+
+    @property
+    def change_list_template(self) -> Any:
+        return _django_templates().from_string(CHANGE_LIST_WITH_TOOLS)
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        urls = {"groups_url": f"admin:{self._url_name('groups')}", "trace_url": f"admin:{self._url_name('trace')}"}
+        return super().changelist_view(request, {**urls, **(extra_context or {})})
+
+    def get_urls(self) -> list[URLPattern]:
+        own = [path("groups/", self.admin_site.admin_view(self.groups_view), name=self._url_name("groups")),
+               path("trace/", self.admin_site.admin_view(self.trace_view), name=self._url_name("trace"))]
+        urls: list[URLPattern] = super().get_urls()
+        return own + urls
+
+    def _render(self, request: HttpRequest, page: str, title: str, status: int = 200, **context: Any) -> HttpResponse:
+        request.current_app = self.admin_site.name
+        html = _django_templates().from_string(page).render(
+            {**self.admin_site.each_context(request), "title": title, "opts": self.opts, **context}, request)
+        return HttpResponse(html, status=status)
+
+    def groups_view(self, request: HttpRequest) -> HttpResponse:
+        """``outbox dead-letters groups``: both stores' dead letters grouped by failure."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        try:
+            outbox, _send = ops.configured()
+            with outbox.sessions()() as session:
+                found = dl_groups.list_groups(session, tables=outbox.tables)
+        except (DatabaseError, sa_exc.SQLAlchemyError):  # the driver's text (host, SQL) stays in the log
+            log.warning("admin: cannot list dead-letter groups", exc_info=True)
+            return self._render(request, GROUPS_PAGE, "Dead-letter groups", status=503,
+                                error="the database is unavailable")
+        except OutboxError as e:  # no Outbox configured: the library's own one-line text
+            return self._render(request, GROUPS_PAGE, "Dead-letter groups", status=503, error=str(e))
+        now = ops.clock().now_ms()
+        rows = [{"id": g.id, "count": g.count, "source": g.source, "consumer": g.consumer,
+                 "error": short(f"{g.error_class}: {g.message}" if g.error_class else g.message),
+                 "first_seen": f"{human_age(max(0, now - g.first_seen_ms))} ago",
+                 "last_seen": f"{human_age(max(0, now - g.last_seen_ms))} ago", "sample_id": g.sample_id}
+                for g in found]
+        return self._render(request, GROUPS_PAGE, "Dead-letter groups", groups=rows, total=sum(g.count for g in found))
+
+    def trace_view(self, request: HttpRequest) -> HttpResponse:
+        """``outbox trace``: one message's story, by message id, entity key or correlation id (``?key=``)."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        key = request.GET.get("key", "")
+        traces: list[dict[str, Any]] = []
+        error, status = None, 200
+        if key:
+            try:
+                outbox, _send = ops.configured()
+                with outbox.sessions()() as session:
+                    found = ops_trace.trace(session, key, tables=outbox.tables, routes=outbox.routes(),
+                                            idempotent_tasks=outbox.idempotent_tasks())
+                traces = [_trace_rows(t) for t in found]
+            except NotFoundError as e:
+                error, status = str(e), 404
+            except (DatabaseError, sa_exc.SQLAlchemyError):
+                log.warning("admin: cannot trace %r", key, exc_info=True)
+                error, status = "the database is unavailable", 503
+            except OutboxError as e:  # a key that is no message id or key, no Outbox configured
+                error, status = str(e), 400
+        return self._render(request, TRACE_PAGE, "Trace a message", status=status, key=key, traces=traces,
+                            error=error, not_recorded="; ".join(ops_trace.NOT_RECORDED))
+
+
+
+def _trace_rows(t: ops_trace.MessageTrace) -> dict[str, Any]:
+    """A ``MessageTrace`` as the trace page's plain strings (the template escapes every one)."""
+    published = when(t.published_at_ms)
+    if t.publish_latency_ms is not None:
+        published += f" (+{t.publish_latency_ms} ms)"
+    return {
+        "message_id": t.message_id, "kind": t.kind, "type": t.type, "state": t.state, "entity_key": t.entity_key,
+        "correlation_id": t.correlation_id, "committed": when(t.created_at_ms), "published": published,
+        "publish_attempts_failed": t.publish_attempts_failed, "last_publish_error": short(t.last_publish_error, 300),
+        "hops": [{"name": h.name, "kind": h.kind, "state": h.state, "processed": when(h.processed_at_ms),
+                  "latency": "-" if h.latency_ms is None else f"{h.latency_ms} ms",
+                  "failed_deliveries": h.failed_deliveries,
+                  "dead_letters": ", ".join(d.id + (" (replayed)" if d.replayed_at_ms else "") for d in h.dead_letters)
+                  or "-",
+                  "error": short(h.last_error or (h.dead_letters[-1].error if h.dead_letters else "") or "-")}
+                 for h in t.hops],
+    }
