@@ -8,6 +8,7 @@ from celery import Celery
 from celery.signals import worker_ready
 
 from celery_outbox.celery.config import PRUNE_TASK
+from celery_outbox.celery.queue_depth import queue_probe
 from celery_outbox.ops import retention
 from celery_outbox.ops.metrics import make_registry, start_worker_metrics_server
 from celery_outbox.ops.schedule import DEFAULT_INBOX_RETENTION_MS, DEFAULT_PUBLISHED_RETENTION_MS, PRUNE_EVERY_S, scheduled_prune
@@ -55,7 +56,7 @@ def register(app: Celery, ctx: Context) -> None:
         def _serve_metrics(sender: Any = None, **_kw: Any) -> None:
             if getattr(sender, "app", app) is not app:
                 return
-            registry = make_registry(tables=ctx.tables, session_factory=sessions())
+            registry = make_registry(tables=ctx.tables, session_factory=sessions(), queue_probe=queue_probe(ctx))
             state["metrics_server"] = start_worker_metrics_server(port=settings.metrics_port, registry=registry)
 
         worker_ready.connect(_serve_metrics, weak=False)

@@ -78,6 +78,7 @@ from werkzeug.wrappers import Response as WerkzeugResponse
 from celery_outbox.celery.config import recommended_celery_config
 from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S as DEFAULT_BROKER_TIMEOUT_S
 from celery_outbox.celery.probe import broker_probe
+from celery_outbox.celery.queue_depth import queue_probe
 from celery_outbox.celery.sender import replay_sender
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec, consumer
@@ -448,7 +449,8 @@ def init_app(app: Flask, outbox: Outbox, *, send: dl.Sender | None = None, readi
     the Celery sender for replays (tests). Once per app."""
     if EXT in app.extensions:
         raise ConfigError("celery_outbox.contrib.flask.init_app was already called on this Flask app")
-    registry = ops_metrics.make_registry(tables=outbox.tables, session_factory=outbox.sessions(), clock=outbox.clock)
+    registry = ops_metrics.make_registry(tables=outbox.tables, session_factory=outbox.sessions(), clock=outbox.clock,
+                                         queue_probe=queue_probe(outbox, timeout_s=broker_timeout_s))
     app.extensions[EXT] = {"send": send, "registry": registry, "outbox": outbox}
     app.register_blueprint(make_blueprint())
     if readiness_path is not None:

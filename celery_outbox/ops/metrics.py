@@ -7,6 +7,12 @@ The counters are kept by the work they count, in its own transaction (``outbox.c
 relay's mark, a consumer's dead letter, a retention batch; "processed" is derived (inbox rows plus
 pruned inbox rows) so the consumer's hot path writes nothing extra.
 
+The broker's side, when a queue probe is given (``celery_outbox.celery.queue_depth.queue_probe``, which the
+worker's server and the Flask app pass): messages waiting in each consumer's queue and, on RabbitMQ, how many
+consumers are attached. So a consumer whose queue fills while no worker takes from it is visible; Redis
+cannot tell who listens, so there only the depth is exported. The probe is asked at scrape time like the
+database; a broker it cannot reach gives ``outbox_queue_probe_up 0``, never an error.
+
 Endpoints: ``GET /metrics`` on the Flask app (``ops.admin.init_app``), and ``start_worker_metrics_server``
 which a Celery ``worker_ready`` signal calls in the worker's main process on ``settings.metrics_port``.
 """
@@ -14,7 +20,8 @@ which a Celery ``worker_ready`` signal calls in the worker's main process on ``s
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
@@ -30,6 +37,29 @@ from celery_outbox.schema import Tables
 log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueDepth:
+    """One consumer queue as the broker reports it; ``consumers`` is None where the broker cannot tell (Redis)."""
+
+    queue: str
+    consumer: str
+    messages: int
+    consumers: int | None = None
+
+
+QueueProbe = Callable[[], Sequence[QueueDepth]]
+
+
+def _queue_families() -> dict[str, GaugeMetricFamily]:
+    return {
+        "up": GaugeMetricFamily("outbox_queue_probe_up", "1 if the last scrape could read the consumer queues' depths"),
+        "messages": GaugeMetricFamily("outbox_queue_messages", "Messages waiting in a consumer's queue (ready, not "
+                                      "taken by a worker)", labels=["queue", "consumer"]),
+        "consumers": GaugeMetricFamily("outbox_queue_consumers", "Consumers attached to a consumer's queue "
+                                       "(RabbitMQ only: Redis cannot tell)", labels=["queue", "consumer"]),
+    }
 
 
 def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -77,14 +107,36 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
 class OutboxCollector(Collector):
     """Reads the database on every scrape; a failed read yields ``outbox_stats_up 0`` instead of an error."""
 
-    def __init__(self, *, tables: Tables, session_factory: sessionmaker[Session], clock: Clock | None = None) -> None:
+    def __init__(self, *, tables: Tables, session_factory: sessionmaker[Session], clock: Clock | None = None,
+                 queue_probe: QueueProbe | None = None) -> None:
         self._tables = tables
         self._sessions = session_factory
         self._clock = clock or SystemClock()
+        self._queue_probe = queue_probe
 
     def describe(self) -> Iterator[Metric]:
-        # Names only: registering must not touch the database.
+        # Names only: registering must not touch the database or the broker.
         yield from _families().values()
+        if self._queue_probe is not None:
+            yield from _queue_families().values()
+
+    def _collect_queues(self) -> Iterator[Metric]:
+        if self._queue_probe is None:
+            return
+        fam = _queue_families()
+        try:
+            depths = list(self._queue_probe())
+        except Exception:
+            log.warning("metrics: cannot read the consumer queues from the broker", exc_info=True)
+            fam["up"].add_metric([], 0)
+            yield fam["up"]
+            return
+        fam["up"].add_metric([], 1)
+        for d in depths:
+            fam["messages"].add_metric([d.queue, d.consumer], d.messages)
+            if d.consumers is not None:
+                fam["consumers"].add_metric([d.queue, d.consumer], d.consumers)
+        yield from fam.values()
 
     def collect(self) -> Iterator[Metric]:
         fam = _families()
@@ -95,6 +147,7 @@ class OutboxCollector(Collector):
             log.exception("metrics: cannot read the outbox database")
             fam["up"].add_metric([], 0)
             yield fam["up"]
+            yield from self._collect_queues()
             return
         fam["up"].add_metric([], 1)
         fam["pending"].add_metric([], st.pending)
@@ -128,12 +181,16 @@ class OutboxCollector(Collector):
             fam["processed_total"].add_metric([consumer], processed)
             fam["dead_total"].add_metric(["consumer", consumer], kept.get(counters.DEAD_LETTERED, 0))
         yield from fam.values()
+        yield from self._collect_queues()
 
 
-def make_registry(*, tables: Tables, session_factory: sessionmaker[Session], clock: Clock | None = None) -> CollectorRegistry:
-    """A fresh registry (never the global default) holding the DB collector."""
+def make_registry(*, tables: Tables, session_factory: sessionmaker[Session], clock: Clock | None = None,
+                  queue_probe: QueueProbe | None = None) -> CollectorRegistry:
+    """A fresh registry (never the global default) holding the DB collector (and the broker's queue depths when
+    ``queue_probe`` is given)."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(OutboxCollector(tables=tables, session_factory=session_factory, clock=clock))
+    registry.register(OutboxCollector(tables=tables, session_factory=session_factory, clock=clock,
+                                      queue_probe=queue_probe))
     return registry
 
 

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import counters
 from celery_outbox.ops import stats as ops_stats
-from celery_outbox.ops.metrics import OutboxCollector, make_registry, render
+from celery_outbox.ops.metrics import OutboxCollector, QueueDepth, make_registry, render
 from celery_outbox.schema import Tables
 from celery_outbox.testing import ManualClock
 from tests.ops_seed import T0, consumer_dead_letter, counter, inbox_rows, outbox_row
@@ -58,14 +58,18 @@ def exported_metrics(sessions: sessionmaker[Session], tables: Tables) -> dict[st
         for name in (ops_stats.DUPLICATES, counters.INBOX_PRUNED, counters.DEAD_LETTERED):
             counter(s, tables=tables, consumer="shipping", name=name, value=1)
     clock = ManualClock(start_ms=T0 + 60_000)
-    text = render(make_registry(tables=tables, session_factory=sessions, clock=clock)).decode()
+
+    def queue_probe() -> list[QueueDepth]:  # what a RabbitMQ broker reports (Redis leaves out the consumer count)
+        return [QueueDepth(queue="t.shipping", consumer="shipping", messages=3, consumers=0)]
+    text = render(make_registry(tables=tables, session_factory=sessions, clock=clock, queue_probe=queue_probe)).decode()
     exported: dict[str, set[str]] = {}
     families = set()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             families.add(family.name)
             exported.setdefault(sample.name, set()).update(sample.labels)
-    described = {m.name for m in OutboxCollector(tables=tables, session_factory=sessions, clock=clock).describe()}
+    described = {m.name for m in OutboxCollector(tables=tables, session_factory=sessions, clock=clock,
+                                                 queue_probe=queue_probe).describe()}
     assert described <= families, f"the seed left families without a sample: {sorted(described - families)}"
     return {name: frozenset(labels) for name, labels in exported.items()}
 
