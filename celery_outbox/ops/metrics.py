@@ -40,7 +40,10 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         "retrying": GaugeMetricFamily("outbox_retrying_messages",
                                       "Pending outbox rows that failed to publish at least once"),
         "oldest": GaugeMetricFamily("outbox_oldest_pending_age_seconds",
-                                    "Age of the oldest pending outbox row (0 when none)"),
+                                    "How long the longest-waiting pending outbox row has waited to go out, "
+                                    "scheduled rows apart (0 when none)"),
+        "scheduled": GaugeMetricFamily("outbox_scheduled_messages",
+                                       "Pending outbox rows held for a later eta (not a backlog)"),
         "published": GaugeMetricFamily("outbox_published_retained_messages",
                                        "Published outbox rows not yet pruned by retention"),
         "dead": GaugeMetricFamily("outbox_dead_letters", "Unreplayed dead letters",
@@ -94,6 +97,7 @@ class OutboxCollector(Collector):
         fam["due"].add_metric([], st.due)
         fam["retrying"].add_metric([], st.retrying)
         fam["oldest"].add_metric([], (st.oldest_pending_age_ms or 0) / 1000)
+        fam["scheduled"].add_metric([], st.scheduled)
         fam["published"].add_metric([], st.published)
         for g in st.dead_letters:
             labels = [g.source, g.consumer or ""]
