@@ -24,6 +24,7 @@ from celery import Celery, bootsteps
 from kombu import Exchange, Queue
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
+from celery_outbox import dedup
 from celery_outbox.cancel import Cancelled
 from celery_outbox.cancel import cancel as cancel_row
 from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, receipts, relay_tasks, tracing_hook
@@ -33,7 +34,7 @@ from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
 from celery_outbox.db import SessionSource
-from celery_outbox.errors import ConfigError, UnknownEventTypeError
+from celery_outbox.errors import ConfigError, UnknownEventTypeError, ValidationError
 from celery_outbox.inbox.handle import Handler, Prepare
 from celery_outbox.messages import task_name
 from celery_outbox.names import check_name
@@ -189,13 +190,29 @@ class Outbox:
         with task_capture.bind(self, task_capture.SessionWriter(session, self.tables)):
             yield session
 
-    def enqueue(self, session: Session, signature: Any, **options: Any) -> Any:
+    def enqueue(self, session: Session, signature: Any, *, dedup_key: str | None = None,
+                on_conflict: str = "keep", **options: Any) -> Any:
         """Send ``signature`` (``task.s(...)``, a chain, a group) as outbox rows in ``session``; returns
-        Celery's ``AsyncResult``. The task id is the outbox message id."""
+        Celery's ``AsyncResult``. The task id is the outbox message id.
+
+        ``dedup_key``: at most one pending task with this key (a single task's signature only).
+        ``on_conflict="keep"`` leaves the pending one and writes nothing, ``"replace"`` deletes it and
+        writes this one; the result's id is the key's pending task either way (docs/scheduled.md)."""
         if not hasattr(signature, "apply_async"):
             raise TypeError(f"outbox.enqueue() needs a Celery signature (task.s(...)), got {type(signature).__name__}")
-        with self.transaction(session):
-            return signature.apply_async(**options)
+        if dedup_key is None:
+            with self.transaction(session):
+                return signature.apply_async(**options)
+        if hasattr(signature, "tasks") or not getattr(signature, "task", None):
+            raise ValidationError("outbox.enqueue(dedup_key=...) takes one task's signature (task.s(...)), not a "
+                                  "chain or a group; nothing was written")
+        headers = {**(options.pop("headers", None) or {}), dedup.KEY_HEADER: dedup_key,
+                   dedup.ON_CONFLICT_HEADER: on_conflict}
+        with self.transaction(session), task_capture.recording_dedup() as done:
+            result = signature.apply_async(headers=headers, **options)
+        if len(done) != 1:  # pragma: no cover - the capture writes the one task it was given
+            raise ConfigError(f"outbox.enqueue(dedup_key=...): expected one write with the key, saw {len(done)}")
+        return self.app.AsyncResult(str(done[0].message_id)) if done[0].outcome == "kept" else result
 
     def cancel(self, session: Session, task_id: str | uuid.UUID) -> Cancelled:
         """Cancel a task (or event) still waiting in the outbox, in ``session``'s transaction: its row is

@@ -25,6 +25,7 @@ SeqType = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 PENDING_SQL = "published_at_ms IS NULL AND dead_lettered_at_ms IS NULL"
 DEAD_SQL = "dead_lettered_at_ms IS NOT NULL"
+DEDUP_SQL = f"{PENDING_SQL} AND dedup_key IS NOT NULL"
 UNREPLAYED_SQL = "replayed_at_ms IS NULL"
 DEFAULT_PREFIX = "outbox_"
 _PREFIX = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
@@ -51,6 +52,9 @@ class OutboxRow(_Row):
     next_attempt_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
     dead_lettered_at_ms: Mapped[int | None] = mapped_column(sa.BigInteger, nullable=True)
     last_error: Mapped[str | None] = mapped_column(sa.Text, nullable=True)
+    # At most one pending row per key (``ux_<prefix>dedup``): a task enqueued with a dedup key
+    # (docs/scheduled.md, "Deduplicate by key"); NULL for everything else, and once dead-lettered.
+    dedup_key: Mapped[str | None] = mapped_column(sa.String(200), nullable=True)
 
 
 class InboxRow(_Row):
@@ -196,6 +200,7 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
     pending = sa.text(PENDING_SQL)
     published = sa.text("published_at_ms IS NOT NULL")
     dead = sa.text(DEAD_SQL)
+    dedup = sa.text(DEDUP_SQL)
     unreplayed = sa.text(UNREPLAYED_SQL)
     return Tables(
         prefix=prefix, metadata=md,
@@ -210,6 +215,9 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
                      sqlite_where=published),
             # The relay's dead letters without a scan of the history (stats, groups); holds only dead rows.
             sa.Index(f"ix_{prefix}dead", "seq", postgresql_where=dead, sqlite_where=dead),
+            # At most one pending task per dedup key, also between concurrent transactions: the second
+            # insert waits for the first to commit, then conflicts (celery/dedup.py).
+            sa.Index(f"ux_{prefix}dedup", "dedup_key", unique=True, postgresql_where=dedup, sqlite_where=dedup),
         )),
         inbox=mapped("InboxEntry", InboxRow, "inbox", (
             sa.Index(f"ix_{prefix}inbox_processed", "processed_at_ms"),)),

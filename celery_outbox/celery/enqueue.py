@@ -44,6 +44,10 @@ message's ``eta`` removed; the relay publishes it when due, so no worker holds i
 (Redis would redeliver it after the visibility timeout, a quorum queue cannot hold it the classic way,
 a worker restart would drop it back on the queue). A nearer eta is left in the message, as Celery sent it.
 
+A task with a dedup key (``apply_async(headers={"outbox_dedup_key": K, "outbox_dedup_on_conflict":
+"keep" | "replace"})``, or ``outbox.enqueue(..., dedup_key=K)``) is written so that at most one pending
+row holds K (celery_outbox/dedup.py); the two headers never reach the message.
+
 The reused-id check costs one indexed lookup, and only for an id the caller chose (``task_id=...``,
 or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never collide.
 """
@@ -66,7 +70,7 @@ from kombu import Exchange, Queue
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from celery_outbox import tracing
+from celery_outbox import dedup, tracing
 from celery_outbox.errors import (
     ConfigError,
     DatabaseError,
@@ -102,6 +106,12 @@ class Writer(Protocol):
         ...
 
 
+class DedupWriter(Writer, Protocol):
+    """A writer that can also keep a dedup key unique among pending rows (celery_outbox/dedup.py)."""
+
+    def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated: ...
+
+
 _WRITTEN = "celery_outbox.enqueue.written"
 
 
@@ -125,6 +135,11 @@ class SessionWriter:
             self.session.info[_WRITTEN] = (transaction, ids)
         return ids
 
+    def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated:
+        done = dedup.write_unique(self.session, values, key=key, on_conflict=on_conflict, tables=self.tables)
+        self._written().add(values["message_id"])
+        return done
+
     def holds(self, message_id: uuid.UUID) -> bool:
         model = self.tables.outbox
         if message_id in self._written() and any(  # confirmed: a savepoint rolled back takes its rows with it
@@ -145,10 +160,19 @@ class OwnTransactionWriter:
         self.outbox = outbox
 
     def write(self, values: dict[str, Any]) -> None:
+        self._commit(values, lambda session: session.add(self.outbox.tables.outbox(**values)))
+
+    def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated:
+        done: list[dedup.Deduplicated] = []
+        self._commit(values, lambda session: done.append(dedup.write_unique(
+            session, values, key=key, on_conflict=on_conflict, tables=self.outbox.tables)))
+        return done[0]
+
+    def _commit(self, values: dict[str, Any], write: Callable[[Session], object]) -> None:
         name = values["type"]
         try:
             with self.outbox.sessions()() as session, session.begin():
-                session.add(self.outbox.tables.outbox(**values))
+                write(session)
         except sa_exc.IntegrityError:  # a chosen task id another process wrote between the check and the insert
             raise ValidationError(f"task {name!r} has task_id {str(values['message_id'])!r}, which an outbox row "
                                   "already holds (a task id is the message id: use a new one); nothing was written"
@@ -173,6 +197,8 @@ _BOUND: ContextVar[tuple[tuple[object, Writer], ...]] = ContextVar("celery_outbo
 _DIRECT: ContextVar[bool] = ContextVar("celery_outbox_direct", default=False)
 # True while ``app.send_task`` runs with a task id its caller passed (``ChosenIds``).
 _CHOSEN: ContextVar[bool] = ContextVar("celery_outbox_chosen_id", default=False)
+# What the writes with a dedup key did, while ``recording_dedup`` runs (``Outbox.enqueue`` reads it).
+_DEDUPED: ContextVar[list[dedup.Deduplicated] | None] = ContextVar("celery_outbox_deduped", default=None)
 # Ambient transactions (Django's atomic()): each returns a writer for ``outbox`` or None.
 AMBIENT: list[Callable[[Any], Writer | None]] = []
 _process = {"beat": False}
@@ -202,6 +228,17 @@ def publishing_directly() -> Iterator[None]:
         yield
     finally:
         _DIRECT.reset(token)
+
+
+@contextmanager
+def recording_dedup() -> Iterator[list[dedup.Deduplicated]]:
+    """Collect what each write with a dedup key did inside this block."""
+    found: list[dedup.Deduplicated] = []
+    token = _DEDUPED.set(found)
+    try:
+        yield found
+    finally:
+        _DEDUPED.reset(token)
 
 
 def _bound_writer(outbox: object) -> Writer | None:
@@ -269,12 +306,36 @@ class Interceptor:
                     "OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION=own_transaction (a row committed at once on its own) or "
                     "publish (sent directly: lost if the process dies); nothing was sent")
             writer = OwnTransactionWriter(self.outbox)
+        options, key = self.dedup_options(name, options)
         values = self.row_values(producer, name, message, options)
         if _CHOSEN.get() and writer.holds(values["message_id"]):
             raise ValidationError(f"task {name!r} has task_id {str(values['message_id'])!r}, which an outbox row "
                                   "already holds (a task id is the message id: use a new one); nothing was written")
-        writer.write(values)
+        if key is None:
+            writer.write(values)
+            return None
+        if not hasattr(writer, "write_unique"):
+            raise ConfigError(f"task {name!r} has a dedup key, which this transaction's writer "
+                              f"({type(writer).__name__}) cannot keep unique; nothing was written")
+        values["headers"][dedup.KEY_HEADER] = key[0]
+        done = writer.write_unique(values, key[0], key[1])
+        recorded = _DEDUPED.get()
+        if recorded is not None:
+            recorded.append(done)
         return None
+
+    def dedup_options(self, name: str, options: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, Any] | None]:
+        """``options`` without the dedup headers (they never reach the message), and the checked key and
+        mode when the caller gave a key (celery_outbox/dedup.py)."""
+        headers = options.get("headers")
+        if not isinstance(headers, Mapping) or not ({dedup.KEY_HEADER, dedup.ON_CONFLICT_HEADER} & headers.keys()):
+            return options, None
+        rest = {k: v for k, v in headers.items() if k not in (dedup.KEY_HEADER, dedup.ON_CONFLICT_HEADER)}
+        if dedup.KEY_HEADER not in headers:
+            raise ValidationError(f"task {name!r}: {dedup.ON_CONFLICT_HEADER} without {dedup.KEY_HEADER}; "
+                                  "nothing was written")
+        key = dedup.check(headers[dedup.KEY_HEADER], headers.get(dedup.ON_CONFLICT_HEADER), task=name)
+        return {**options, "headers": rest}, key
 
     def captures(self, name: str, headers: Mapping[str, Any]) -> bool:
         if _DIRECT.get() or name.startswith(OWN_PREFIXES) or name in self.outbox.settings.enqueue_exclude:

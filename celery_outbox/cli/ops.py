@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,10 @@ def _age(ms: int | None) -> str:
     s = ms // 1000
     d, h, m = s // 86400, s % 86400 // 3600, s % 3600 // 60
     return f"{d}d {h}h" if d else f"{h}h {m}m" if h else f"{m}m {s % 60}s" if m else f"{s}s"
+
+
+def _utc(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _echo_json(data: Any) -> None:
@@ -434,6 +439,9 @@ def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     outbox_t.add_row(str(st.pending), str(st.due), str(st.retrying), _age(st.oldest_pending_age_ms),
                      _age(st.oldest_overdue_ms), _age(st.claim_held_ms), str(st.published))
     console.print(outbox_t)
+    # Held for a later eta (docs/scheduled.md): apart from the backlog figures above.
+    console.print(f"scheduled: {st.scheduled}" + ("" if st.next_due_at_ms is None else
+                  f", next due at {_utc(st.next_due_at_ms)} (in {_age(st.next_due_at_ms - st.now_ms)})"))
     re_t = Table(title="re-sent by the reconciler (never arrived)")
     for col in ("total", "events (per consumer)", "@outbox.task", "plain tasks"):
         re_t.add_column(col)

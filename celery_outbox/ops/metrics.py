@@ -70,7 +70,10 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         "retrying": GaugeMetricFamily("outbox_retrying_messages",
                                       "Pending outbox rows that failed to publish at least once"),
         "oldest": GaugeMetricFamily("outbox_oldest_pending_age_seconds",
-                                    "Age of the oldest pending outbox row (0 when none)"),
+                                    "How long the longest-waiting pending outbox row has waited to go out, "
+                                    "scheduled rows apart (0 when none)"),
+        "scheduled": GaugeMetricFamily("outbox_scheduled_messages",
+                                       "Pending outbox rows held for a later eta (not a backlog)"),
         "overdue": GaugeMetricFamily("outbox_oldest_overdue_seconds",
                                      "How long the longest-due pending row has been due and unpublished (0 when "
                                      "none); rows backing off after a failed publish are not due, so it grows only "
@@ -154,6 +157,7 @@ class OutboxCollector(Collector):
         fam["due"].add_metric([], st.due)
         fam["retrying"].add_metric([], st.retrying)
         fam["oldest"].add_metric([], (st.oldest_pending_age_ms or 0) / 1000)
+        fam["scheduled"].add_metric([], st.scheduled)
         fam["overdue"].add_metric([], (st.oldest_overdue_ms or 0) / 1000)
         fam["claim_held"].add_metric([], (st.claim_held_ms or 0) / 1000)
         fam["published"].add_metric([], st.published)

@@ -2,7 +2,8 @@
 
 Every figure is read from the database, so it is the same whichever process (web app, relay, worker)
 serves it, and it survives restarts. Queries use the partial indexes: the pending figures are O(pending),
-not O(history).
+not O(history). A task held in the outbox for a later eta (docs/scheduled.md) is "scheduled", counted
+apart: a reminder due tomorrow is not a stuck backlog, so it never ages the oldest pending row.
 """
 
 from __future__ import annotations
@@ -42,11 +43,17 @@ class Stats:
     pending: int
     due: int
     retrying: int  # pending rows that have failed at least once (publish failures not yet dead)
+    # How long the longest-waiting row has been waiting to go out: counted from when it could first be
+    # published (its creation, or the eta it was held until), over every pending row but the scheduled ones.
     oldest_pending_age_ms: int | None
     published: int  # published rows still retained (retention shrinks this)
     # How long the longest-due pending row has been due and unpublished. A row backing off after a failed
     # publish is not due yet, so it never counts: this grows only when no relay is claiming due rows.
     oldest_overdue_ms: int | None = None
+    # Rows held for a later eta (docs/scheduled.md): not a backlog, so outside the figures above; when the
+    # first of them is due.
+    scheduled: int = 0
+    next_due_at_ms: int | None = None
     # Postgres: how long the oldest relay claim in flight (rows locked FOR UPDATE by a claim that has not
     # committed its mark) has been open. A relay stopped or stuck mid-batch holds its rows here, unpublished,
     # while every other relay skips them. None when no claim is open (always on SQLite: see ``claim_held_ms``).
@@ -77,7 +84,8 @@ class Stats:
             "now_ms": self.now_ms,
             "outbox": {"pending": self.pending, "due": self.due, "retrying": self.retrying,
                        "oldest_pending_age_ms": self.oldest_pending_age_ms, "published_retained": self.published,
-                       "oldest_overdue_ms": self.oldest_overdue_ms, "claim_held_ms": self.claim_held_ms},
+                       "oldest_overdue_ms": self.oldest_overdue_ms, "claim_held_ms": self.claim_held_ms,
+                       "scheduled": self.scheduled, "next_due_at_ms": self.next_due_at_ms},
             "dead_letters": {"total": self.dead_letter_total, "oldest_age_ms": self.oldest_dead_letter_age_ms,
                              "groups": [g.to_dict() for g in self.dead_letters]},
             "inbox": {"total": sum(self.inbox.values()), "per_consumer": dict(self.inbox)},
@@ -116,17 +124,25 @@ def claim_held_ms(session: Session, *, tables: Tables) -> int | None:
 
 def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
     now = clock.now_ms()
+    o = tables.outbox
+    # A row that never failed waits from its next_attempt_at_ms: its creation, its eta (held, docs/scheduled.md),
+    # or the replay that put it back. Before then it is scheduled, not a backlog. A row that failed waits from
+    # its creation or its eta, even while it backs off (it is late, and stays in the figure).
+    fresh, failed = o.attempts == 0, o.attempts > 0
+    scheduled = sa.and_(fresh, o.next_attempt_at_ms > now)
+    held_until = sa.cast(o.headers["held_until_ms"].as_string(), sa.BigInteger)  # BIGINT: ms do not fit an int
     pending_q = sa.select(
         sa.func.count(),
-        sa.func.count().filter(tables.outbox.next_attempt_at_ms <= now),
-        sa.func.count().filter(tables.outbox.attempts > 0),
-        sa.func.min(tables.outbox.next_attempt_at_ms).filter(tables.outbox.next_attempt_at_ms <= now),
-    ).select_from(tables.outbox).where(*_pending_where(tables))
-    pending, due, retrying, first_due = session.execute(pending_q).one()
-    # The oldest pending row is the lowest seq: one index probe on ix_outbox_pending.
-    oldest_created = session.scalar(
-        sa.select(tables.outbox.created_at_ms).where(*_pending_where(tables)).order_by(tables.outbox.seq).limit(1)
-    )
+        sa.func.count().filter(o.next_attempt_at_ms <= now),
+        sa.func.count().filter(failed),
+        sa.func.min(o.next_attempt_at_ms).filter(o.next_attempt_at_ms <= now),
+        sa.func.min(o.next_attempt_at_ms).filter(fresh, o.next_attempt_at_ms <= now),
+        sa.func.min(sa.func.coalesce(held_until, o.created_at_ms)).filter(failed),
+        sa.func.count().filter(scheduled),
+        sa.func.min(o.next_attempt_at_ms).filter(scheduled),
+    ).select_from(o).where(*_pending_where(tables))
+    (pending, due, retrying, first_due, fresh_since, failed_since, held, next_held) = session.execute(pending_q).one()
+    waiting = [int(t) for t in (fresh_since, failed_since) if t is not None]
     published = session.scalar(
         sa.select(sa.func.count()).select_from(tables.outbox).where(tables.outbox.published_at_ms.is_not(None))
     ) or 0
@@ -159,8 +175,9 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
     duplicates = {c: v[DUPLICATES] for c, v in counters.items() if DUPLICATES in v}
     return Stats(
         now_ms=now, pending=int(pending), due=int(due), retrying=int(retrying),
-        oldest_pending_age_ms=None if oldest_created is None else max(0, now - int(oldest_created)),
+        oldest_pending_age_ms=max(0, now - min(waiting)) if waiting else None,
         published=int(published), oldest_overdue_ms=None if first_due is None else max(0, now - int(first_due)),
+        scheduled=int(held), next_due_at_ms=None if next_held is None else int(next_held),
         claim_held_ms=claim_held_ms(session, tables=tables),
         dead_letters=groups, inbox=inbox, duplicates_absorbed=duplicates,
         counters=counters,

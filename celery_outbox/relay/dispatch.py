@@ -208,7 +208,11 @@ def mark_batch(session: Session, now_ms: int, *, tables: Tables, published: Sequ
                 .where(outbox.c.seq == sa.bindparam("b_seq"), outbox.c.published_at_ms.is_(None))
                 .values(attempts=sa.bindparam("b_attempts"), last_error=sa.bindparam("b_error"),
                         next_attempt_at_ms=sa.bindparam("b_next"),
-                        dead_lettered_at_ms=sa.bindparam("b_dead")),
+                        dead_lettered_at_ms=sa.bindparam("b_dead"),
+                        # a dead row gives its dedup key up (kept in its headers): its replay never
+                        # conflicts with a newer pending task of that key (celery_outbox/dedup.py)
+                        dedup_key=sa.case((sa.bindparam("b_dead", type_=sa.BigInteger).is_(None), outbox.c.dedup_key),
+                                          else_=sa.null())),
                 params,
             )
     return marked, n_failed, n_dead

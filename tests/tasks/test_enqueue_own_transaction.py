@@ -107,3 +107,15 @@ def test_a_database_that_is_down_is_one_clear_error_without_its_password(tables:
         t.delay()
     assert "s3cret" not in str(raised.value) and "\n" not in str(raised.value)
     outbox.sessions().kw["bind"].dispose()
+
+
+def test_a_dedup_key_holds_with_no_transaction_open(tasks: TaskApp) -> None:
+    # Given a script that sends "recompute cart 7" three times with one dedup key, keep-first then replace
+    key = {"outbox_dedup_key": "cart:7"}
+    first = tasks.step.apply_async((1,), headers=key)
+    tasks.step.apply_async((2,), headers=key)
+    last = tasks.step.apply_async((3,), headers={**key, "outbox_dedup_on_conflict": "replace"})
+    # Then one pending row holds the key, the replacing one, and the relay publishes it once
+    [row] = tasks.rows()
+    assert str(row.message_id) == last.id != first.id
+    assert [m.message_id for m in drain(tasks.outbox).published] == [last.id]

@@ -46,6 +46,7 @@ EXPECTED: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {
     ("outbox_pending_messages", ()): 2,
     ("outbox_due_messages", ()): 2,
     ("outbox_retrying_messages", ()): 1,
+    ("outbox_scheduled_messages", ()): 0,
     ("outbox_oldest_pending_age_seconds", ()): 60.0,
     ("outbox_published_retained_messages", ()): 3,
     ("outbox_dead_letters", (("consumer", ""), ("source", "outbox"))): 1,
@@ -66,7 +67,8 @@ def test_stats_after_a_scripted_scenario(sqlite_session: Session, clock: ManualC
     clock.set(T0 + 60_000)
     st = ops_stats.collect(sqlite_session, tables=tables, clock=clock).to_dict()
     assert st["outbox"] == {"pending": 2, "due": 2, "retrying": 1, "oldest_pending_age_ms": 60_000,
-                            "published_retained": 3, "oldest_overdue_ms": 60_000, "claim_held_ms": None}
+                            "published_retained": 3, "oldest_overdue_ms": 60_000, "claim_held_ms": None, "scheduled": 0,
+                            "next_due_at_ms": None}
     assert st["dead_letters"]["total"] == 4 and st["dead_letters"]["oldest_age_ms"] == 50_000
     assert st["dead_letters"]["groups"] == [
         {"source": "outbox", "consumer": None, "count": 1, "oldest_age_ms": 40_000},

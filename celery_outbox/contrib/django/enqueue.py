@@ -31,8 +31,9 @@ from typing import Any
 from django.db import DatabaseError as DjangoDatabaseError
 from django.db import router, transaction
 
+from celery_outbox import dedup
 from celery_outbox.celery import enqueue
-from celery_outbox.errors import DatabaseError, ValidationError
+from celery_outbox.errors import ConfigError, DatabaseError, ValidationError
 
 OWN_TRANSACTION = "own_transaction"
 
@@ -51,6 +52,36 @@ class DjangoWriter:
         except DjangoDatabaseError as e:
             raise DatabaseError(f"writing the outbox row of task {values['type']!r} ({values['message_id']}) failed: "
                                 f"{e.__class__.__name__}: {e}") from e
+
+    def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated:
+        """The SQLAlchemy path's algorithm (celery_outbox/dedup.py) in the ORM: delete the key's pending row
+        (replace), insert ignoring a conflict, look again; in a savepoint (inside the caller's ``atomic()``)
+        or a transaction of its own (outside one)."""
+        from celery_outbox.contrib.django.models import OutboxMessage
+
+        objects = OutboxMessage.objects.using(self.alias)
+        holder = objects.filter(dedup_key=key, published_at_ms__isnull=True, dead_lettered_at_ms__isnull=True)
+        replaced: uuid.UUID | None = None
+        try:
+            with transaction.atomic(using=self.alias):
+                for _ in range(dedup.ATTEMPTS):
+                    if on_conflict == dedup.REPLACE:
+                        gone = list(holder.values_list("message_id", flat=True)[:1])
+                        if gone and holder.filter(message_id=gone[0]).delete()[0]:
+                            replaced = gone[0]
+                    objects.bulk_create([OutboxMessage(**values, dedup_key=key)], ignore_conflicts=True)
+                    if objects.filter(message_id=values["message_id"]).exists():
+                        return dedup.Deduplicated(key=key, outcome="replaced" if replaced else "written",
+                                                  message_id=values["message_id"], replaced=replaced)
+                    if on_conflict == dedup.KEEP:
+                        held = holder.values_list("message_id", flat=True).first()
+                        if held is not None:
+                            return dedup.Deduplicated(key=key, outcome="kept", message_id=held)
+        except DjangoDatabaseError as e:
+            raise DatabaseError(f"writing task {values['type']!r} with dedup key {key[:80]!r} failed: "
+                                f"{e.__class__.__name__}: {e}") from e
+        raise ConfigError(f"task {values['type']!r}: dedup key {key[:80]!r} kept conflicting after {dedup.ATTEMPTS} "
+                          "writes (another process writing it in a loop?); nothing was written")
 
     def holds(self, message_id: uuid.UUID) -> bool:
         """True when an outbox row on this connection (this ``atomic()`` block's included) has ``message_id``."""

@@ -28,6 +28,7 @@ class OutboxMessage(models.Model):  # type: ignore[misc]
     next_attempt_at_ms = models.BigIntegerField()
     dead_lettered_at_ms = models.BigIntegerField(null=True, blank=True)
     last_error = models.TextField(null=True, blank=True)
+    dedup_key = models.CharField(max_length=200, null=True, blank=True)  # docs/scheduled.md, "Deduplicate by key"
 
     class Meta:
         db_table = "outbox_messages"
@@ -41,6 +42,11 @@ class OutboxMessage(models.Model):  # type: ignore[misc]
             models.Index(fields=["next_attempt_at_ms", "seq"], name="ix_outbox_due",
                          condition=Q(published_at_ms__isnull=True) & Q(dead_lettered_at_ms__isnull=True)),
             models.Index(fields=["seq"], name="ix_outbox_dead", condition=Q(dead_lettered_at_ms__isnull=False)),
+        )
+        constraints = (
+            models.UniqueConstraint(fields=["dedup_key"], name="ux_outbox_dedup",
+                                    condition=Q(published_at_ms__isnull=True) & Q(dead_lettered_at_ms__isnull=True)
+                                    & Q(dedup_key__isnull=False)),
         )
 
     def __str__(self) -> str:
