@@ -16,6 +16,7 @@ Django from dropping the test database at the end of the run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -26,6 +27,7 @@ from sqlalchemy import Engine, pool
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.clock import Clock
+from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.db import SessionSource, make_engine, make_session_factory
 from celery_outbox.errors import ConfigError
 from celery_outbox.outbox import Outbox
@@ -129,6 +131,20 @@ class DjangoOutbox(Outbox):
         task_runner.define(self)  # Django Tasks (django.tasks) sent through OutboxTaskBackend run here
         if resolved.table_prefix == DEFAULT_PREFIX:  # the admin lists the default-prefix tables only
             dead_letters.use(self)
+
+    def include(self, spec: ConsumerSpec) -> ConsumerSpec:
+        """``Outbox.include``; a Django consumer declared without ``using=`` runs on this outbox's database.
+        One naming another database is refused: its inbox row and effect would commit on one database and
+        its delivery counts and dead letters on another."""
+        from celery_outbox.contrib.django.consumer import DjangoConsumerSpec
+
+        if isinstance(spec, DjangoConsumerSpec):
+            if spec.using is None:
+                spec = dataclasses.replace(spec, using=self.using)
+            elif spec.using != self.using:
+                raise ConfigError(f"consumer {spec.name!r} uses Django database {spec.using!r}, this outbox "
+                                  f"{self.using!r}: declare it with using={self.using!r}, or leave using out")
+        return super().include(spec)
 
     def _worker_defaults(self) -> None:
         """What ``recommended_celery_config`` gives the Flask path, for the app's OWN tasks too: late acks and
