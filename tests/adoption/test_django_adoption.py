@@ -75,9 +75,10 @@ def wait_for(db: Path, sql: str, expected: int, timeout_s: float = 60) -> int:
 @pytest.fixture
 def project_env(tmp_path: Path) -> dict[str, str]:
     require_service("Redis", "127.0.0.1", 6379)
+    namespace = f"djshop{uuid.uuid4().hex[:8]}"  # queues of this run only: other runs share the broker
     return {"PATH": f"{BIN}:/usr/bin:/bin", "PYTHONPATH": str(HERE), "HOME": str(tmp_path),
             "SHOP_DB_PATH": str(tmp_path / "shop.sqlite3"), "SHOP_BROKER_URL": "redis://127.0.0.1:6379/4",
-            "SHOP_NAMESPACE": f"djshop{uuid.uuid4().hex[:8]}"}
+            "SHOP_NAMESPACE": namespace, "SHOP_TASK_QUEUE": f"{namespace}.tasks"}
 
 
 @pytest.fixture

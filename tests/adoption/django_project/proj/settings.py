@@ -15,3 +15,5 @@ USE_TZ = True
 
 CELERY_BROKER_URL = os.environ["SHOP_BROKER_URL"]  # read by app.config_from_object(..., namespace="CELERY")
 OUTBOX_NAMESPACE = os.environ.get("SHOP_NAMESPACE", "shop")  # queue prefix: the consumer's queue is <ns>.notify
+# the tests run several copies of this project on one shared broker: each its own queue for plain tasks
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("SHOP_TASK_QUEUE", "celery")
