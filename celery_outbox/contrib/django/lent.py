@@ -45,6 +45,10 @@ class Lent:
     def add_notice_handler(self, handler: Any) -> None:
         """psycopg: SQLAlchemy adds a handler at every checkout; Django's connection keeps only its own."""
 
+    def create_function(self, *args: Any, **kwargs: Any) -> None:
+        """sqlite3: SQLAlchemy registers its ``regexp`` and ``floor`` at every checkout, which would replace
+        Django's own (its ``FLOOR`` accepts NULL); the library's statements use neither."""
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
 
