@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
@@ -132,6 +133,16 @@ class DjangoOutbox(Outbox):
         if resolved.table_prefix == DEFAULT_PREFIX:  # the admin lists the default-prefix tables only
             dead_letters.use(self)
 
+    def routes(self) -> Mapping[str, tuple[str, ...]]:
+        """``Outbox.routes`` once Django has loaded its apps (``django_loaded``)."""
+        django_loaded()
+        return super().routes()
+
+    def known_consumers(self) -> tuple[str, ...]:
+        """``Outbox.known_consumers`` once Django has loaded its apps (``django_loaded``)."""
+        django_loaded()
+        return super().known_consumers()
+
     def include(self, spec: ConsumerSpec) -> ConsumerSpec:
         """``Outbox.include``; a Django consumer declared without ``using=`` runs on this outbox's database.
         One naming another database is refused: its inbox row and effect would commit on one database and
@@ -181,6 +192,20 @@ class DjangoOutbox(Outbox):
         base = self.app.Task
         base.apply_async_on_commit = apply_async_on_commit
         base.delay_on_commit = delay_on_commit
+
+
+def django_loaded() -> None:
+    """Start Django in a process that imported ``proj/celery.py`` without starting it (``outbox -A proj.celery
+    relay``): the consumers a project includes in ``AppConfig.ready()`` exist only once Django has loaded its
+    apps, and a relay reading the routes before would dead-letter every event as unrouted. A no-op once
+    the apps are loaded, and while Django is loading them (a ``ready()`` including a consumer)."""
+    from django.apps import apps
+
+    if apps.ready or apps.loading:
+        return
+    import django
+
+    django.setup()
 
 
 def project_outbox() -> Outbox:
