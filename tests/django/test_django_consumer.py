@@ -227,11 +227,6 @@ def test_consumer_name_must_fit_the_inbox_column() -> None:
         idempotent_consumer("OrderPlaced", name="")
 
 
-def test_per_entity_ordering_is_refused_at_declaration() -> None:
-    with pytest.raises(ConfigError, match="not supported with Django consumers"):
-        idempotent_consumer("OrderPlaced", name=CONSUMER, ordering=True)
-
-
 def test_shop_task_dead_letters_a_poison_message_and_keeps_its_body(shop_outbox: Any) -> None:
     # Given an envelope whose payload the consumer cannot use
     poison = {**envelope(), "payload": {"no": "order id"}}

@@ -10,13 +10,13 @@ defines them) and, on Postgres, the NOTIFY trigger of the standalone relay.
 
         send_confirmation.delay(order.id)   # a task: an outbox row too (contrib/django/enqueue.py)
 
-    @idempotent_consumer("OrderPlaced", name="fulfilment")
+    @idempotent_consumer("OrderPlaced", name="fulfilment")     # ordering=, prepare=, using= as needed
     def fulfil(envelope): Shipment.objects.create(...)
-    outbox.include(fulfil)    # outbox = Outbox(app, settings=Settings(database_url=database_url()))
+    outbox.include(fulfil)    # in an AppConfig.ready(); outbox = DjangoOutbox(app) in proj/celery.py
 
 Dead letters of both stores appear in the Django admin (``celery_outbox.contrib.django.admin``); its
-replay and purge go through the project's ``Outbox``: call ``use(outbox)`` where it is built, or set
-``OUTBOX_INSTANCE = "proj.celery:outbox"`` (docs/django.md, "Admin").
+replay and purge go through the project's ``Outbox``: ``DjangoOutbox(app)`` registers itself (``use``),
+or set ``OUTBOX_INSTANCE = "proj.celery:outbox"`` (docs/django.md, "Admin").
 
 This module imports no models, so it is safe to import before the app registry is ready.
 """

@@ -11,11 +11,12 @@ from __future__ import annotations
 import uuid
 
 from django.db import DatabaseError as DjangoDatabaseError
-from django.db import router, transaction
+from django.db import transaction
 from django.db.models import F
 
 from celery_outbox import counters
 from celery_outbox.cancel import CANCELLED, Cancelled, not_cancelled, task_uuid
+from celery_outbox.contrib.django.conf import outbox_alias
 from celery_outbox.errors import DatabaseError, TransactionRequiredError
 
 
@@ -26,7 +27,7 @@ def cancel(task_id: str | uuid.UUID, *, using: str | None = None) -> Cancelled:
     from celery_outbox.contrib.django.models import ConsumerCounter, OutboxMessage
 
     message_id = task_uuid(task_id)
-    alias = using or router.db_for_write(OutboxMessage)
+    alias = using or outbox_alias()  # the project's DjangoOutbox's database, else the router's
     connection = transaction.get_connection(alias)
     if connection.get_autocommit():
         raise TransactionRequiredError(

@@ -83,6 +83,20 @@ def outbox_settings(*, environ: Mapping[str, str] | None = None, **overrides: An
     return Settings.from_env(environ, **{**values, **overrides})
 
 
+def outbox_alias() -> str:
+    """The database of the outbox's rows when a call names none (``publish``, ``cancel``, the testing helpers):
+    the ``using`` of the project's ``DjangoOutbox`` registered in this process, else the router's choice for
+    the outbox models (``DATABASE_ROUTERS``), which is "default" without routers. One rule, so a
+    multi-database project that built ``DjangoOutbox(app, using="orders")`` never writes an event to another."""
+    from django.db import router
+
+    from celery_outbox.contrib.django import dead_letters
+    from celery_outbox.contrib.django.models import OutboxMessage
+
+    alias = getattr(dead_letters.registered(), "using", None)
+    return alias if isinstance(alias, str) else str(router.db_for_write(OutboxMessage))
+
+
 def database_settings(url: str, **extra: Any) -> dict[str, Any]:
     """``postgresql://user:pw@host:port/name`` or ``sqlite:///path`` -> a Django database dict.
 

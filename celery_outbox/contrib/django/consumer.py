@@ -11,13 +11,19 @@ The inbox row is inserted FIRST inside that transaction, so a parallel second de
 message blocks on the primary key until the first commits, then fails with a unique violation and
 returns ``Outcome.DUPLICATE`` without running the handler (its transaction rolls back). If the
 handler raises, the inbox row rolls back with the effect and the exception goes to the core.
+
+``ordering=True`` runs the library's ONE per-entity ordering (``celery_outbox.inbox.ordering.apply``: skip
+stale versions, park early ones, apply parked successors) on a SQLAlchemy session lent Django's own
+connection inside that ``atomic()`` (``lent.py``), so the versions, the parking lot, the inbox row and
+the ORM effect still commit together. ``prepare=`` runs an external effect that takes an idempotency key
+(an e-mail provider) before that transaction opens, as ``Outbox.consumer(prepare=...)`` does.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
@@ -27,9 +33,11 @@ from sqlalchemy.orm import Session
 from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec
+from celery_outbox.contrib.django.lent import LentSessions
 from celery_outbox.crashpoints import DISARMED
 from celery_outbox.errors import ConfigError, DatabaseError, UnknownEventTypeError
-from celery_outbox.inbox.handle import DUPLICATES, CrashSite
+from celery_outbox.inbox import ordering as ordering_core
+from celery_outbox.inbox.handle import DUPLICATES, CrashSite, DuplicateDelivery
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.names import check_name
@@ -40,6 +48,10 @@ log = logging.getLogger(__name__)
 
 Effect = Callable[[Envelope], object]
 """The handler: writes with Django's ORM, never commits (the inbox's ``atomic()`` does)."""
+
+Prepare = Callable[[Envelope], object]
+"""An external effect with an idempotency key (derive it from ``envelope.message_id``), run before the
+inbox transaction opens; a retry runs it again with the same key."""
 
 
 class _AlreadyProcessed(Exception):
@@ -96,14 +108,15 @@ class DjangoConsumerSpec(ConsumerSpec):
 
     effect: Effect
     using: str | None = None
+    prepare_effect: Prepare | None = None
+    lent: LentSessions = field(default_factory=LentSessions, compare=False, repr=False)
 
     def handle(self, session: Session, envelope: Envelope, *, tables: Tables, clock: Clock,
                crash_points: CrashSite | None = None, fast_path: bool | None = None,
                park_timeout_ms: int | None = None) -> Outcome:
-        """The inbox step for ``deliver``: PROCESSED, or DUPLICATE (counted); a handler error propagates.
-
-        ``park_timeout_ms`` belongs to ordered consumers, which Django consumers are not (``ordering=True``
-        is refused at declaration): accepted for the shared signature, unused."""
+        """The inbox step for ``deliver``: PROCESSED, DUPLICATE (counted), or with ``ordering`` STALE / PARKED;
+        a handler (or ``prepare``) error propagates. ``park_timeout_ms`` (ordered consumers) also dead-letters
+        the consumer's parked messages that waited longer, after the commit, as ``inbox.handle`` does."""
         if not self.accepts(envelope.type):
             raise UnknownEventTypeError(
                 f"consumer {self.name!r} does not handle event type {envelope.type!r} "
@@ -111,37 +124,76 @@ class DjangoConsumerSpec(ConsumerSpec):
             )
         alias = self.using or DEFAULT_DB_ALIAS
         crash = crash_points or DISARMED
-        # ``fast_path`` is kept for the shared signature: with a one-statement claim a read first only
-        # adds a round trip (a Django consumer has no ``prepare`` step for it to spare).
+        if self.prepare_effect is not None:
+            # the fast path spares a redelivered or replayed message the external call; the claim below is
+            # still the guarantee (a plain delivery needs no read first: the claim reports the duplicate)
+            if (self.fast_path if fast_path is None else fast_path) and already_processed(
+                    envelope.message_id, self.name, using=alias):
+                return self._duplicate(session, envelope, tables=tables)
+            session.rollback()  # the external call holds no transaction of ours
+            self.prepare_effect(envelope)
+        now = clock.now_ms()
+        expired = False
         try:
             with transaction.atomic(using=alias):
-                if not _claim(envelope, self.name, alias, clock.now_ms()):
-                    raise _AlreadyProcessed
-                self.effect(envelope)
+                if self.ordering:
+                    outcome, expired = self._ordered(envelope, alias, tables=tables, now_ms=now,
+                                                     park_timeout_ms=park_timeout_ms)
+                else:
+                    if not _claim(envelope, self.name, alias, now):
+                        raise _AlreadyProcessed
+                    self.effect(envelope)
+                    outcome = Outcome.PROCESSED
                 crash.reached("consumer_before_commit")
-        except _AlreadyProcessed:
-            log.info("%s: %s %s is a duplicate (inbox key)", self.name, envelope.type, envelope.message_id)
-            counters.increment(session, self.name, DUPLICATES, tables=tables)
-            return Outcome.DUPLICATE
+        except (_AlreadyProcessed, DuplicateDelivery):  # the block rolled back: nothing of this delivery stays
+            return self._duplicate(session, envelope, tables=tables)
         crash.reached("consumer_after_commit_before_ack")
-        return Outcome.PROCESSED
+        if expired and park_timeout_ms is not None:
+            try:
+                ordering_core.expire_parked(session, tables=tables, consumer=self.name, now_ms=clock.now_ms(),
+                                            timeout_ms=park_timeout_ms)
+            except Exception as e:  # bookkeeping only: the effect is committed and the message must be acked
+                session.rollback()
+                log.warning("could not dead-letter expired parked messages of %s: %s", self.name, e)
+        return outcome
+
+    def _ordered(self, envelope: Envelope, alias: str, *, tables: Tables, now_ms: int,
+                 park_timeout_ms: int | None) -> tuple[Outcome, bool]:
+        """The library's per-entity ordering inside the open ``atomic()``; DUPLICATE raises to roll it back."""
+        def handler(_session: Session, env: Envelope) -> None:
+            self.effect(env)  # the Django ORM, on the connection the lent session runs on
+
+        with self.lent.session(alias) as lent:
+            outcome, expired = ordering_core.apply(
+                lent, envelope, tables=tables, consumer=self.name, handler=handler,
+                now_ms=now_ms, expire_cutoff_ms=None if park_timeout_ms is None else now_ms - park_timeout_ms)
+        if outcome is Outcome.DUPLICATE:
+            raise _AlreadyProcessed
+        return outcome, expired
+
+    def _duplicate(self, session: Session, envelope: Envelope, *, tables: Tables) -> Outcome:
+        log.info("%s: %s %s is a duplicate (inbox key)", self.name, envelope.type, envelope.message_id)
+        counters.increment(session, self.name, DUPLICATES, tables=tables)
+        return Outcome.DUPLICATE
 
 
 def idempotent_consumer(event: str | Iterable[str], *, name: str, using: str | None = None, fast_path: bool = True,
-                        ordering: bool = False, max_retries: int | None = None, retry_backoff: bool | float = True,
-                        retry_backoff_max: float | None = None, retry_jitter: bool = False,
-                        ) -> Callable[[Effect], DjangoConsumerSpec]:
+                        ordering: bool = False, prepare: Prepare | None = None, max_retries: int | None = None,
+                        retry_backoff: bool | float = True, retry_backoff_max: float | None = None,
+                        retry_jitter: bool = False) -> Callable[[Effect], DjangoConsumerSpec]:
     """Declare ``handler(envelope)`` as consumer ``name`` of ``event`` on Django's database ``using``.
 
-    Returns a spec; ``outbox.include(spec)`` defines its Celery task. Retry options mean what they mean
-    on ``Outbox.consumer``. Per-entity ordering is not supported with Django consumers yet.
+    Returns a spec; ``outbox.include(spec)`` defines its Celery task. ``ordering``, ``prepare``, ``fast_path``
+    and the retry options mean what they mean on ``Outbox.consumer``; ``prepare(envelope)`` takes no session.
     """
     check_name(name)
     events = frozenset([event] if isinstance(event, str) else event)
     if not events or not all(isinstance(e, str) and e.strip() for e in events):
         raise ConfigError(f"consumer {name!r} needs at least one non-empty event type")
-    if ordering:
-        raise ConfigError(f"consumer {name!r}: per-entity ordering is not supported with Django consumers yet")
+    if ordering and prepare is not None:
+        raise ConfigError(f"consumer {name!r}: per-entity ordering cannot be combined with a prepare step")
+    if prepare is not None and not callable(prepare):
+        raise ConfigError(f"consumer {name!r}: prepare must be a function of the envelope")
     policy = RetryPolicy(max_retries=max_retries, retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
                          retry_jitter=retry_jitter)
 
@@ -150,6 +202,6 @@ def idempotent_consumer(event: str | Iterable[str], *, name: str, using: str | N
             effect(envelope)
 
         return DjangoConsumerSpec(name=name, events=events, handler=handler, fast_path=fast_path, policy=policy,
-                                  effect=effect, using=using)
+                                  ordering=ordering, effect=effect, using=using, prepare_effect=prepare)
 
     return decorate

@@ -16,9 +16,11 @@ Django from dropping the test database at the end of the run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
@@ -26,6 +28,7 @@ from sqlalchemy import Engine, pool
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.clock import Clock
+from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.db import SessionSource, make_engine, make_session_factory
 from celery_outbox.errors import ConfigError
 from celery_outbox.outbox import Outbox
@@ -130,6 +133,30 @@ class DjangoOutbox(Outbox):
         if resolved.table_prefix == DEFAULT_PREFIX:  # the admin lists the default-prefix tables only
             dead_letters.use(self)
 
+    def routes(self) -> Mapping[str, tuple[str, ...]]:
+        """``Outbox.routes`` once Django has loaded its apps (``django_loaded``)."""
+        django_loaded()
+        return super().routes()
+
+    def known_consumers(self) -> tuple[str, ...]:
+        """``Outbox.known_consumers`` once Django has loaded its apps (``django_loaded``)."""
+        django_loaded()
+        return super().known_consumers()
+
+    def include(self, spec: ConsumerSpec) -> ConsumerSpec:
+        """``Outbox.include``; a Django consumer declared without ``using=`` runs on this outbox's database.
+        One naming another database is refused: its inbox row and effect would commit on one database and
+        its delivery counts and dead letters on another."""
+        from celery_outbox.contrib.django.consumer import DjangoConsumerSpec
+
+        if isinstance(spec, DjangoConsumerSpec):
+            if spec.using is None:
+                spec = dataclasses.replace(spec, using=self.using)
+            elif spec.using != self.using:
+                raise ConfigError(f"consumer {spec.name!r} uses Django database {spec.using!r}, this outbox "
+                                  f"{self.using!r}: declare it with using={self.using!r}, or leave using out")
+        return super().include(spec)
+
     def _worker_defaults(self) -> None:
         """What ``recommended_celery_config`` gives the Flask path, for the app's OWN tasks too: late acks and
         ``reject_on_worker_lost`` (a task whose worker is SIGKILLed is redelivered, not lost), prefetch 1, task
@@ -165,6 +192,20 @@ class DjangoOutbox(Outbox):
         base = self.app.Task
         base.apply_async_on_commit = apply_async_on_commit
         base.delay_on_commit = delay_on_commit
+
+
+def django_loaded() -> None:
+    """Start Django in a process that imported ``proj/celery.py`` without starting it (``outbox -A proj.celery
+    relay``): the consumers a project includes in ``AppConfig.ready()`` exist only once Django has loaded its
+    apps, and a relay reading the routes before would dead-letter every event as unrouted. A no-op once
+    the apps are loaded, and while Django is loading them (a ``ready()`` including a consumer)."""
+    from django.apps import apps
+
+    if apps.ready or apps.loading:
+        return
+    import django
+
+    django.setup()
 
 
 def project_outbox() -> Outbox:

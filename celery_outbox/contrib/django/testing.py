@@ -47,7 +47,7 @@ def _message(outbox: Any, row: Any) -> TaskMessage:
 
 def enqueued_tasks(outbox: Any, *, using: str | None = None) -> list[TaskMessage]:
     """The task messages pending in the outbox, in order, as the relay would publish them (nothing is marked)."""
-    return [_message(outbox, row) for row in _pending_task_rows(using)]
+    return [_message(outbox, row) for row in _pending_task_rows(using or getattr(outbox, "using", None))]
 
 
 def run_enqueued_tasks(outbox: Any, *, using: str | None = None, max_rounds: int = 100, throw: bool = True,
@@ -60,7 +60,7 @@ def run_enqueued_tasks(outbox: Any, *, using: str | None = None, max_rounds: int
     """
     results: list[Any] = []
     for _ in range(max_rounds):
-        rows = _pending_task_rows(using)
+        rows = _pending_task_rows(using or getattr(outbox, "using", None))
         if not rows:
             return results
         for row in rows:

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 def publish(event: Event, *, using: str | None = None, clock: Clock | None = None,
             max_message_bytes: int | None = None, known_types: Iterable[str] | None = None) -> OutboxMessage:
-    """Write ``event`` as a pending outbox row on Django's connection ``using`` (default: "default").
+    """Write ``event`` as a pending outbox row on Django's connection ``using`` (default: the project's
+    ``DjangoOutbox(using=...)``, else the router's alias for the outbox models: ``conf.outbox_alias``).
 
     Must run inside ``transaction.atomic()`` (or with ATOMIC_REQUESTS, or autocommit switched off):
     in autocommit the row would commit on its own, and a later failure of the caller's work would
@@ -31,9 +32,10 @@ def publish(event: Event, *, using: str | None = None, clock: Clock | None = Non
     ``ValidationError``/``SerializationError``/``MessageTooLargeError`` as the SQLAlchemy writer.
     Pass ``known_types=outbox.routes()`` to refuse an event no consumer is routed for.
     """
+    from celery_outbox.contrib.django.conf import outbox_alias
     from celery_outbox.contrib.django.models import OutboxMessage
 
-    connection = transaction.get_connection(using)
+    connection = transaction.get_connection(using or outbox_alias())
     if connection.get_autocommit():
         raise TransactionRequiredError(
             "celery_outbox.contrib.django.publish() must be called inside transaction.atomic() "

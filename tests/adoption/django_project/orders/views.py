@@ -1,16 +1,18 @@
 import json
 
-from django.db import transaction
 from django.http import JsonResponse
 
 from celery_outbox import Event
 from celery_outbox.contrib.django import publish
 from orders.models import Order
+from orders.tasks import confirm
 
 
-def place(request):
-    order_id = json.loads(request.body)["id"]
-    with transaction.atomic():  # the order and its event: one commit
-        Order.objects.create(id=order_id)
-        publish(Event("OrderPlaced", {"order_id": order_id}))
+def place(request):  # ATOMIC_REQUESTS: the order, its event and its task commit together, or none of them
+    body = json.loads(request.body)
+    Order.objects.create(id=body["id"])
+    publish(Event("OrderPlaced", {"order_id": body["id"]}))
+    confirm.delay(body["id"])  # a @shared_task: an outbox row of this request's transaction
+    if body.get("fail"):
+        raise RuntimeError("payment declined")  # a 500: the whole request rolls back
     return JsonResponse({"ok": True}, status=201)

@@ -1,17 +1,13 @@
-# `celery -A proj worker` and `outbox -A proj.celery relay` find the Celery app and the outbox here.
+# `celery -A proj worker` and `manage.py outbox ...` find the Celery app and the outbox here.
 import os
 
-import django
 from celery import Celery
 
 from celery_outbox.contrib.django import DjangoOutbox
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
-django.setup()
-from orders.consumers import notify  # noqa: E402  (imports models: after django.setup())
 
 app = Celery("proj")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()  # orders/tasks.py: @shared_task
 outbox = DjangoOutbox(app)  # settings.py's OUTBOX_*; Django's database (the test database in tests)
-outbox.include(notify)

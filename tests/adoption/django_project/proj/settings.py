@@ -7,10 +7,13 @@ ALLOWED_HOSTS = ["testserver"]
 INSTALLED_APPS = ["orders", "celery_outbox.contrib.django"]  # the outbox_* tables: manage.py migrate
 MIDDLEWARE: list[str] = []
 ROOT_URLCONF = "proj.urls"
-DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": os.environ["SHOP_DB_PATH"]}}
+DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": os.environ["SHOP_DB_PATH"],
+                         "ATOMIC_REQUESTS": True,  # each view one transaction: its .delay() a row of it
+                         "TEST": {"NAME": os.environ["SHOP_DB_PATH"] + "-test"}}}  # a file: the relay shares it
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 
 CELERY_BROKER_URL = os.environ["SHOP_BROKER_URL"]  # read by app.config_from_object(..., namespace="CELERY")
 OUTBOX_NAMESPACE = os.environ.get("SHOP_NAMESPACE", "shop")  # queue prefix: the consumer's queue is <ns>.notify
-OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION = "own_transaction"  # .delay() outside atomic(): a row committed on its own
+# the tests run several copies of this project on one shared broker: each its own queue for plain tasks
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("SHOP_TASK_QUEUE", "celery")
