@@ -19,9 +19,13 @@ S = TypeVar("S")
 
 def insert_for(session: Session, target: type[Any] | sa.Table) -> Any:
     """``INSERT`` into a mapped class or a table with ``on_conflict_do_*`` for the session's dialect
-    (both share the API)."""
+    (both share the API).
+
+    ``preserve_rowcount``: callers read the row count (0 = the row was there: a duplicate). psycopg 3
+    reports -1 for an INSERT unless asked, which would read every inbox claim as a duplicate and skip
+    its effect (tests/unit/test_inbox_claim.py, every driver)."""
     dialect = postgresql if is_postgres(session) else sqlite
-    return dialect.insert(target)
+    return dialect.insert(target).execution_options(preserve_rowcount=True)
 
 
 def statement(session: Session, key: tuple[Any, ...], build: Callable[[], S]) -> tuple[sa.Connection, S]:
