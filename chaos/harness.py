@@ -40,6 +40,7 @@ import sqlalchemy as sa
 
 from chaos import invariants
 from chaos.environment import PG_ADMIN_URL, ChaosEnvironment
+from chaos.figures import FaultFigures, fault_figures
 from chaos.matrix import MatrixRow, verdict, violated
 from chaos.processes import ManagedProcess, frozen
 from orders.models import Order
@@ -98,6 +99,9 @@ class ChaosReport:
     workdir: str = ""
     invariants: invariants.InvariantReport | None = None
     matrix: list[MatrixRow] = field(default_factory=list)
+    db_freeze_s: float = 0.0  # how long the processes' connections to Postgres stalled (0: not provoked)
+    db_freeze_connections: int = 0  # connections open or opened while it lasted
+    figures: list[FaultFigures] = field(default_factory=list)  # loss and duplicates per fault (chaos/figures.py)
 
     @property
     def ok(self) -> bool:
@@ -418,6 +422,7 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                                                  now_ms=int(time.time() * 1000),
                                                  lost=[(m.inbox_consumer, m.message_id) for m in report.taken_and_lost])
         report.matrix = build_matrix(report)
+        report.figures = fault_figures(report)
         report.duration_s = time.monotonic() - started
         if not report.ok:
             say(env.logs())

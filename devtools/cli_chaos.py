@@ -4,10 +4,33 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from celery_outbox.cli.common import handle_errors
+from chaos import figures
+
+if TYPE_CHECKING:
+    from chaos.harness import ChaosReport
+
+
+def report_json(report: ChaosReport) -> dict[str, Any]:
+    """The ``--json`` report: the run's counts, the failure matrix and the figures per fault."""
+    assert report.invariants is not None
+    return {
+        "ok": report.ok, "broker": report.broker, "seed": report.seed, "orders": report.orders,
+        "relay": report.relay_mode, "kills": dict(report.kills), "beat_kills": report.beat_kills,
+        "armed_not_reached": report.armed_not_reached,
+        "taken_and_lost": [{"delivery": m.delivery, "message_id": m.message_id} for m in report.taken_and_lost],
+        "reconciled": {"all": report.invariants.snapshot.reconciled,
+                       "events": report.invariants.snapshot.reconciled_events,
+                       "tasks": report.invariants.snapshot.reconciled_tasks},
+        "unexpected_exits": report.unexpected_exits, "duration_s": round(report.duration_s, 1),
+        "violations": [{"invariant": v.invariant, "detail": v.detail} for v in report.invariants.violations],
+        "matrix": [row.__dict__ for row in report.matrix], "figures": figures.to_json(report.figures),
+        "workdir": report.workdir,
+    }
 
 
 @click.command("chaos")
@@ -31,9 +54,13 @@ from celery_outbox.cli.common import handle_errors
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=10), default=240.0, show_default=True,
               help="Seconds the run may take before it is reported as not quiescent.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+@click.option("--markdown", "markdown", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the loss and duplicate figures per fault to this file, as markdown, with the "
+                   "command that produced them.")
 @handle_errors
 def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, seed: int,
-          pg_admin_url: str | None, workdir: Path | None, timeout_s: float, as_json: bool) -> None:
+          pg_admin_url: str | None, workdir: Path | None, timeout_s: float, as_json: bool,
+          markdown: Path | None) -> None:
     """Kill processes at crash points, cut the broker, inject poison and duplicates, lose messages in the
     take window; check invariants.
 
@@ -42,6 +69,7 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, s
     from rich.console import Console
 
     from chaos.environment import PG_ADMIN_URL
+    from chaos.figures import to_markdown
     from chaos.harness import run_chaos
     from chaos.matrix import render
 
@@ -53,19 +81,17 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, s
                        relay=relay, takes=takes,
                        progress=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
     assert report.invariants is not None
+    if markdown is not None:
+        command = (f"python -m devtools chaos --orders {orders} --kills {kills} --broker {broker} --relay {relay} "
+                   f"--seed {seed}" + (f" --takes {takes}" if takes is not None else "") + f" --markdown {markdown}")
+        verdict = "every invariant held" if report.ok else "INVARIANTS VIOLATED"
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(to_markdown(report.figures, command=command,
+                                        title=f"{broker}, relay {relay}, seed {seed}: {orders} orders, "
+                                              f"{sum(report.kills.values())}/{kills} kills, "
+                                              f"{report.duration_s:.1f} s, {verdict}"))
     if as_json:
-        click.echo(json.dumps({
-            "ok": report.ok, "broker": report.broker, "seed": report.seed, "orders": report.orders,
-            "relay": report.relay_mode, "kills": dict(report.kills), "beat_kills": report.beat_kills,
-            "armed_not_reached": report.armed_not_reached,
-            "taken_and_lost": [{"delivery": m.delivery, "message_id": m.message_id} for m in report.taken_and_lost],
-            "reconciled": {"all": report.invariants.snapshot.reconciled,
-                           "events": report.invariants.snapshot.reconciled_events,
-                           "tasks": report.invariants.snapshot.reconciled_tasks},
-            "unexpected_exits": report.unexpected_exits, "duration_s": round(report.duration_s, 1),
-            "violations": [{"invariant": v.invariant, "detail": v.detail} for v in report.invariants.violations],
-            "matrix": [row.__dict__ for row in report.matrix], "workdir": report.workdir,
-        }, indent=2))
+        click.echo(json.dumps(report_json(report), indent=2))
     else:
         console.print(render(report.matrix, title=f"failure matrix: {broker}, relay {relay}, seed {seed}, "
                                                   f"{orders} orders, {sum(report.kills.values())}/{kills} kills, "
@@ -76,6 +102,8 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, s
             console.print(f"[red]unexpected: {exit_}[/red]")
         for v in report.invariants.violations:
             console.print(f"[red]violated: {v.invariant}: {v.detail}[/red]")
+        if markdown is not None:
+            console.print(f"figures per fault: {markdown}")
         console.print(f"logs: {report.workdir}/logs; {report.duration_s:.1f}s")
     if not report.ok:
         raise SystemExit(1)

@@ -1,5 +1,5 @@
-"""The ``outbox chaos`` run itself, short, on both brokers and with beat driving the relay; and proof
-that its checks can fail (a lost confirmation e-mail included)."""
+"""The ``outbox chaos`` run itself, short, on both brokers and with beat driving the relay, with its loss
+and duplicate figures per fault; and proof that its checks can fail (a lost confirmation e-mail included)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from chaos import invariants
+from chaos import figures, invariants
 from chaos.environment import ChaosEnvironment
-from chaos.harness import plan_kills, plan_takes, run_chaos
+from chaos.harness import ChaosReport, plan_kills, plan_takes, run_chaos
 from chaos.load import make_plan as plan
 from consumers.models import SentEmail, Shipment
 from devtools.__main__ import cli
+from devtools.cli_chaos import report_json
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
 
@@ -50,6 +51,45 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     rows = {row.failure: row for row in report.matrix}
     assert len(rows) == (12 if relay == "beat" else 11) and all(row.ok for row in report.matrix)
     assert rows["worker killed between taking a message and recording it"].times == 2
+    # and the per-fault figures are written, as JSON and markdown, and add up
+    assert_fault_figures(report, tmp_path / "figures.md")
+
+
+def markdown_rows(text: str) -> dict[str, list[str]]:
+    """fault -> its cells (provoked .. duplicate effects), read back from the markdown table."""
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+             if line.startswith("| ") and not line.startswith("| fault")]
+    return {c[0].strip("*"): c[1:6] for c in cells}
+
+
+def assert_fault_figures(report: ChaosReport, path: Path) -> None:
+    assert report.invariants is not None
+    by_fault = {row.fault: row for row in report.figures}
+    kinds = {"hard kill: order writer", "hard kill: relay", "hard kill: worker", "broker outage",
+             "take-window loss", "duplicates injected", figures.UNATTRIBUTED, figures.TOTAL}
+    assert set(by_fault) == kinds | ({"hard kill: beat"} if report.relay_mode == "beat" else set())
+    total = by_fault[figures.TOTAL]
+    parts = [row for row in report.figures if row.fault != figures.TOTAL]
+    for column in figures.SUMMED:  # every figure is attributed to one row, the remainder included
+        assert sum(getattr(row, column) or 0 for row in parts) == getattr(total, column), column
+    assert all(getattr(row, column) is None or getattr(row, column) >= 0 for row in report.figures
+               for column in figures.SUMMED)
+    assert total.provoked == sum(row.provoked for row in parts)
+    kills = sum(by_fault[f].provoked for f in ("hard kill: order writer", "hard kill: relay", "hard kill: worker"))
+    assert kills == sum(report.kills.values())
+    assert total.lost == 0 and total.duplicate_effects == 0  # the run held its invariants
+    assert total.duplicate_deliveries == report.invariants.snapshot.duplicates_absorbed
+    take = by_fault["take-window loss"]
+    assert (take.affected, take.lost) == (len(report.taken_and_lost), 0)
+    assert by_fault["duplicates injected"].duplicate_deliveries == report.duplicates_injected
+    # the --json report carries them, and --markdown writes them with the command
+    assert report_json(report)["figures"] == figures.to_json(report.figures)
+    path.write_text(figures.to_markdown(report.figures, title="short run", command="python -m devtools chaos"))
+    table = markdown_rows(path.read_text())
+    assert list(table) == [row.fault for row in report.figures]
+    for i, column in enumerate(("provoked", "affected", "lost", "duplicate_deliveries", "duplicate_effects")):
+        assert [r[i] for r in table.values()] == [
+            "-" if getattr(row, column) is None else str(getattr(row, column)) for row in report.figures]
 
 
 def test_kill_plan_is_reproducible_and_covers_every_crash_point() -> None:
