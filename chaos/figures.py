@@ -128,3 +128,17 @@ def to_markdown(rows: Sequence[FaultFigures], *, title: str, command: str) -> st
     lines += ["", "`-`: not observed for this fault alone (see the notes). Lost, duplicate deliveries and duplicate "
               "effects add up to the totals; messages affected do not (one message can meet several faults)."]
     return "\n".join(lines) + "\n"
+
+
+def render(rows: Sequence[FaultFigures], *, title: str) -> object:
+    """The table for a terminal, as a rich Table (imported lazily: only the CLI needs rich)."""
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=True)
+    for name in ("fault", "provoked", "affected", "lost", "duplicate deliveries", "duplicate effects"):
+        table.add_column(name, justify="left" if name == "fault" else "right")
+    table.add_column("notes")
+    for row in rows:
+        table.add_row(row.fault, str(row.provoked), _cell(row.affected), _cell(row.lost),
+                      _cell(row.duplicate_deliveries), _cell(row.duplicate_effects), row.notes)
+    return table

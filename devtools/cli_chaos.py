@@ -21,6 +21,7 @@ def report_json(report: ChaosReport) -> dict[str, Any]:
     return {
         "ok": report.ok, "broker": report.broker, "seed": report.seed, "orders": report.orders,
         "relay": report.relay_mode, "kills": dict(report.kills), "beat_kills": report.beat_kills,
+        "db_freeze": {"seconds": round(report.db_freeze_s, 1), "connections": report.db_freeze_connections},
         "armed_not_reached": report.armed_not_reached,
         "taken_and_lost": [{"delivery": m.delivery, "message_id": m.message_id} for m in report.taken_and_lost],
         "reconciled": {"all": report.invariants.snapshot.reconciled,
@@ -46,6 +47,9 @@ def report_json(report: ChaosReport) -> dict[str, Any]:
 @click.option("--takes", type=click.IntRange(min=0), default=None,
               help="Take-window rounds, each removing one e-mail task and one event from the broker after their "
                    "rows were marked published (default: one per 100 orders, at least one).")
+@click.option("--db-freeze", "db_freeze_s", type=click.FloatRange(min=0), default=3.0, show_default=True,
+              help="Seconds the processes' connections to Postgres stall once mid-run (a loopback proxy stops "
+                   "forwarding, connections kept); 0: no freeze, no proxy.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Reproduces the run's plan.")
 @click.option("--pg-admin-url", default=None, help="Postgres URL allowed to CREATE/DROP DATABASE "
               "(default OUTBOX_TEST_PG_ADMIN_URL or postgresql://postgres@127.0.0.1:5432/postgres).")
@@ -58,11 +62,11 @@ def report_json(report: ChaosReport) -> dict[str, Any]:
               help="Also write the loss and duplicate figures per fault to this file, as markdown, with the "
                    "command that produced them.")
 @handle_errors
-def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, seed: int,
+def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, db_freeze_s: float, seed: int,
           pg_admin_url: str | None, workdir: Path | None, timeout_s: float, as_json: bool,
           markdown: Path | None) -> None:
-    """Kill processes at crash points, cut the broker, inject poison and duplicates, lose messages in the
-    take window; check invariants.
+    """Kill processes at crash points, cut the broker, freeze the database, inject poison and duplicates,
+    lose messages in the take window; check invariants.
 
     Exits 1 if any invariant is violated (or the run never became quiescent).
     """
@@ -78,12 +82,13 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, s
         console = Console(stderr=as_json, width=160)
     report = run_chaos(orders=orders, kills=kills, broker=broker, seed=seed, workdir=workdir,
                        pg_admin_url=pg_admin_url or PG_ADMIN_URL, timeout_s=timeout_s,
-                       relay=relay, takes=takes,
+                       relay=relay, takes=takes, db_freeze_s=db_freeze_s,
                        progress=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
     assert report.invariants is not None
     if markdown is not None:
         command = (f"python -m devtools chaos --orders {orders} --kills {kills} --broker {broker} --relay {relay} "
-                   f"--seed {seed}" + (f" --takes {takes}" if takes is not None else "") + f" --markdown {markdown}")
+                   f"--seed {seed}" + (f" --takes {takes}" if takes is not None else "")
+                   + (f" --db-freeze {db_freeze_s:g}" if db_freeze_s != 3.0 else "") + f" --markdown {markdown}")
         verdict = "every invariant held" if report.ok else "INVARIANTS VIOLATED"
         markdown.parent.mkdir(parents=True, exist_ok=True)
         markdown.write_text(to_markdown(report.figures, command=command,
@@ -96,6 +101,7 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, s
         console.print(render(report.matrix, title=f"failure matrix: {broker}, relay {relay}, seed {seed}, "
                                                   f"{orders} orders, {sum(report.kills.values())}/{kills} kills, "
                                                   f"{len(report.taken_and_lost)} taken and lost"))
+        console.print(figures.render(report.figures, title="loss and duplicates per fault"))
         if report.armed_not_reached:
             console.print(f"armed but never reached (no traffic left): {', '.join(report.armed_not_reached)}")
         for exit_ in report.unexpected_exits:

@@ -28,7 +28,8 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     require("PostgreSQL", "127.0.0.1", 5432)
     if broker == "rabbitmq":
         require("RabbitMQ", "127.0.0.1", 5672)
-    # Given/When: 40 orders, 6 SIGKILLs at crash points, one broker outage, poison and duplicates, one
+    # Given/When: 40 orders, 6 SIGKILLs at crash points, one broker outage, a 3 s database freeze,
+    # poison and duplicates, one
     # confirmation e-mail task and one event lost in the take window after their rows were marked
     # published; with beat, the relay runs as beat's tasks and beat is SIGKILLed twice
     report = run_chaos(orders=40, kills=6, broker=broker, seed=7, workdir=tmp_path / "run", timeout_s=150,
@@ -39,6 +40,7 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     assert report.ok, (report.invariants.violations, report.unexpected_exits)
     assert sum(report.kills.values()) >= 3, (report.kills, report.armed_not_reached)
     assert report.outage_s > 0 and report.second_relay_s > 0
+    assert report.db_freeze_s >= 3.0 and report.db_freeze_connections > 0
     assert report.invariants.snapshot.dead_letters == report.poison == 2
     assert report.invariants.snapshot.duplicates_absorbed >= report.duplicates_injected > 0
     lost = [m.delivery for m in report.taken_and_lost]
@@ -49,7 +51,7 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     assert report.invariants.snapshot.effects[invariants.EMAIL] == report.invariants.snapshot.committed_orders
     assert report.beat_kills == report.beat_kills_planned == (2 if relay == "beat" else 0)
     rows = {row.failure: row for row in report.matrix}
-    assert len(rows) == (12 if relay == "beat" else 11) and all(row.ok for row in report.matrix)
+    assert len(rows) == (13 if relay == "beat" else 12) and all(row.ok for row in report.matrix)
     assert rows["worker killed between taking a message and recording it"].times == 2
     # and the per-fault figures are written, as JSON and markdown, and add up
     assert_fault_figures(report, tmp_path / "figures.md")
@@ -66,7 +68,7 @@ def assert_fault_figures(report: ChaosReport, path: Path) -> None:
     assert report.invariants is not None
     by_fault = {row.fault: row for row in report.figures}
     kinds = {"hard kill: order writer", "hard kill: relay", "hard kill: worker", "broker outage",
-             "take-window loss", "duplicates injected", figures.UNATTRIBUTED, figures.TOTAL}
+             "database freeze", "take-window loss", "duplicates injected", figures.UNATTRIBUTED, figures.TOTAL}
     assert set(by_fault) == kinds | ({"hard kill: beat"} if report.relay_mode == "beat" else set())
     total = by_fault[figures.TOTAL]
     parts = [row for row in report.figures if row.fault != figures.TOTAL]
@@ -81,6 +83,7 @@ def assert_fault_figures(report: ChaosReport, path: Path) -> None:
     assert total.duplicate_deliveries == report.invariants.snapshot.duplicates_absorbed
     take = by_fault["take-window loss"]
     assert (take.affected, take.lost) == (len(report.taken_and_lost), 0)
+    assert by_fault["database freeze"].affected == report.db_freeze_connections
     assert by_fault["duplicates injected"].duplicate_deliveries == report.duplicates_injected
     # the --json report carries them, and --markdown writes them with the command
     assert report_json(report)["figures"] == figures.to_json(report.figures)
