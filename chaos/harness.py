@@ -339,7 +339,8 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                     say(f"injected {report.duplicates_injected} duplicate deliveries ({repended} events and "
                         f"{repended_tasks} e-mail tasks re-published, 1 event sent twice at once)")
             broker_up = outage_at is None or outage_done
-            if take_plan and broker_up and (frac >= take_plan[0] or orders_done):
+            db_frozen = freeze_at is not None and not freeze_done  # a round would wait out its TAKE_WAIT_S
+            if take_plan and broker_up and not db_frozen and (frac >= take_plan[0] or orders_done):
                 deliveries = [invariants.EMAIL, extra_rng.choice(env.consumers)]
                 lost = lose_in_take_window(env, workers=workers, deliveries=deliveries,
                                            exclude={*touched, *(m.message_id for m in report.taken_and_lost)})
