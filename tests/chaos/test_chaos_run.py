@@ -95,6 +95,33 @@ def assert_fault_figures(report: ChaosReport, path: Path) -> None:
             "-" if getattr(row, column) is None else str(getattr(row, column)) for row in report.figures]
 
 
+def test_fault_figures_attribute_what_they_can_and_leave_the_rest_unattributed() -> None:
+    from collections import Counter
+
+    from chaos.harness import LostMessage
+
+    # Given: a run that lost two messages in the take window, one never recorded, and whose database
+    # shows 3 effects missing, 1 effect doubled and 10 duplicate deliveries (4 of them injected)
+    snap = invariants.Snapshot(committed_orders=5, missing_effects=3, extra_effects=1, duplicates_absorbed=10,
+                               effects={"shipping": 5, invariants.EMAIL: 4})
+    report = ChaosReport(broker="redis", seed=1, orders=5, kills_requested=3, duplicates_injected=4, take_rounds=1,
+                         kills=Counter({"after_mark": 1, "consumer_before_commit": 2}), outage_s=1.0,
+                         taken_and_lost=[LostMessage(delivery=invariants.EMAIL, message_id="a"),
+                                         LostMessage(delivery="shipping", message_id="b")],
+                         invariants=invariants.InvariantReport(snapshot=snap, lost_never_recorded=1))
+    # When: the figures are built
+    rows = {row.fault: row for row in figures.fault_figures(report)}
+    # Then: the take window's loss is its own, the rest of each total is unattributed, nothing invented
+    assert (rows["take-window loss"].affected, rows["take-window loss"].lost) == (2, 1)
+    rest, total = rows[figures.UNATTRIBUTED], rows[figures.TOTAL]
+    assert (rest.lost, rest.duplicate_deliveries, rest.duplicate_effects) == (2, 6, 1)
+    assert (total.lost, total.duplicate_deliveries, total.duplicate_effects) == (3, 10, 1)
+    assert rows["hard kill: worker"].provoked == 2 and rows["hard kill: worker"].lost is None
+    assert "database freeze" not in rows and "hard kill: beat" not in rows  # not provoked in this run
+    table = markdown_rows(figures.to_markdown(list(rows.values()), title="t", command="c"))
+    assert table["hard kill: relay"] == ["1", "-", "-", "-", "-"]
+
+
 def test_kill_plan_is_reproducible_and_covers_every_crash_point() -> None:
     import random
 
@@ -176,6 +203,8 @@ def test_invariants_catch_lost_and_doubled_effects(redis_chaos: ChaosEnvironment
     assert "email: every order seen once" in names  # the confirmation e-mail task never ran
     assert "email: exactly one effect per order" in names  # ... so no order got its e-mail
     assert "dead letters are exactly the poison" in names
+    # and the per-fault figures' totals count them: 3 orders x 4 deliveries, but for the doubled shipment
+    assert (report.snapshot.missing_effects, report.snapshot.extra_effects) == (3 * 4 - 1, 1)
 
 
 def test_cli_rejects_an_unknown_broker() -> None:
