@@ -80,6 +80,9 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, d
     console = Console(stderr=as_json)
     if not console.is_terminal:
         console = Console(stderr=as_json, width=160)
+    if markdown is not None:  # fail now on a path that cannot be written, not after the run
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.touch()
     report = run_chaos(orders=orders, kills=kills, broker=broker, seed=seed, workdir=workdir,
                        pg_admin_url=pg_admin_url or PG_ADMIN_URL, timeout_s=timeout_s,
                        relay=relay, takes=takes, db_freeze_s=db_freeze_s,
@@ -90,7 +93,6 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, d
                    f"--seed {seed}" + (f" --takes {takes}" if takes is not None else "")
                    + (f" --db-freeze {db_freeze_s:g}" if db_freeze_s != 3.0 else "") + f" --markdown {markdown}")
         verdict = "every invariant held" if report.ok else "INVARIANTS VIOLATED"
-        markdown.parent.mkdir(parents=True, exist_ok=True)
         markdown.write_text(to_markdown(report.figures, command=command,
                                         title=f"{broker}, relay {relay}, seed {seed}: {orders} orders, "
                                               f"{sum(report.kills.values())}/{kills} kills, "

@@ -211,3 +211,15 @@ def test_cli_rejects_an_unknown_broker() -> None:
     result = CliRunner().invoke(cli, ["chaos", "--broker", "kafka"])
     assert result.exit_code == 2
     assert "kafka" in result.output
+
+
+def test_cli_refuses_a_markdown_path_it_cannot_write_before_running(tmp_path: Path) -> None:
+    # Given: a --markdown path under a regular file (no directory can be made there)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    # When: the run is asked for
+    result = CliRunner().invoke(cli, ["chaos", "--markdown", str(blocker / "figures.md")])
+    # Then: one line and exit 1, before any database or process is started
+    assert result.exit_code == 1
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert "database" not in result.output
