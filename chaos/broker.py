@@ -194,7 +194,9 @@ class RedisBroker:
 
 
 class TcpProxy:
-    """A loopback TCP forwarder that can be cut (connections reset, port closed) and restored."""
+    """A loopback TCP forwarder that can be cut (connections reset, port closed) and restored, or frozen:
+    every connection stays open and nothing is forwarded either way until ``thaw`` (a server that
+    stalls, a network that stops delivering for a while), then everything flows again."""
 
     def __init__(self, *, target: tuple[str, int], port: int | None = None) -> None:
         self.target = target
@@ -204,6 +206,9 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._frozen = threading.Event()
+        self.accepted = 0  # connections accepted so far
+        self.frozen_connections = 0  # connections open when the last freeze began or opened during it
 
     def start(self) -> None:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -232,11 +237,17 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._conns.update((client, upstream))
+                self.accepted += 1
+                if self._frozen.is_set():
+                    self.frozen_connections += 1
             threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
         try:
             while not self._stop.is_set():
+                if self._frozen.is_set():  # read nothing: the peers' bytes wait in their kernels' buffers
+                    time.sleep(0.05)
+                    continue
                 readable, _, _ = select.select([a, b], [], [], 0.2)
                 for src in readable:
                     data = src.recv(65536)
@@ -270,6 +281,15 @@ class TcpProxy:
 
     def restore(self) -> None:
         self.start()
+
+    def freeze(self) -> None:
+        """Stop forwarding, keep every connection (see the class docstring)."""
+        with self._lock:
+            self.frozen_connections = len(self._conns) // 2
+            self._frozen.set()
+
+    def thaw(self) -> None:
+        self._frozen.clear()
 
 
 class RabbitBroker:

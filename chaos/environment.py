@@ -23,7 +23,7 @@ from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.messages import Envelope, TaskMessage, celery_task_message, encode_json, task_id, task_name
 from celery_outbox.schema import Tables, define_tables
 from celeryconfig import TASK_QUEUES, Settings
-from chaos.broker import RabbitBroker, RedisBroker, TakenMessage, make_broker
+from chaos.broker import RabbitBroker, RedisBroker, TakenMessage, TcpProxy, make_broker
 from chaos.processes import ManagedProcess, ProcessGroup, beat_argv, orders_argv, relay_argv, worker_argv
 from devtools.processes import wait_until
 from orders import migrate
@@ -63,13 +63,22 @@ class ChaosEnvironment:
 
     def __init__(self, *, broker: str, workdir: Path, pg_admin_url: str = PG_ADMIN_URL,
                  namespace: str | None = None, extra_env: Mapping[str, str] | None = None,
-                 tables: Tables | None = None) -> None:
+                 tables: Tables | None = None, db_proxy: bool = False) -> None:
         self.kind = broker
         self.workdir = workdir
         self.pg_admin_url = pg_admin_url
         self.namespace = namespace or f"chaos{uuid.uuid4().hex[:10]}"
         self.db_name = f"outbox_chaos_{uuid.uuid4().hex[:10]}"
         self.database_url = pg_admin_url.rsplit("/", 1)[0] + f"/{self.db_name}"
+        # ``db_proxy``: the processes reach Postgres through a loopback proxy the run can freeze
+        # (``freeze_database``); the environment's own sessions connect directly, so it sees through it.
+        self.db_proxy: TcpProxy | None = None
+        self.process_database_url = self.database_url
+        if db_proxy:
+            url = sa.make_url(self.database_url)
+            self.db_proxy = TcpProxy(target=(url.host or "127.0.0.1", url.port or 5432))
+            self.process_database_url = url.set(host="127.0.0.1", port=self.db_proxy.port).render_as_string(
+                hide_password=False)
         self.broker: RedisBroker | RabbitBroker = make_broker(broker, data_dir=workdir / "redis")
         self.processes = ProcessGroup()
         self.extra_env = dict(extra_env or {})
@@ -93,6 +102,8 @@ class ChaosEnvironment:
             migrate.upgrade(self.database_url)
             self._engine = make_engine(self.database_url)
             self._sessions = make_session_factory(self._engine)
+            if self.db_proxy is not None:
+                self.db_proxy.start()
             self.broker.start()
         except BaseException:
             self.close()
@@ -106,6 +117,8 @@ class ChaosEnvironment:
     def close(self) -> None:
         self.processes.kill_all()
         queues = list(self.settings.worker_queues)
+        if self.db_proxy is not None:
+            self.db_proxy.cut()
         try:
             self.broker.close(namespace=self.namespace, queues=queues)
         finally:
@@ -124,7 +137,7 @@ class ChaosEnvironment:
     def env(self) -> dict[str, str]:
         env = {
             **CHAOS_ENV,
-            "OUTBOX_DATABASE_URL": self.database_url,
+            "OUTBOX_DATABASE_URL": self.process_database_url,
             "OUTBOX_BROKER_URL": self.broker.url,
             "OUTBOX_NAMESPACE": self.namespace,
             "OUTBOX_HOME": str(self.workdir / "home"),

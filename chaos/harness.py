@@ -4,10 +4,11 @@ Against a Postgres database of its own and a real broker it runs the order write
 workers as subprocesses; arms them with crash points from a seeded kill plan and, each time one dies
 by SIGKILL, restarts it armed with the next; takes the broker away once mid-run and brings it back;
 runs a second relay for a while; injects poison messages and duplicate deliveries; loses messages
-in the take window (below); waits for quiescence; and checks chaos/invariants.py. The same seed
-gives the same plan (which orders fail, which crash points in which order, which consumers get
-poison, when beat dies); process timing is real, so what each kill hits varies, and the invariants
-must hold whatever it hits.
+in the take window (below); freezes the database for a few seconds (the processes reach Postgres
+through a loopback proxy that stops forwarding, connections kept: a stalled server); waits for
+quiescence; and checks chaos/invariants.py. The same seed gives the same plan (which orders fail,
+which crash points in which order, which consumers get poison, when beat dies); process timing is
+real, so what each kill hits varies, and the invariants must hold whatever it hits.
 
 The relay runs in one of the deployment's two shapes: ``standalone`` (``outbox relay`` processes) or
 ``beat`` (``celery beat`` schedules the drain and reconcile tasks, ``celery worker`` processes of the
@@ -40,6 +41,7 @@ import sqlalchemy as sa
 
 from chaos import invariants
 from chaos.environment import PG_ADMIN_URL, ChaosEnvironment
+from chaos.figures import FaultFigures, fault_figures
 from chaos.matrix import MatrixRow, verdict, violated
 from chaos.processes import ManagedProcess, frozen
 from orders.models import Order
@@ -98,6 +100,9 @@ class ChaosReport:
     workdir: str = ""
     invariants: invariants.InvariantReport | None = None
     matrix: list[MatrixRow] = field(default_factory=list)
+    db_freeze_s: float = 0.0  # how long the processes' connections to Postgres stalled (0: not provoked)
+    db_freeze_connections: int = 0  # connections open or opened while it lasted
+    figures: list[FaultFigures] = field(default_factory=list)  # loss and duplicates per fault (chaos/figures.py)
 
     @property
     def ok(self) -> bool:
@@ -179,12 +184,13 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
               workdir: Path | None = None, pg_admin_url: str = PG_ADMIN_URL, poison: int = 2,
               duplicates: int = 5, outage_s: float = 3.0, timeout_s: float = 180.0,
               relay: str = "standalone", takes: int | None = None, beat_kills: int | None = None,
-              progress: Progress | None = None) -> ChaosReport:
+              db_freeze_s: float = 3.0, progress: Progress | None = None) -> ChaosReport:
     """Run the chaos scenario (see the module docstring) and return what was provoked and seen.
 
     ``relay``: ``standalone`` or ``beat`` (module docstring). ``takes``: take-window rounds, each losing
     one e-mail task and one event (default one per 100 orders, at least one). ``beat_kills``: SIGKILLs
-    of beat in beat mode (default a quarter of ``kills``, at least two)."""
+    of beat in beat mode (default a quarter of ``kills``, at least two). ``db_freeze_s``: how long the
+    processes' connections to Postgres stall, once, at two thirds of the order stream (0: never)."""
     if relay not in RELAY_MODES:
         from celery_outbox.errors import ConfigError
 
@@ -213,7 +219,7 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
     base = workdir or Path(tempfile.mkdtemp(prefix="outbox-chaos-"))
     report.workdir = str(base)
 
-    with ChaosEnvironment(broker=broker, workdir=base) as env:
+    with ChaosEnvironment(broker=broker, workdir=base, db_proxy=db_freeze_s > 0) as env:
         report.outage = env.broker.describe_outage()
         report.take_how = env.broker.describe_take()
         beat: ManagedProcess | None = None
@@ -249,6 +255,8 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
         relay2_started: float | None = None
         relay2_done = False
         kill_deadline: float | None = None
+        freeze_at: float | None = None
+        freeze_done = db_freeze_s <= 0
 
         def committed() -> int:
             return env.count(Order)
@@ -331,7 +339,8 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                     say(f"injected {report.duplicates_injected} duplicate deliveries ({repended} events and "
                         f"{repended_tasks} e-mail tasks re-published, 1 event sent twice at once)")
             broker_up = outage_at is None or outage_done
-            if take_plan and broker_up and (frac >= take_plan[0] or orders_done):
+            db_frozen = freeze_at is not None and not freeze_done  # a round would wait out its TAKE_WAIT_S
+            if take_plan and broker_up and not db_frozen and (frac >= take_plan[0] or orders_done):
                 deliveries = [invariants.EMAIL, extra_rng.choice(env.consumers)]
                 lost = lose_in_take_window(env, workers=workers, deliveries=deliveries,
                                            exclude={*touched, *(m.message_id for m in report.taken_and_lost)})
@@ -361,8 +370,21 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                     outage_done = True
                     say(f"broker back after {report.outage_s:.1f}s")
 
+            if env.db_proxy is not None and not freeze_done:
+                if freeze_at is None and outage_done and (frac >= 0.65 or orders_done):
+                    env.db_proxy.freeze()
+                    freeze_at = time.monotonic()
+                    say(f"database frozen for {db_freeze_s:.1f}s (the processes' connections stall)")
+                elif freeze_at is not None and time.monotonic() - freeze_at >= db_freeze_s:
+                    env.db_proxy.thaw()
+                    report.db_freeze_s = time.monotonic() - freeze_at
+                    report.db_freeze_connections = env.db_proxy.frozen_connections
+                    freeze_done = True
+                    say(f"database thawed after {report.db_freeze_s:.1f}s, "
+                        f"{report.db_freeze_connections} connection(s) stalled")
+
             # 4. done provoking? the stream is over and every kill fired (or had its chance)
-            if orders_done and outage_done and dup_done and relay2_done and not take_plan and not beat_plan:
+            if orders_done and outage_done and freeze_done and dup_done and relay2_done and not take_plan and not beat_plan:
                 if all(not q for q in kill_plan.values()) and all(not p.armed for p in roles.values()
                                                                    if p.name != "orders"):
                     break
@@ -418,6 +440,7 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                                                  now_ms=int(time.time() * 1000),
                                                  lost=[(m.inbox_consumer, m.message_id) for m in report.taken_and_lost])
         report.matrix = build_matrix(report)
+        report.figures = fault_figures(report)
         report.duration_s = time.monotonic() - started
         if not report.ok:
             say(env.logs())
@@ -466,6 +489,12 @@ def build_matrix(r: ChaosReport) -> list[MatrixRow]:
     add("poison message", "malformed OrderPlaced payload put straight on a consumer queue", r.poison,
         f"{snap.dead_letters} dead letter(s), exactly the poison; the messages behind it flowed",
         violated(v, "dead letters"))
+    if r.db_freeze_s:
+        add("database freezes (a stalled server, connections kept)",
+            "loopback proxy between every process and Postgres stops forwarding, then resumes",
+            1, f"{r.db_freeze_connections} connection(s) stalled {r.db_freeze_s:.1f}s; the processes resumed, "
+               f"{snap.pending} pending at the end; one effect per order",
+            violated(v, "relay drained") + effects_bad)
     add("two relays at once", "second `outbox relay` process alongside the first", 1 if r.second_relay_s else 0,
         f"ran {r.second_relay_s:.1f}s together; SKIP LOCKED + inbox: one effect per order", effects_bad)
     add("slow consumer, fast relay", "backlog sampled every 0.2s during the run", 1,

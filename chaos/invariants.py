@@ -62,12 +62,15 @@ class Snapshot:
     reconciled_events: int = 0  # of which (event, consumer) pairs
     reconciled_tasks: int = 0  # of which @outbox.task messages
     oldest_pending_age_ms: int | None = None
+    missing_effects: int = 0  # (committed order, consumer or e-mail) pairs with no effect at all: messages lost
+    extra_effects: int = 0  # effects beyond the first for one (order, consumer or e-mail): duplicate effects
 
 
 @dataclass(kw_only=True)
 class InvariantReport:
     snapshot: Snapshot
     violations: list[Violation] = field(default_factory=list)
+    lost_never_recorded: int = 0  # of the ``lost`` messages checked, those no consumer or task recorded
 
     @property
     def ok(self) -> bool:
@@ -176,6 +179,11 @@ def snapshot(session: Session, *, tables: Tables, consumers: Sequence[str], now_
         snap.inbox_rows[consumer] = int(n)
     counts = effect_counts_by_order(session, tables=tables)
     snap.effects = {c: int(sum(counts.get(c, Counter()).values())) for c in (*consumers, EMAIL)}
+    orders = set(session.execute(sa.select(Order.id)).scalars())
+    for c in (*consumers, EMAIL):
+        per_order = counts.get(c, Counter())
+        snap.missing_effects += sum(1 for o in orders if per_order.get(o, 0) == 0)
+        snap.extra_effects += sum(n - 1 for n in per_order.values() if n > 1)
     snap.dead_letters = session.execute(sa.select(sa.func.count()).select_from(tables.dead_letters)).scalar_one()
     snap.duplicates_absorbed = duplicates_absorbed(session, tables=tables)
     snap.reconciled = reconciled(session, tables=tables)
@@ -282,6 +290,7 @@ def check(session: Session, *, tables: Tables, consumers: Sequence[str], rolled_
             sa.select(tables.inbox.consumer, tables.inbox.message_id)
             .where(tables.inbox.message_id.in_([uuid.UUID(m) for _, m in lost_pairs]))).all()}
         never = lost_pairs - recorded
+        report.lost_never_recorded = len(never)
         if never:
             by_kind = Counter(EMAIL if c == CONFIRMATION_KEY else "event" for c, _ in never)
             v.append(Violation(invariant="taken and lost: re-sent and recorded",

@@ -4,10 +4,34 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from celery_outbox.cli.common import handle_errors
+from chaos import figures
+
+if TYPE_CHECKING:
+    from chaos.harness import ChaosReport
+
+
+def report_json(report: ChaosReport) -> dict[str, Any]:
+    """The ``--json`` report: the run's counts, the failure matrix and the figures per fault."""
+    assert report.invariants is not None
+    return {
+        "ok": report.ok, "broker": report.broker, "seed": report.seed, "orders": report.orders,
+        "relay": report.relay_mode, "kills": dict(report.kills), "beat_kills": report.beat_kills,
+        "db_freeze": {"seconds": round(report.db_freeze_s, 1), "connections": report.db_freeze_connections},
+        "armed_not_reached": report.armed_not_reached,
+        "taken_and_lost": [{"delivery": m.delivery, "message_id": m.message_id} for m in report.taken_and_lost],
+        "reconciled": {"all": report.invariants.snapshot.reconciled,
+                       "events": report.invariants.snapshot.reconciled_events,
+                       "tasks": report.invariants.snapshot.reconciled_tasks},
+        "unexpected_exits": report.unexpected_exits, "duration_s": round(report.duration_s, 1),
+        "violations": [{"invariant": v.invariant, "detail": v.detail} for v in report.invariants.violations],
+        "matrix": [row.__dict__ for row in report.matrix], "figures": figures.to_json(report.figures),
+        "workdir": report.workdir,
+    }
 
 
 @click.command("chaos")
@@ -23,6 +47,9 @@ from celery_outbox.cli.common import handle_errors
 @click.option("--takes", type=click.IntRange(min=0), default=None,
               help="Take-window rounds, each removing one e-mail task and one event from the broker after their "
                    "rows were marked published (default: one per 100 orders, at least one).")
+@click.option("--db-freeze", "db_freeze_s", type=click.FloatRange(min=0), default=3.0, show_default=True,
+              help="Seconds the processes' connections to Postgres stall once mid-run (a loopback proxy stops "
+                   "forwarding, connections kept); 0: no freeze, no proxy.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Reproduces the run's plan.")
 @click.option("--pg-admin-url", default=None, help="Postgres URL allowed to CREATE/DROP DATABASE "
               "(default OUTBOX_TEST_PG_ADMIN_URL or postgresql://postgres@127.0.0.1:5432/postgres).")
@@ -31,51 +58,60 @@ from celery_outbox.cli.common import handle_errors
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=10), default=240.0, show_default=True,
               help="Seconds the run may take before it is reported as not quiescent.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+@click.option("--markdown", "markdown", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the loss and duplicate figures per fault to this file, as markdown, with the "
+                   "command that produced them.")
 @handle_errors
-def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, seed: int,
-          pg_admin_url: str | None, workdir: Path | None, timeout_s: float, as_json: bool) -> None:
-    """Kill processes at crash points, cut the broker, inject poison and duplicates, lose messages in the
-    take window; check invariants.
+def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, db_freeze_s: float, seed: int,
+          pg_admin_url: str | None, workdir: Path | None, timeout_s: float, as_json: bool,
+          markdown: Path | None) -> None:
+    """Kill processes at crash points, cut the broker, freeze the database, inject poison and duplicates,
+    lose messages in the take window; check invariants.
 
     Exits 1 if any invariant is violated (or the run never became quiescent).
     """
     from rich.console import Console
 
     from chaos.environment import PG_ADMIN_URL
+    from chaos.figures import to_markdown
     from chaos.harness import run_chaos
     from chaos.matrix import render
 
     console = Console(stderr=as_json)
     if not console.is_terminal:
         console = Console(stderr=as_json, width=160)
+    if markdown is not None:  # fail now on a path that cannot be written, not after the run
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.touch()
     report = run_chaos(orders=orders, kills=kills, broker=broker, seed=seed, workdir=workdir,
                        pg_admin_url=pg_admin_url or PG_ADMIN_URL, timeout_s=timeout_s,
-                       relay=relay, takes=takes,
+                       relay=relay, takes=takes, db_freeze_s=db_freeze_s,
                        progress=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
     assert report.invariants is not None
+    if markdown is not None:
+        command = (f"python -m devtools chaos --orders {orders} --kills {kills} --broker {broker} --relay {relay} "
+                   f"--seed {seed}" + (f" --takes {takes}" if takes is not None else "")
+                   + (f" --db-freeze {db_freeze_s:g}" if db_freeze_s != 3.0 else "") + f" --markdown {markdown}")
+        verdict = "every invariant held" if report.ok else "INVARIANTS VIOLATED"
+        markdown.write_text(to_markdown(report.figures, command=command,
+                                        title=f"{broker}, relay {relay}, seed {seed}: {orders} orders, "
+                                              f"{sum(report.kills.values())}/{kills} kills, "
+                                              f"{report.duration_s:.1f} s, {verdict}"))
     if as_json:
-        click.echo(json.dumps({
-            "ok": report.ok, "broker": report.broker, "seed": report.seed, "orders": report.orders,
-            "relay": report.relay_mode, "kills": dict(report.kills), "beat_kills": report.beat_kills,
-            "armed_not_reached": report.armed_not_reached,
-            "taken_and_lost": [{"delivery": m.delivery, "message_id": m.message_id} for m in report.taken_and_lost],
-            "reconciled": {"all": report.invariants.snapshot.reconciled,
-                           "events": report.invariants.snapshot.reconciled_events,
-                           "tasks": report.invariants.snapshot.reconciled_tasks},
-            "unexpected_exits": report.unexpected_exits, "duration_s": round(report.duration_s, 1),
-            "violations": [{"invariant": v.invariant, "detail": v.detail} for v in report.invariants.violations],
-            "matrix": [row.__dict__ for row in report.matrix], "workdir": report.workdir,
-        }, indent=2))
+        click.echo(json.dumps(report_json(report), indent=2))
     else:
         console.print(render(report.matrix, title=f"failure matrix: {broker}, relay {relay}, seed {seed}, "
                                                   f"{orders} orders, {sum(report.kills.values())}/{kills} kills, "
                                                   f"{len(report.taken_and_lost)} taken and lost"))
+        console.print(figures.render(report.figures, title="loss and duplicates per fault"))
         if report.armed_not_reached:
             console.print(f"armed but never reached (no traffic left): {', '.join(report.armed_not_reached)}")
         for exit_ in report.unexpected_exits:
             console.print(f"[red]unexpected: {exit_}[/red]")
         for v in report.invariants.violations:
             console.print(f"[red]violated: {v.invariant}: {v.detail}[/red]")
+        if markdown is not None:
+            console.print(f"figures per fault: {markdown}")
         console.print(f"logs: {report.workdir}/logs; {report.duration_s:.1f}s")
     if not report.ok:
         raise SystemExit(1)

@@ -1,5 +1,5 @@
-"""The ``outbox chaos`` run itself, short, on both brokers and with beat driving the relay; and proof
-that its checks can fail (a lost confirmation e-mail included)."""
+"""The ``outbox chaos`` run itself, short, on both brokers and with beat driving the relay, with its loss
+and duplicate figures per fault; and proof that its checks can fail (a lost confirmation e-mail included)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from chaos import invariants
+from chaos import figures, invariants
 from chaos.environment import ChaosEnvironment
-from chaos.harness import plan_kills, plan_takes, run_chaos
+from chaos.harness import ChaosReport, plan_kills, plan_takes, run_chaos
 from chaos.load import make_plan as plan
 from consumers.models import SentEmail, Shipment
 from devtools.__main__ import cli
+from devtools.cli_chaos import report_json
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres, pytest.mark.workers, pytest.mark.slow]
 
@@ -27,7 +28,8 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     require("PostgreSQL", "127.0.0.1", 5432)
     if broker == "rabbitmq":
         require("RabbitMQ", "127.0.0.1", 5672)
-    # Given/When: 40 orders, 6 SIGKILLs at crash points, one broker outage, poison and duplicates, one
+    # Given/When: 40 orders, 6 SIGKILLs at crash points, one broker outage, a 3 s database freeze,
+    # poison and duplicates, one
     # confirmation e-mail task and one event lost in the take window after their rows were marked
     # published; with beat, the relay runs as beat's tasks and beat is SIGKILLed twice
     report = run_chaos(orders=40, kills=6, broker=broker, seed=7, workdir=tmp_path / "run", timeout_s=150,
@@ -38,6 +40,7 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     assert report.ok, (report.invariants.violations, report.unexpected_exits)
     assert sum(report.kills.values()) >= 3, (report.kills, report.armed_not_reached)
     assert report.outage_s > 0 and report.second_relay_s > 0
+    assert report.db_freeze_s >= 3.0 and report.db_freeze_connections > 0
     assert report.invariants.snapshot.dead_letters == report.poison == 2
     assert report.invariants.snapshot.duplicates_absorbed >= report.duplicates_injected > 0
     lost = [m.delivery for m in report.taken_and_lost]
@@ -48,8 +51,75 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     assert report.invariants.snapshot.effects[invariants.EMAIL] == report.invariants.snapshot.committed_orders
     assert report.beat_kills == report.beat_kills_planned == (2 if relay == "beat" else 0)
     rows = {row.failure: row for row in report.matrix}
-    assert len(rows) == (12 if relay == "beat" else 11) and all(row.ok for row in report.matrix)
+    assert len(rows) == (13 if relay == "beat" else 12) and all(row.ok for row in report.matrix)
     assert rows["worker killed between taking a message and recording it"].times == 2
+    # and the per-fault figures are written, as JSON and markdown, and add up
+    assert_fault_figures(report, tmp_path / "figures.md")
+
+
+def markdown_rows(text: str) -> dict[str, list[str]]:
+    """fault -> its cells (provoked .. duplicate effects), read back from the markdown table."""
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+             if line.startswith("| ") and not line.startswith("| fault")]
+    return {c[0].strip("*"): c[1:6] for c in cells}
+
+
+def assert_fault_figures(report: ChaosReport, path: Path) -> None:
+    assert report.invariants is not None
+    by_fault = {row.fault: row for row in report.figures}
+    kinds = {"hard kill: order writer", "hard kill: relay", "hard kill: worker", "broker outage",
+             "database freeze", "take-window loss", "duplicates injected", figures.UNATTRIBUTED, figures.TOTAL}
+    assert set(by_fault) == kinds | ({"hard kill: beat"} if report.relay_mode == "beat" else set())
+    total = by_fault[figures.TOTAL]
+    parts = [row for row in report.figures if row.fault != figures.TOTAL]
+    for column in figures.SUMMED:  # every figure is attributed to one row, the remainder included
+        assert sum(getattr(row, column) or 0 for row in parts) == getattr(total, column), column
+    assert all(getattr(row, column) is None or getattr(row, column) >= 0 for row in report.figures
+               for column in figures.SUMMED)
+    assert total.provoked == sum(row.provoked for row in parts)
+    kills = sum(by_fault[f].provoked for f in ("hard kill: order writer", "hard kill: relay", "hard kill: worker"))
+    assert kills == sum(report.kills.values())
+    assert total.lost == 0 and total.duplicate_effects == 0  # the run held its invariants
+    assert total.duplicate_deliveries == report.invariants.snapshot.duplicates_absorbed
+    take = by_fault["take-window loss"]
+    assert (take.affected, take.lost) == (len(report.taken_and_lost), 0)
+    assert by_fault["database freeze"].affected == report.db_freeze_connections
+    assert by_fault["duplicates injected"].duplicate_deliveries == report.duplicates_injected
+    # the --json report carries them, and --markdown writes them with the command
+    assert report_json(report)["figures"] == figures.to_json(report.figures)
+    path.write_text(figures.to_markdown(report.figures, title="short run", command="python -m devtools chaos"))
+    table = markdown_rows(path.read_text())
+    assert list(table) == [row.fault for row in report.figures]
+    for i, column in enumerate(("provoked", "affected", "lost", "duplicate_deliveries", "duplicate_effects")):
+        assert [r[i] for r in table.values()] == [
+            "-" if getattr(row, column) is None else str(getattr(row, column)) for row in report.figures]
+
+
+def test_fault_figures_attribute_what_they_can_and_leave_the_rest_unattributed() -> None:
+    from collections import Counter
+
+    from chaos.harness import LostMessage
+
+    # Given: a run that lost two messages in the take window, one never recorded, and whose database
+    # shows 3 effects missing, 1 effect doubled and 10 duplicate deliveries (4 of them injected)
+    snap = invariants.Snapshot(committed_orders=5, missing_effects=3, extra_effects=1, duplicates_absorbed=10,
+                               effects={"shipping": 5, invariants.EMAIL: 4})
+    report = ChaosReport(broker="redis", seed=1, orders=5, kills_requested=3, duplicates_injected=4, take_rounds=1,
+                         kills=Counter({"after_mark": 1, "consumer_before_commit": 2}), outage_s=1.0,
+                         taken_and_lost=[LostMessage(delivery=invariants.EMAIL, message_id="a"),
+                                         LostMessage(delivery="shipping", message_id="b")],
+                         invariants=invariants.InvariantReport(snapshot=snap, lost_never_recorded=1))
+    # When: the figures are built
+    rows = {row.fault: row for row in figures.fault_figures(report)}
+    # Then: the take window's loss is its own, the rest of each total is unattributed, nothing invented
+    assert (rows["take-window loss"].affected, rows["take-window loss"].lost) == (2, 1)
+    rest, total = rows[figures.UNATTRIBUTED], rows[figures.TOTAL]
+    assert (rest.lost, rest.duplicate_deliveries, rest.duplicate_effects) == (2, 6, 1)
+    assert (total.lost, total.duplicate_deliveries, total.duplicate_effects) == (3, 10, 1)
+    assert rows["hard kill: worker"].provoked == 2 and rows["hard kill: worker"].lost is None
+    assert "database freeze" not in rows and "hard kill: beat" not in rows  # not provoked in this run
+    table = markdown_rows(figures.to_markdown(list(rows.values()), title="t", command="c"))
+    assert table["hard kill: relay"] == ["1", "-", "-", "-", "-"]
 
 
 def test_kill_plan_is_reproducible_and_covers_every_crash_point() -> None:
@@ -133,9 +203,23 @@ def test_invariants_catch_lost_and_doubled_effects(redis_chaos: ChaosEnvironment
     assert "email: every order seen once" in names  # the confirmation e-mail task never ran
     assert "email: exactly one effect per order" in names  # ... so no order got its e-mail
     assert "dead letters are exactly the poison" in names
+    # and the per-fault figures' totals count them: 3 orders x 4 deliveries, but for the doubled shipment
+    assert (report.snapshot.missing_effects, report.snapshot.extra_effects) == (3 * 4 - 1, 1)
 
 
 def test_cli_rejects_an_unknown_broker() -> None:
     result = CliRunner().invoke(cli, ["chaos", "--broker", "kafka"])
     assert result.exit_code == 2
     assert "kafka" in result.output
+
+
+def test_cli_refuses_a_markdown_path_it_cannot_write_before_running(tmp_path: Path) -> None:
+    # Given: a --markdown path under a regular file (no directory can be made there)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    # When: the run is asked for
+    result = CliRunner().invoke(cli, ["chaos", "--markdown", str(blocker / "figures.md")])
+    # Then: one line and exit 1, before any database or process is started
+    assert result.exit_code == 1
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert "database" not in result.output
