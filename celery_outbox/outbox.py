@@ -27,7 +27,16 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 from celery_outbox import dedup
 from celery_outbox.cancel import Cancelled
 from celery_outbox.cancel import cancel as cancel_row
-from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, receipts, relay_tasks, tracing_hook
+from celery_outbox.celery import (
+    consumer_tasks,
+    gate,
+    idempotent_task,
+    ops_tasks,
+    receipts,
+    registry_step,
+    relay_tasks,
+    tracing_hook,
+)
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
 from celery_outbox.clock import Clock, SystemClock
@@ -71,6 +80,7 @@ class Outbox:
         tracing_hook.install(self)  # OUTBOX_TRACER_PROVIDER: here and in each worker pool process
         app.steps["worker"].add(self._boot_check_step())
         app.steps["worker"].add(receipts.receipt_step(self))  # plain outbox tasks' receipts (reconciler)
+        app.steps["worker"].add(registry_step.registry_step(self))  # the worker registry (deploy hold)
 
     # -- schema ----------------------------------------------------------------------------------
     def define_tables(self, metadata: sa.MetaData) -> Tables:
@@ -245,11 +255,11 @@ class Outbox:
     @overload
     def task(self, consumer_name: None = None, /, *, name: str | None = None, max_retries: int | None = None,
              retry_backoff: bool | float = True, retry_backoff_max: float | None = None, retry_jitter: bool = False,
-             **options: Any) -> Callable[[Callable[..., Any]], Any]: ...
+             version: int | None = None, **options: Any) -> Callable[[Callable[..., Any]], Any]: ...
 
     def task(self, consumer_name: str | Callable[..., Any] | None = None, /, *, name: str | None = None,
              max_retries: int | None = None, retry_backoff: bool | float = True, retry_backoff_max: float | None = None,
-             retry_jitter: bool = False, **options: Any) -> Any:
+             retry_jitter: bool = False, version: int | None = None, **options: Any) -> Any:
         """Two uses. ``outbox.task("billing")``: the Celery task of a consumer declared here.
 
         As a decorator, ``@outbox.task`` or ``@outbox.task(name=..., max_retries=...)``: define an
@@ -258,9 +268,16 @@ class Outbox:
         duplicated message has one effect. Retry options mean what they mean on ``@app.task`` (counted in
         the database); after them the call is dead-lettered and replayable. Other ``@app.task`` options
         (``queue``, ``rate_limit``, ...) pass through. See ``celery_outbox.celery.idempotent_task``.
+
+        ``version=N`` (a positive integer, 1 when omitted): the message format this code accepts, up to N.
+        A row enqueued by this code carries N, and the relay holds it until every live worker of its queue
+        runs the task at N or later (a rolling deploy; docs/scheduled.md "Deploys"). A plain ``@app.task``
+        takes the same as ``outbox_task_version=N``.
         """
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= 1_000_000):
+            raise ConfigError(f"@outbox.task(version=...) must be an integer from 1 to 1000000, got {version!r}")
         if isinstance(consumer_name, str):
-            if name is not None or options or max_retries is not None:
+            if name is not None or options or max_retries is not None or version is not None:
                 raise ConfigError("outbox.task('<consumer>') looks up a consumer's task; to define an idempotent "
                                   "task use @outbox.task(name=..., ...) on a function")
             return self._tasks[consumer_name]
@@ -271,7 +288,8 @@ class Outbox:
             if not callable(fn):
                 raise ConfigError(f"@outbox.task decorates a function, got {type(fn).__name__}")
             task_name_ = name if name is not None else f"{fn.__module__}.{fn.__qualname__}"
-            return idempotent_task.define(self.app, self, fn, name=task_name_, policy=policy, options=options)
+            extra = options if version is None else {**options, "outbox_task_version": version}
+            return idempotent_task.define(self.app, self, fn, name=task_name_, policy=policy, options=extra)
 
         return decorate if consumer_name is None else decorate(consumer_name)
 

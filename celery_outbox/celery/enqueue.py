@@ -83,6 +83,7 @@ from celery_outbox.inbox.receipts import RECEIPT_HEADER
 from celery_outbox.messages import TASK_KIND, QueueSpec, check_size, encode_json
 from celery_outbox.schema import Tables
 from celery_outbox.task_rules import TaskRules, check_call
+from celery_outbox.workers import VERSION_HEADER
 
 OWN_PREFIXES = ("celery.", "celery_outbox.")
 DELIVERY_MODES = {"persistent": 2, "transient": 1, 1: 1, 2: 2}
@@ -396,6 +397,9 @@ class Interceptor:
             "priority": properties.get("priority"),
             "delivery_mode": DELIVERY_MODES.get(publish.get("delivery_mode") or 2, 2),
         }
+        version = getattr(self.outbox.app.tasks.get(name), "outbox_task_version", None)
+        if isinstance(version, int) and not isinstance(version, bool) and version > 0:
+            row_headers[VERSION_HEADER] = version  # the relay holds it for a worker that runs it (workers.py)
         payload = {"body": json.loads(encode_json(list(sent_body), what=what))}
         encoded = encode_json({"payload": payload, "headers": row_headers},
                               what=f"task {name!r} message headers (JSON only)")

@@ -44,6 +44,10 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
                                     "scheduled rows apart (0 when none)"),
         "scheduled": GaugeMetricFamily("outbox_scheduled_messages",
                                        "Pending outbox rows held for a later eta (not a backlog)"),
+        "waiting_for_worker": GaugeMetricFamily(
+            "outbox_waiting_for_worker_messages",
+            "Task rows the relay holds because a live worker of their queue does not run them yet (a deploy)",
+            labels=["waiting_for"]),
         "published": GaugeMetricFamily("outbox_published_retained_messages",
                                        "Published outbox rows not yet pruned by retention"),
         "dead": GaugeMetricFamily("outbox_dead_letters", "Unreplayed dead letters",
@@ -98,6 +102,8 @@ class OutboxCollector(Collector):
         fam["retrying"].add_metric([], st.retrying)
         fam["oldest"].add_metric([], (st.oldest_pending_age_ms or 0) / 1000)
         fam["scheduled"].add_metric([], st.scheduled)
+        for w in st.waiting_for_worker:
+            fam["waiting_for_worker"].add_metric([w.what], w.count)
         fam["published"].add_metric([], st.published)
         for g in st.dead_letters:
             labels = [g.source, g.consumer or ""]
