@@ -28,6 +28,7 @@ from celery_outbox import dedup
 from celery_outbox.cancel import Cancelled
 from celery_outbox.cancel import cancel as cancel_row
 from celery_outbox.celery import (
+    beat,
     consumer_tasks,
     gate,
     idempotent_task,
@@ -244,6 +245,16 @@ class Outbox:
         if not url:
             raise ConfigError("no broker: set broker_url on the Celery app or OUTBOX_BROKER_URL")
         return str(url)
+
+    def periodic(self, name: str, task: str, schedule: Any, *, args: Any = (), kwargs: Mapping[str, Any] | None = None,
+                 **options: Any) -> None:
+        """Add the beat entry ``name`` whose ticks go through the outbox: in ``celery beat`` each tick is an
+        outbox row whose task id is made from ``name`` and the period it falls in, so a beat restart never
+        loses or doubles a tick (docs/scheduled.md, "Periodic tasks"). ``schedule``: seconds, a timedelta,
+        ``celery.schedules.schedule`` or ``crontab``; ``options`` are ``apply_async`` options."""
+        conf = self.app.conf
+        conf.beat_schedule = {**(conf.beat_schedule or {}),
+                              name: beat.entry(name, task, schedule, args=args, kwargs=kwargs, options=options)}
 
     def relay_loop(self, *, listen: bool = True) -> RelayLoop:
         """A standalone relay (``outbox relay`` runs one); close it and its publisher when done."""
