@@ -124,11 +124,21 @@ class DeployHold:
 def held_rows(session: Session, rows: Sequence[ClaimedRow], now_ms: int, *, hold: DeployHold | None,
               tables: Tables) -> dict[int, str]:
     """Row index -> what it waits for, for the task rows of ``rows`` that some live registered worker of
-    their queue cannot run. One read of the registry, only when the batch holds task rows."""
+    their queue cannot run. One read of the registry, only when the batch holds task rows; a registry that
+    cannot be read (no table yet) holds nothing, logged."""
     tasks = [(i, r) for i, r in enumerate(rows) if is_task_row(r.headers)]
     if hold is None or not tasks:
         return {}
-    registry = workers.live(session, now_ms, heartbeat_ms=hold.heartbeat_ms, tables=tables)
+    try:
+        if is_postgres(session):  # a failed read must not abort the claim's transaction (and its row locks)
+            with session.begin_nested():
+                registry = workers.live(session, now_ms, heartbeat_ms=hold.heartbeat_ms, tables=tables)
+        else:
+            registry = workers.live(session, now_ms, heartbeat_ms=hold.heartbeat_ms, tables=tables)
+    except Exception as e:  # e.g. code deployed before `outbox db upgrade`: never stall the relay for it
+        log.warning("the worker registry cannot be read, no task is held for a worker (run `outbox db upgrade`?): "
+                    "%s: %s", type(e).__name__, e)
+        return {}
     if not registry.queues:
         return {}
     out: dict[int, str] = {}

@@ -133,3 +133,25 @@ def test_prune_deletes_only_long_dead_workers(tasks: TaskApp, clock: ManualClock
     with tasks.sessions() as s:
         assert workers.prune(s, clock.now_ms() + 1, heartbeat_ms=1_000, tables=tables) == 1
         assert s.execute(sa.select(tables.workers.id)).scalars().all() == [fresh]
+
+
+def test_an_unreadable_registry_holds_nothing_and_never_stalls_the_relay(tasks: TaskApp, clock: ManualClock,
+                                                                        tables: Tables,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    # Given a live worker that does not run enq.mail, and a registry the relay cannot read (code deployed
+    # before the migration): its table renamed away
+    a_worker(tasks, clock, {"enq.step": 1})
+    table = tables.table(tables.workers).name
+    engine = tasks.sessions.kw["bind"]
+    with engine.begin() as c:
+        c.exec_driver_sql(f"ALTER TABLE {table} RENAME TO {table}_away")
+    try:
+        # When enq.mail is sent and the relay runs
+        task_id = send(tasks, tasks.mail, "a@example.com")
+        # Then it goes out (nothing held, the claim intact), and the relay says why
+        assert [m.headers["id"] for m in drain(tasks.outbox).published] == [task_id]
+        assert row(tasks, task_id).published_at_ms is not None
+        assert "the worker registry cannot be read" in caplog.text
+    finally:
+        with engine.begin() as c:
+            c.exec_driver_sql(f"ALTER TABLE {table}_away RENAME TO {table}")
