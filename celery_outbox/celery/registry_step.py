@@ -59,6 +59,9 @@ class Heartbeat:
         with self.ctx.sessions()() as session:
             workers.register(session, worker=self.worker, name=self.name, queues=consumed_queues(self.app),
                              tasks=task_versions(self.app), now_ms=self.ctx.clock.now_ms(), tables=self.ctx.tables)
+            # rows of workers killed long ago (a warm shutdown deletes its own): kept small by each start
+            workers.prune(session, self.ctx.clock.now_ms(), heartbeat_ms=self.ctx.settings.worker_heartbeat_ms,
+                          tables=self.ctx.tables)
         self._registered = True
 
     def beat(self) -> None:

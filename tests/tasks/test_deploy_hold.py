@@ -155,3 +155,40 @@ def test_an_unreadable_registry_holds_nothing_and_never_stalls_the_relay(tasks: 
     finally:
         with engine.begin() as c:
             c.exec_driver_sql(f"ALTER TABLE {table}_away RENAME TO {table}")
+
+
+def test_the_worker_heartbeat_registers_refreshes_prunes_and_unregisters(tasks: TaskApp, clock: ManualClock,
+                                                                         tables: Tables) -> None:
+    from celery_outbox.celery.registry_step import Heartbeat
+
+    # Given a row of a worker killed long ago (30 heartbeats and more)
+    a_worker(tasks, clock, {"enq.step": 1})
+    clock.advance(31_000)
+    w = tables.workers
+
+    def rows() -> list[Any]:
+        with tasks.sessions() as s:
+            return list(s.execute(sa.select(w.name, w.tasks, w.heartbeat_at_ms)).all())
+
+    # When a worker starts, Then it is registered with its queues and tasks, and the dead row is gone
+    beat = Heartbeat(tasks.outbox, hostname="celery@new")
+    beat.interval_s = 3_600  # the thread never beats during the test; beats are called by hand
+    beat.start()
+    try:
+        [(name, table, at)] = rows()
+        assert name == "celery@new" and table["enq.mail"] == 1 and at == clock.now_ms()
+        # When it beats later, Then its row is refreshed
+        clock.advance(1_000)
+        beat.beat()
+        assert rows()[0][2] == clock.now_ms()
+        # When its row was removed (by hand), Then the next beat registers it again
+        with tasks.sessions() as s:
+            s.execute(sa.delete(w))
+            s.commit()
+        beat.beat()
+        beat.beat()
+        assert len(rows()) == 1
+    finally:
+        beat.stop()
+    # Then a warm stop leaves no row
+    assert rows() == []
