@@ -27,7 +27,17 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 from celery_outbox import dedup
 from celery_outbox.cancel import Cancelled
 from celery_outbox.cancel import cancel as cancel_row
-from celery_outbox.celery import consumer_tasks, gate, idempotent_task, ops_tasks, receipts, relay_tasks, tracing_hook
+from celery_outbox.celery import (
+    beat,
+    consumer_tasks,
+    gate,
+    idempotent_task,
+    ops_tasks,
+    receipts,
+    registry_step,
+    relay_tasks,
+    tracing_hook,
+)
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
 from celery_outbox.clock import Clock, SystemClock
@@ -71,6 +81,7 @@ class Outbox:
         tracing_hook.install(self)  # OUTBOX_TRACER_PROVIDER: here and in each worker pool process
         app.steps["worker"].add(self._boot_check_step())
         app.steps["worker"].add(receipts.receipt_step(self))  # plain outbox tasks' receipts (reconciler)
+        app.steps["worker"].add(registry_step.registry_step(self))  # the worker registry (deploy hold)
 
     # -- schema ----------------------------------------------------------------------------------
     def define_tables(self, metadata: sa.MetaData) -> Tables:
@@ -235,6 +246,16 @@ class Outbox:
             raise ConfigError("no broker: set broker_url on the Celery app or OUTBOX_BROKER_URL")
         return str(url)
 
+    def periodic(self, name: str, task: str, schedule: Any, *, args: Any = (), kwargs: Mapping[str, Any] | None = None,
+                 **options: Any) -> None:
+        """Add the beat entry ``name`` whose ticks go through the outbox: in ``celery beat`` each tick is an
+        outbox row whose task id is made from ``name`` and the period it falls in, so a beat restart never
+        loses or doubles a tick (docs/scheduled.md, "Periodic tasks"). ``schedule``: seconds, a timedelta,
+        ``celery.schedules.schedule`` or ``crontab``; ``options`` are ``apply_async`` options."""
+        conf = self.app.conf
+        conf.beat_schedule = {**(conf.beat_schedule or {}),
+                              name: beat.entry(name, task, schedule, args=args, kwargs=kwargs, options=options)}
+
     def relay_loop(self, *, listen: bool = True) -> RelayLoop:
         """A standalone relay (``outbox relay`` runs one); close it and its publisher when done."""
         return relay_tasks.relay_loop(self, listen=listen)
@@ -245,11 +266,11 @@ class Outbox:
     @overload
     def task(self, consumer_name: None = None, /, *, name: str | None = None, max_retries: int | None = None,
              retry_backoff: bool | float = True, retry_backoff_max: float | None = None, retry_jitter: bool = False,
-             **options: Any) -> Callable[[Callable[..., Any]], Any]: ...
+             version: int | None = None, **options: Any) -> Callable[[Callable[..., Any]], Any]: ...
 
     def task(self, consumer_name: str | Callable[..., Any] | None = None, /, *, name: str | None = None,
              max_retries: int | None = None, retry_backoff: bool | float = True, retry_backoff_max: float | None = None,
-             retry_jitter: bool = False, **options: Any) -> Any:
+             retry_jitter: bool = False, version: int | None = None, **options: Any) -> Any:
         """Two uses. ``outbox.task("billing")``: the Celery task of a consumer declared here.
 
         As a decorator, ``@outbox.task`` or ``@outbox.task(name=..., max_retries=...)``: define an
@@ -258,9 +279,16 @@ class Outbox:
         duplicated message has one effect. Retry options mean what they mean on ``@app.task`` (counted in
         the database); after them the call is dead-lettered and replayable. Other ``@app.task`` options
         (``queue``, ``rate_limit``, ...) pass through. See ``celery_outbox.celery.idempotent_task``.
+
+        ``version=N`` (a positive integer, 1 when omitted): the message format this code accepts, up to N.
+        A row enqueued by this code carries N, and the relay holds it until every live worker of its queue
+        runs the task at N or later (a rolling deploy; docs/scheduled.md "Deploys"). A plain ``@app.task``
+        takes the same as ``outbox_task_version=N``.
         """
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= 1_000_000):
+            raise ConfigError(f"@outbox.task(version=...) must be an integer from 1 to 1000000, got {version!r}")
         if isinstance(consumer_name, str):
-            if name is not None or options or max_retries is not None:
+            if name is not None or options or max_retries is not None or version is not None:
                 raise ConfigError("outbox.task('<consumer>') looks up a consumer's task; to define an idempotent "
                                   "task use @outbox.task(name=..., ...) on a function")
             return self._tasks[consumer_name]
@@ -271,7 +299,8 @@ class Outbox:
             if not callable(fn):
                 raise ConfigError(f"@outbox.task decorates a function, got {type(fn).__name__}")
             task_name_ = name if name is not None else f"{fn.__module__}.{fn.__qualname__}"
-            return idempotent_task.define(self.app, self, fn, name=task_name_, policy=policy, options=options)
+            extra = options if version is None else {**options, "outbox_task_version": version}
+            return idempotent_task.define(self.app, self, fn, name=task_name_, policy=policy, options=extra)
 
         return decorate if consumer_name is None else decorate(consumer_name)
 

@@ -26,6 +26,7 @@ SeqType = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 PENDING_SQL = "published_at_ms IS NULL AND dead_lettered_at_ms IS NULL"
 DEAD_SQL = "dead_lettered_at_ms IS NOT NULL"
 DEDUP_SQL = f"{PENDING_SQL} AND dedup_key IS NOT NULL"
+HELD_SQL = f"{PENDING_SQL} AND held_for IS NOT NULL"
 UNREPLAYED_SQL = "replayed_at_ms IS NULL"
 DEFAULT_PREFIX = "outbox_"
 _PREFIX = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
@@ -55,6 +56,9 @@ class OutboxRow(_Row):
     # At most one pending row per key (``ux_<prefix>dedup``): a task enqueued with a dedup key
     # (docs/scheduled.md, "Deduplicate by key"); NULL for everything else, and once dead-lettered.
     dedup_key: Mapped[str | None] = mapped_column(sa.String(200), nullable=True)
+    # The task row waits for a worker that can run it (a rolling deploy, docs/scheduled.md "Deploys"):
+    # what it waits for, e.g. "billing.charge v2 on queue billing"; NULL for everything else.
+    held_for: Mapped[str | None] = mapped_column(sa.String(300), nullable=True)
 
 
 class InboxRow(_Row):
@@ -133,6 +137,19 @@ class TaskReceiptRow(_Row):
     received_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
 
 
+class WorkerRow(_Row):
+    """A live worker's registration (celery_outbox/workers.py): the queues it consumes and the task names
+    (with their versions) it runs, refreshed by its heartbeat; the relay holds task rows no live worker of
+    their queue can run."""
+
+    id: Mapped[uuid.UUID] = mapped_column(sa.Uuid, primary_key=True)  # one per worker start
+    name: Mapped[str] = mapped_column(sa.String(255))  # its node name, for people
+    queues: Mapped[list[str]] = mapped_column(JSONType)
+    tasks: Mapped[dict[str, int]] = mapped_column(JSONType)
+    started_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+    heartbeat_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Tables:
     """The mapped classes of one prefix. Pass it to core functions; ``names()`` lists the tables."""
@@ -147,6 +164,7 @@ class Tables:
     entity_versions: type[EntityVersionRow]
     counters: type[CounterRow]
     receipts: type[TaskReceiptRow]
+    workers: type[WorkerRow]
 
     @property
     def notify_channel(self) -> str:
@@ -164,7 +182,7 @@ class Tables:
     def names(self) -> tuple[str, ...]:
         return tuple(self.table(c).name for c in (self.outbox, self.inbox, self.attempts, self.dead_letters,
                                                    self.parked, self.entity_versions, self.counters,
-                                                   self.receipts))
+                                                   self.receipts, self.workers))
 
 
 T = TypeVar("T")
@@ -202,6 +220,7 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
     dead = sa.text(DEAD_SQL)
     dedup = sa.text(DEDUP_SQL)
     unreplayed = sa.text(UNREPLAYED_SQL)
+    held = sa.text(HELD_SQL)
     return Tables(
         prefix=prefix, metadata=md,
         outbox=mapped("OutboxMessage", OutboxRow, "messages", (
@@ -218,6 +237,8 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
             # At most one pending task per dedup key, also between concurrent transactions: the second
             # insert waits for the first to commit, then conflicts (celery/dedup.py).
             sa.Index(f"ux_{prefix}dedup", "dedup_key", unique=True, postgresql_where=dedup, sqlite_where=dedup),
+            # 'outbox stats': task rows waiting for a worker that runs them, grouped, without a scan.
+            sa.Index(f"ix_{prefix}held", "held_for", postgresql_where=held, sqlite_where=held),
         )),
         inbox=mapped("InboxEntry", InboxRow, "inbox", (
             sa.Index(f"ix_{prefix}inbox_processed", "processed_at_ms"),)),
@@ -237,4 +258,5 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
         receipts=mapped("TaskReceipt", TaskReceiptRow, "task_receipts", (
             # Retention prunes receipts oldest first, as it prunes the inbox.
             sa.Index(f"ix_{prefix}receipts_at", "received_at_ms"),)),
+        workers=mapped("WorkerRegistration", WorkerRow, "workers"),
     )

@@ -444,6 +444,8 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "enqueue_outside_transaction": ChoiceRule(("own_transaction", "raise", "publish")),
     "enqueue_exclude": TaskNamesRule(),  # task names never captured into the outbox
     "enqueue_hold_eta_after_ms": IntRule(1, 365 * DAY_MS),
+    "worker_heartbeat_ms": IntRule(0, HOUR_MS, zero="0 = off: workers do not register, the relay holds nothing"),
+    "relay_hold_recheck_ms": IntRule(10, HOUR_MS),
     "admin_token": TokenRule(),
     "crash_points": CrashPointsRule(),
     "tracer_provider": PatternRule(r"(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)?",
@@ -630,6 +632,12 @@ class Settings:
     # A captured task whose eta (countdown) is further ahead than this stays an outbox row until due and is
     # published then without an eta, so no worker holds it unacked (docs/scheduled.md).
     enqueue_hold_eta_after_ms: int = 1_000
+    # Deploy-safe publishing (celery_outbox/workers.py, docs/scheduled.md "Deploys"): every worker registers
+    # its queues and task names and refreshes them this often (expired after 3 missed heartbeats); the relay
+    # holds a task row that a live registered worker of its queue cannot run, and looks again after
+    # relay_hold_recheck_ms, charging no attempt. 0 = off (no registry, nothing held).
+    worker_heartbeat_ms: int = 10_000
+    relay_hold_recheck_ms: int = 2_000
 
     metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
     admin_token: str = ""  # a secret: masked in repr/str and errors

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from celery_outbox.cli.common import handle_errors
-from chaos import figures
 
 if TYPE_CHECKING:
     from chaos.harness import ChaosReport
@@ -17,6 +16,8 @@ if TYPE_CHECKING:
 
 def report_json(report: ChaosReport) -> dict[str, Any]:
     """The ``--json`` report: the run's counts, the failure matrix and the figures per fault."""
+    from chaos import figures  # the harness is not in the deployment image: imported only by the chaos command
+
     assert report.invariants is not None
     return {
         "ok": report.ok, "broker": report.broker, "seed": report.seed, "orders": report.orders,
@@ -73,6 +74,7 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, d
     from rich.console import Console
 
     from chaos.environment import PG_ADMIN_URL
+    from chaos.figures import render as render_figures
     from chaos.figures import to_markdown
     from chaos.harness import run_chaos
     from chaos.matrix import render
@@ -103,7 +105,7 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, d
         console.print(render(report.matrix, title=f"failure matrix: {broker}, relay {relay}, seed {seed}, "
                                                   f"{orders} orders, {sum(report.kills.values())}/{kills} kills, "
                                                   f"{len(report.taken_and_lost)} taken and lost"))
-        console.print(figures.render(report.figures, title="loss and duplicates per fault"))
+        console.print(render_figures(report.figures, title="loss and duplicates per fault"))
         if report.armed_not_reached:
             console.print(f"armed but never reached (no traffic left): {', '.join(report.armed_not_reached)}")
         for exit_ in report.unexpected_exits:

@@ -55,6 +55,7 @@ or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never c
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -71,6 +72,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from celery_outbox import dedup, tracing
+from celery_outbox.celery import beat
 from celery_outbox.errors import (
     ConfigError,
     DatabaseError,
@@ -83,10 +85,12 @@ from celery_outbox.inbox.receipts import RECEIPT_HEADER
 from celery_outbox.messages import TASK_KIND, QueueSpec, check_size, encode_json
 from celery_outbox.schema import Tables
 from celery_outbox.task_rules import TaskRules, check_call
+from celery_outbox.workers import VERSION_HEADER
 
 OWN_PREFIXES = ("celery.", "celery_outbox.")
 DELIVERY_MODES = {"persistent": 2, "transient": 1, 1: 1, 2: 2}
 # What kombu's Producer.publish takes as arguments rather than message properties.
+log = logging.getLogger(__name__)
 _PUBLISH_ARGS = frozenset({"exchange", "routing_key", "serializer", "compression", "retry", "retry_policy",
                            "delivery_mode", "declare", "headers", "timeout", "confirm_timeout", "mandatory",
                            "immediate", "content_type", "content_encoding"})
@@ -292,6 +296,10 @@ class Interceptor:
 
     def __call__(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
         headers = message[0]
+        if _process["beat"] and not _DIRECT.get():
+            tick = beat.tick_of({**headers, **(options.get("headers") or {})}, self.outbox.clock.now_ms())
+            if tick is not None:
+                return self.write_tick(producer, name, message, options, tick)
         if not self.captures(name, headers):
             return self.original(producer, name, message, **options)
         writer = _bound_writer(self.outbox)
@@ -322,6 +330,32 @@ class Interceptor:
         recorded = _DEDUPED.get()
         if recorded is not None:
             recorded.append(done)
+        return None
+
+    def write_tick(self, producer: Any, name: str, message: Any, options: dict[str, Any], tick: beat.Tick) -> None:
+        """A beat tick of an outbox periodic task (celery/beat.py): its row, with the tick's own task id, in a
+        transaction of its own; a tick already written (a restarted beat firing it again) writes nothing."""
+        task_headers, properties, body, sent_event = message
+        drop = (beat.BEAT_HEADER, beat.BEAT_EVERY_HEADER)
+        old_id = task_headers.get("id")
+        task_headers = {k: v for k, v in task_headers.items() if k not in drop}
+        task_headers["id"] = str(tick.task_id)
+        properties = dict(properties)
+        if properties.get("correlation_id") == old_id:
+            properties["correlation_id"] = str(tick.task_id)
+        options = {**options, "headers": {k: v for k, v in (options.get("headers") or {}).items() if k not in drop}}
+        values = self.row_values(producer, name, (task_headers, properties, body, sent_event), options)
+        values["headers"][beat.TICK_HEADER] = tick.key
+        writer = OwnTransactionWriter(self.outbox)
+        if writer.holds(values["message_id"]):
+            log.info("beat tick %s already in the outbox (task %s): not written again", tick.key, tick.task_id)
+            return None
+        try:
+            writer.write(values)
+        except ValidationError:  # written by another beat between the check and the insert
+            log.info("beat tick %s written concurrently (task %s): not written again", tick.key, tick.task_id)
+            return None
+        log.info("beat tick %s written to the outbox as task %s", tick.key, tick.task_id)
         return None
 
     def dedup_options(self, name: str, options: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, Any] | None]:
@@ -396,6 +430,9 @@ class Interceptor:
             "priority": properties.get("priority"),
             "delivery_mode": DELIVERY_MODES.get(publish.get("delivery_mode") or 2, 2),
         }
+        version = getattr(self.outbox.app.tasks.get(name), "outbox_task_version", None)
+        if isinstance(version, int) and not isinstance(version, bool) and version > 0:
+            row_headers[VERSION_HEADER] = version  # the relay holds it for a worker that runs it (workers.py)
         payload = {"body": json.loads(encode_json(list(sent_body), what=what))}
         encoded = encode_json({"payload": payload, "headers": row_headers},
                               what=f"task {name!r} message headers (JSON only)")

@@ -442,6 +442,9 @@ def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     # Held for a later eta (docs/scheduled.md): apart from the backlog figures above.
     console.print(f"scheduled: {st.scheduled}" + ("" if st.next_due_at_ms is None else
                   f", next due at {_utc(st.next_due_at_ms)} (in {_age(st.next_due_at_ms - st.now_ms)})"))
+    # Held by the relay for a worker that runs them (a rolling deploy; docs/scheduled.md "Deploys").
+    for w in st.waiting_for_worker:
+        console.print(f"waiting for a worker that runs {w.what}: {w.count} (oldest {_age(w.oldest_age_ms)})")
     re_t = Table(title="re-sent by the reconciler (never arrived)")
     for col in ("total", "events (per consumer)", "@outbox.task", "plain tasks"):
         re_t.add_column(col)

@@ -81,6 +81,10 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         "claim_held": GaugeMetricFamily("outbox_relay_claim_held_seconds",
                                         "Postgres: how long the oldest relay claim (rows locked, mark not committed) "
                                         "has been open (0 when none; always 0 on SQLite)"),
+        "waiting_for_worker": GaugeMetricFamily(
+            "outbox_waiting_for_worker_messages",
+            "Task rows the relay holds because a live worker of their queue does not run them yet (a deploy)",
+            labels=["waiting_for"]),
         "published": GaugeMetricFamily("outbox_published_retained_messages",
                                        "Published outbox rows not yet pruned by retention"),
         "dead": GaugeMetricFamily("outbox_dead_letters", "Unreplayed dead letters",
@@ -160,6 +164,8 @@ class OutboxCollector(Collector):
         fam["scheduled"].add_metric([], st.scheduled)
         fam["overdue"].add_metric([], (st.oldest_overdue_ms or 0) / 1000)
         fam["claim_held"].add_metric([], (st.claim_held_ms or 0) / 1000)
+        for w in st.waiting_for_worker:
+            fam["waiting_for_worker"].add_metric([w.what], w.count)
         fam["published"].add_metric([], st.published)
         for g in st.dead_letters:
             labels = [g.source, g.consumer or ""]

@@ -38,6 +38,19 @@ class DeadLetterGroup:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WaitingForWorker:
+    """Task rows the relay holds because a live worker of their queue does not run them yet (a rolling
+    deploy; celery_outbox/workers.py): ``what`` is e.g. ``billing.charge v2 on queue billing``."""
+
+    what: str
+    count: int
+    oldest_age_ms: int  # since the oldest of them was written
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"what": self.what, "count": self.count, "oldest_age_ms": self.oldest_age_ms}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stats:
     now_ms: int
     pending: int
@@ -58,6 +71,8 @@ class Stats:
     # committed its mark) has been open. A relay stopped or stuck mid-batch holds its rows here, unpublished,
     # while every other relay skips them. None when no claim is open (always on SQLite: see ``claim_held_ms``).
     claim_held_ms: int | None = None
+    # Rows held for a worker that runs them (a rolling deploy): also outside the backlog figures above.
+    waiting_for_worker: list[WaitingForWorker] = field(default_factory=list)
     dead_letters: list[DeadLetterGroup] = field(default_factory=list)
     inbox: dict[str, int] = field(default_factory=dict)
     duplicates_absorbed: dict[str, int] = field(default_factory=dict)
@@ -85,7 +100,8 @@ class Stats:
             "outbox": {"pending": self.pending, "due": self.due, "retrying": self.retrying,
                        "oldest_pending_age_ms": self.oldest_pending_age_ms, "published_retained": self.published,
                        "oldest_overdue_ms": self.oldest_overdue_ms, "claim_held_ms": self.claim_held_ms,
-                       "scheduled": self.scheduled, "next_due_at_ms": self.next_due_at_ms},
+                       "scheduled": self.scheduled, "next_due_at_ms": self.next_due_at_ms,
+                       "waiting_for_worker": [w.to_dict() for w in self.waiting_for_worker]},
             "dead_letters": {"total": self.dead_letter_total, "oldest_age_ms": self.oldest_dead_letter_age_ms,
                              "groups": [g.to_dict() for g in self.dead_letters]},
             "inbox": {"total": sum(self.inbox.values()), "per_consumer": dict(self.inbox)},
@@ -129,7 +145,8 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
     # or the replay that put it back. Before then it is scheduled, not a backlog. A row that failed waits from
     # its creation or its eta, even while it backs off (it is late, and stays in the figure).
     fresh, failed = o.attempts == 0, o.attempts > 0
-    scheduled = sa.and_(fresh, o.next_attempt_at_ms > now)
+    # a row held for a worker (held_for) is not scheduled: it is counted in waiting_for_worker
+    scheduled = sa.and_(fresh, o.next_attempt_at_ms > now, o.held_for.is_(None))
     held_until = sa.cast(o.headers["held_until_ms"].as_string(), sa.BigInteger)  # BIGINT: ms do not fit an int
     pending_q = sa.select(
         sa.func.count(),
@@ -143,6 +160,11 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
     ).select_from(o).where(*_pending_where(tables))
     (pending, due, retrying, first_due, fresh_since, failed_since, held, next_held) = session.execute(pending_q).one()
     waiting = [int(t) for t in (fresh_since, failed_since) if t is not None]
+    held_q = (sa.select(o.held_for, sa.func.count(), sa.func.min(o.created_at_ms))
+              .where(*_pending_where(tables), o.held_for.is_not(None)).group_by(o.held_for).order_by(o.held_for))
+    waiting_for_worker = [WaitingForWorker(what=str(what).removeprefix("waiting for a worker that runs "),
+                                           count=int(n), oldest_age_ms=max(0, now - int(oldest)))
+                          for what, n, oldest in session.execute(held_q)]
     published = session.scalar(
         sa.select(sa.func.count()).select_from(tables.outbox).where(tables.outbox.published_at_ms.is_not(None))
     ) or 0
@@ -179,6 +201,7 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
         published=int(published), oldest_overdue_ms=None if first_due is None else max(0, now - int(first_due)),
         scheduled=int(held), next_due_at_ms=None if next_held is None else int(next_held),
         claim_held_ms=claim_held_ms(session, tables=tables),
+        waiting_for_worker=waiting_for_worker,
         dead_letters=groups, inbox=inbox, duplicates_absorbed=duplicates,
         counters=counters,
     )

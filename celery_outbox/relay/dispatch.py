@@ -18,13 +18,14 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
-from celery_outbox import counters, tracing
+from celery_outbox import counters, tracing, workers
 from celery_outbox.clock import Clock
 from celery_outbox.db import is_postgres, wrap_driver_errors
 from celery_outbox.errors import BrokerUnavailableError, MalformedMessageError, MessageTooLargeError, SerializationError
@@ -62,6 +63,8 @@ class Built:
     messages: tuple[TaskMessage, ...]
     owners: tuple[int, ...]
     unpublishable: Mapping[int, str]  # row index -> why it can never be published
+    # row index -> the worker it waits for (a task no live worker of its queue runs yet; workers.py)
+    held: Mapping[int, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(kw_only=True)
@@ -77,6 +80,7 @@ class BatchResult:
     breaker_open: bool = False  # the breaker refused to publish; nothing was claimed
     duplicates_risked: int = 0  # rows the broker may already hold that stay pending (sent again)
     already_published: int = 0  # rows another relay marked first: a double publish happened
+    held: int = 0  # task rows waiting for a worker that runs them (no attempt charged; workers.py)
     error: str | None = None
     dead_lettered_rows: list[tuple[str, str]] = field(default_factory=list)  # (message_id, why)
 
@@ -108,18 +112,59 @@ def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables) -> l
         ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class DeployHold:
+    """Deploy-safe publishing (celery_outbox/workers.py): read the live workers' registry (expired after
+    3 x ``heartbeat_ms``) and hold a task row none of them can run for ``recheck_ms``."""
+
+    heartbeat_ms: int
+    recheck_ms: int
+
+
+def held_rows(session: Session, rows: Sequence[ClaimedRow], now_ms: int, *, hold: DeployHold | None,
+              tables: Tables) -> dict[int, str]:
+    """Row index -> what it waits for, for the task rows of ``rows`` that some live registered worker of
+    their queue cannot run. One read of the registry, only when the batch holds task rows; a registry that
+    cannot be read (no table yet) holds nothing, logged."""
+    tasks = [(i, r) for i, r in enumerate(rows) if is_task_row(r.headers)]
+    if hold is None or not tasks:
+        return {}
+    try:
+        if is_postgres(session):  # a failed read must not abort the claim's transaction (and its row locks)
+            with session.begin_nested():
+                registry = workers.live(session, now_ms, heartbeat_ms=hold.heartbeat_ms, tables=tables)
+        else:
+            registry = workers.live(session, now_ms, heartbeat_ms=hold.heartbeat_ms, tables=tables)
+    except Exception as e:  # e.g. code deployed before `outbox db upgrade`: never stall the relay for it
+        log.warning("the worker registry cannot be read, no task is held for a worker (run `outbox db upgrade`?): "
+                    "%s: %s", type(e).__name__, e)
+        return {}
+    if not registry.queues:
+        return {}
+    out: dict[int, str] = {}
+    for i, row in tasks:
+        queue, version = workers.row_target(row.headers)
+        why = None if queue is None else registry.why_held(queue=queue, task=row.type, version=version)
+        if why is not None:
+            out[i] = why
+    return out
+
+
 def build_messages(rows: Sequence[ClaimedRow], routes: Mapping[str, Sequence[str]], namespace: str,
-                   max_message_bytes: int) -> Built:
+                   max_message_bytes: int, held: Mapping[int, str] | None = None) -> Built:
     """One Celery task message per (row, routed consumer); rows that can never go out are set aside.
 
     A row holding a task enqueued through the outbox (``messages.is_task_row``) is ONE message, to
     the task's own exchange, routing key and queue as Celery resolved them at enqueue time; event
-    routes play no part in it.
+    routes play no part in it. ``held`` rows (waiting for a worker that runs them) get no message.
     """
     messages: list[TaskMessage] = []
     owners: list[int] = []
     unpublishable: dict[int, str] = {}
+    held = held or {}
     for i, row in enumerate(rows):
+        if i in held:
+            continue
         if is_task_row(row.headers):
             try:
                 task = task_row_message(message_id=row.message_id, type=row.type, payload=row.payload,
@@ -144,20 +189,23 @@ def build_messages(rows: Sequence[ClaimedRow], routes: Mapping[str, Sequence[str
             continue
         messages.extend(built)
         owners.extend([i] * len(built))
-    return Built(rows=tuple(rows), messages=tuple(messages), owners=tuple(owners), unpublishable=unpublishable)
+    return Built(rows=tuple(rows), messages=tuple(messages), owners=tuple(owners), unpublishable=unpublishable,
+                 held=MappingProxyType(dict(held)))
 
 
 def mark_batch(session: Session, now_ms: int, *, tables: Tables, published: Sequence[ClaimedRow],
                failed: Mapping[int, tuple[ClaimedRow, str]], max_attempts: int, base_delay_ms: int,
                max_delay_ms: int, dead_now: Mapping[int, tuple[ClaimedRow, str]] | None = None,
-               count: bool = False) -> tuple[int, int, int]:
+               count: bool = False, held: Sequence[tuple[ClaimedRow, str]] = (), held_until_ms: int = 0,
+               ) -> tuple[int, int, int]:
     """Mark in the current transaction (the caller commits): returns (marked, failed, dead_lettered).
 
     Published rows: ONE statement with one array parameter (Postgres, ``= ANY(:ids)``; with
     ``count`` the relay's ``published`` counter is added in that same statement) or one ``IN``
     UPDATE (SQLite, counter staged after it). Failed rows: one executemany UPDATE charging an
     attempt (backoff, dead letter at ``max_attempts``). ``dead_now`` rows are dead-lettered whatever
-    their attempts.
+    their attempts. ``held`` rows (waiting for a worker that runs them) are due again at ``held_until_ms``
+    with what they wait for in ``held_for``, their attempts untouched (a deploy is not their failure).
     """
     marked = n_failed = n_dead = 0
     outbox = tables.table(tables.outbox)
@@ -215,6 +263,12 @@ def mark_batch(session: Session, now_ms: int, *, tables: Tables, published: Sequ
                                           else_=sa.null())),
                 params,
             )
+        if held:
+            session.connection().execute(
+                sa.update(outbox)
+                .where(outbox.c.seq == sa.bindparam("h_seq"), outbox.c.published_at_ms.is_(None))
+                .values(next_attempt_at_ms=held_until_ms, held_for=sa.bindparam("h_why")),
+                [{"h_seq": row.seq, "h_why": why[:300]} for row, why in held])
     return marked, n_failed, n_dead
 
 
@@ -242,6 +296,7 @@ class Claimed:
     spans: tracing.RelaySpans
     result: BatchResult
     limit: int
+    recheck_ms: int = 0  # held rows are due again this long after the batch is marked
 
 
 @dataclass(kw_only=True)
@@ -264,26 +319,31 @@ def _abort(session: Session, spans: tracing.RelaySpans, e: BaseException) -> Non
 
 
 def claim_batch(session: Session, clock: Clock, *, tables: Tables, limit: int,
-                routes: Mapping[str, Sequence[str]], max_message_bytes: int, namespace: str) -> Claimed:
+                routes: Mapping[str, Sequence[str]], max_message_bytes: int, namespace: str,
+                hold: DeployHold | None = None) -> Claimed:
     """Claim up to ``limit`` due rows (earliest due first, then seq) and build their broker messages (nothing is sent).
 
     An empty claim is committed at once. On SQLite the read transaction is committed before
     returning, so the database's one write lock is never held across broker I/O. An exception rolls
-    back (releasing the claim) and propagates.
+    back (releasing the claim) and propagates. With ``hold``, task rows no live worker of their queue
+    runs are set aside (``Built.held``) and put back for ``hold.recheck_ms`` when the batch is marked.
     """
     result = BatchResult()
     spans = tracing.NO_RELAY_SPANS
     try:
-        rows = claim_due(session, clock.now_ms(), limit, tables=tables)
+        now = clock.now_ms()
+        rows = claim_due(session, now, limit, tables=tables)
         result.claimed = len(rows)
+        held = held_rows(session, rows, now, hold=hold, tables=tables) if rows else {}
         if not rows or not is_postgres(session):
             session.commit()  # SQLite: single relay; do not hold the write lock across broker I/O
         if not rows:
             return Claimed(session=session, rows=rows, built=_EMPTY, spans=spans, result=result, limit=limit)
         spans = tracing.relay_spans(rows, routes=routes, namespace=namespace)  # one span per row if configured
         built = spans.build(rows, lambda rs: build_messages(rs, routes=routes, namespace=namespace,
-                                                           max_message_bytes=max_message_bytes))
-        return Claimed(session=session, rows=rows, built=built, spans=spans, result=result, limit=limit)
+                                                           max_message_bytes=max_message_bytes, held=held))
+        return Claimed(session=session, rows=rows, built=built, spans=spans, result=result, limit=limit,
+                       recheck_ms=0 if hold is None else hold.recheck_ms)
     except BaseException as e:
         _abort(session, spans, e)
         raise
@@ -349,17 +409,25 @@ def finish_batch(flight: InFlight, clock: Clock, *, tables: Tables, max_attempts
         if crash_points is not None:
             crash_points.reached("after_publish_before_mark")
         done = clock.now_ms()
-        published = [r for i, r in enumerate(rows) if i not in built.unpublishable and i not in rejected_rows]
+        published = [r for i, r in enumerate(rows)
+                     if i not in built.unpublishable and i not in rejected_rows and i not in built.held]
         dead_now = {i: (rows[i], why) for i, why in built.unpublishable.items()}
+        held = [(rows[i], f"waiting for a worker that runs {why}") for i, why in built.held.items()]
         marked, result.failed, result.dead_lettered = mark_batch(
             session, done, tables=tables, published=published, failed=rejected_rows, dead_now=dead_now,
-            max_attempts=max_attempts, base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms, count=True)
+            max_attempts=max_attempts, base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms, count=True,
+            held=held, held_until_ms=done + claimed.recheck_ms)
+        result.held = len(held)
+        if held:
+            log.info("%s task row(s) held: %s", len(held), "; ".join(sorted({why for _, why in held}))[:500])
         with wrap_driver_errors("counting the relay batch"):
             counters.stage_increment(session, counters.RELAY, counters.PUBLISH_FAILURES, len(rejected_rows), tables=tables)
             counters.stage_increment(session, counters.RELAY, counters.DEAD_LETTERED, result.dead_lettered, tables=tables)
         with wrap_driver_errors("committing the relay batch"):
             session.commit()
-        spans.finish(rejected=rejected_rows, dead_now=dead_now, max_attempts=max_attempts)
+        # a held row's span ends "failed" with what it waits for (no attempt was charged)
+        spans.finish(rejected={**rejected_rows, **{i: (rows[i], f"held: {why}") for i, why in built.held.items()}},
+                     dead_now=dead_now, max_attempts=max_attempts)
         result.dead_lettered_rows = [(str(r.message_id), why) for r, why in dead_now.values()] + [
             (str(r.message_id), why) for r, why in rejected_rows.values() if r.attempts + 1 >= max_attempts]
         result.published = marked
@@ -378,7 +446,7 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, tabl
                    max_attempts: int, base_delay_ms: int, max_delay_ms: int,
                    routes: Mapping[str, Sequence[str]], max_message_bytes: int, namespace: str = "outbox",
                    breaker: CircuitBreaker | None = None, crash_points: CrashPointsLike | None = None,
-                   ) -> BatchResult:
+                   hold: DeployHold | None = None) -> BatchResult:
     """Claim up to ``batch_size`` due rows (earliest due first, then seq), publish them, then mark them in one commit.
 
     ``namespace`` names the queues (``<namespace>.<consumer>``, as ``Settings.queue_name``). A broker
@@ -392,7 +460,7 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, tabl
         return BatchResult(broker_unavailable=True, breaker_open=True, error=breaker.last_error)
     limit = breaker.batch_limit(now, batch_size) if breaker is not None else batch_size
     claimed = claim_batch(session, clock, tables=tables, limit=limit, routes=routes,
-                          max_message_bytes=max_message_bytes, namespace=namespace)
+                          max_message_bytes=max_message_bytes, namespace=namespace, hold=hold)
     if not claimed.rows:
         return claimed.result
     flight = send_claimed(claimed, publisher, clock, tables=tables, breaker=breaker, crash_points=crash_points)
@@ -412,7 +480,14 @@ def dispatch_with_settings(session: Session, publisher: Publisher, clock: Clock,
         max_attempts=settings.relay_max_attempts, base_delay_ms=settings.relay_base_delay_ms,
         max_delay_ms=settings.relay_max_delay_ms, routes=settings.routes if routes is None else routes,
         max_message_bytes=settings.max_message_bytes, namespace=settings.namespace,
-        breaker=breaker, crash_points=crash_points)
+        breaker=breaker, crash_points=crash_points, hold=hold_from_settings(settings))
+
+
+def hold_from_settings(settings: Settings) -> DeployHold | None:
+    """The deploy hold the settings ask for: None when workers do not register (heartbeat 0)."""
+    if not settings.worker_heartbeat_ms:
+        return None
+    return DeployHold(heartbeat_ms=settings.worker_heartbeat_ms, recheck_ms=settings.relay_hold_recheck_ms)
 
 
 def breaker_from_settings(settings: Settings) -> CircuitBreaker:

@@ -57,6 +57,7 @@ from celery_outbox.relay.dispatch import (
     claim_batch,
     dispatch_with_settings,
     finish_batch,
+    hold_from_settings,
     send_claimed,
 )
 from celery_outbox.relay.publisher import Publisher
@@ -299,7 +300,8 @@ class RelayLoop:
         try:
             return claim_batch(session, self.clock, tables=self.tables,
                                limit=self.breaker.batch_limit(now, self.sizer.size), routes=self.routes,
-                               max_message_bytes=self.settings.max_message_bytes, namespace=self.settings.namespace)
+                               max_message_bytes=self.settings.max_message_bytes, namespace=self.settings.namespace,
+                               hold=hold_from_settings(self.settings))
         except BaseException:
             session.close()
             raise

@@ -49,6 +49,9 @@ def exported_metrics(sessions: sessionmaker[Session], tables: Tables) -> dict[st
     """Sample name -> label names, from one scrape of a database holding a row of every kind."""
     with sessions() as s:
         outbox_row(s, tables=tables, created_at_ms=T0)  # pending
+        held = outbox_row(s, tables=tables, created_at_ms=T0, type="shop.charge")  # held for a worker (deploy)
+        held.held_for = "waiting for a worker that runs shop.charge on queue shop"
+        s.commit()
         outbox_row(s, tables=tables, created_at_ms=T0, dead_lettered_at_ms=T0 + 1, attempts=10, last_error="no")
         outbox_row(s, tables=tables, created_at_ms=T0, published_at_ms=T0 + 1)
         consumer_dead_letter(s, tables=tables, consumer="billing")

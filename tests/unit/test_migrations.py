@@ -29,7 +29,7 @@ _ = consumers.models  # its models join orders.models.Base.metadata
 
 LIBRARY_VERSION_TABLE = "outbox_schema_version"
 LIBRARY_TABLES = {"outbox_messages", "outbox_inbox", "outbox_attempts", "outbox_dead_letters", "outbox_parked",
-                  "outbox_entity_versions", "outbox_counters", "outbox_task_receipts"}
+                  "outbox_entity_versions", "outbox_counters", "outbox_task_receipts", "outbox_workers"}
 DEPLOYMENT_TABLES = {"orders", "order_lines", "shipments", "invoices", "search_documents", "sent_emails"}
 
 

@@ -68,7 +68,7 @@ def test_stats_after_a_scripted_scenario(sqlite_session: Session, clock: ManualC
     st = ops_stats.collect(sqlite_session, tables=tables, clock=clock).to_dict()
     assert st["outbox"] == {"pending": 2, "due": 2, "retrying": 1, "oldest_pending_age_ms": 60_000,
                             "published_retained": 3, "oldest_overdue_ms": 60_000, "claim_held_ms": None, "scheduled": 0,
-                            "next_due_at_ms": None}
+                            "next_due_at_ms": None, "waiting_for_worker": []}
     assert st["dead_letters"]["total"] == 4 and st["dead_letters"]["oldest_age_ms"] == 50_000
     assert st["dead_letters"]["groups"] == [
         {"source": "outbox", "consumer": None, "count": 1, "oldest_age_ms": 40_000},

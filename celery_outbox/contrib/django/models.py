@@ -29,6 +29,7 @@ class OutboxMessage(models.Model):  # type: ignore[misc]
     dead_lettered_at_ms = models.BigIntegerField(null=True, blank=True)
     last_error = models.TextField(null=True, blank=True)
     dedup_key = models.CharField(max_length=200, null=True, blank=True)  # docs/scheduled.md, "Deduplicate by key"
+    held_for = models.CharField(max_length=300, null=True, blank=True)  # docs/scheduled.md, "Deploys"
 
     class Meta:
         db_table = "outbox_messages"
@@ -42,6 +43,9 @@ class OutboxMessage(models.Model):  # type: ignore[misc]
             models.Index(fields=["next_attempt_at_ms", "seq"], name="ix_outbox_due",
                          condition=Q(published_at_ms__isnull=True) & Q(dead_lettered_at_ms__isnull=True)),
             models.Index(fields=["seq"], name="ix_outbox_dead", condition=Q(dead_lettered_at_ms__isnull=False)),
+            models.Index(fields=["held_for"], name="ix_outbox_held",
+                         condition=Q(published_at_ms__isnull=True) & Q(dead_lettered_at_ms__isnull=True)
+                         & Q(held_for__isnull=False)),
         )
         constraints = (
             models.UniqueConstraint(fields=["dedup_key"], name="ux_outbox_dedup",
@@ -182,3 +186,20 @@ class TaskReceipt(models.Model):  # type: ignore[misc]
 
     def __str__(self) -> str:
         return f"receipt {self.task_id}"
+
+
+class WorkerRegistration(models.Model):  # type: ignore[misc]
+    """A live worker's queues and task names (celery_outbox/workers.py): the relay's deploy hold."""
+
+    id = models.UUIDField(primary_key=True)
+    name = models.CharField(max_length=255)
+    queues = models.JSONField()
+    tasks = models.JSONField()
+    started_at_ms = models.BigIntegerField()
+    heartbeat_at_ms = models.BigIntegerField()
+
+    class Meta:
+        db_table = "outbox_workers"
+
+    def __str__(self) -> str:
+        return f"worker {self.name}"

@@ -11,7 +11,7 @@ from orders.tasks import confirm
 def place(request):  # ATOMIC_REQUESTS: the order, its event and its task commit together, or none of them
     body = json.loads(request.body)
     Order.objects.create(id=body["id"])
-    publish(Event("OrderPlaced", {"order_id": body["id"]}))
+    publish(Event("OrderPlaced", {"order_id": body["id"]}))  # a row of the same transaction
     confirm.delay(body["id"])  # a @shared_task: an outbox row of this request's transaction
     if body.get("fail"):
         raise RuntimeError("payment declined")  # a 500: the whole request rolls back

@@ -8,8 +8,8 @@ INSTALLED_APPS = ["orders", "celery_outbox.contrib.django"]  # the outbox_* tabl
 MIDDLEWARE: list[str] = []
 ROOT_URLCONF = "proj.urls"
 DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": os.environ["SHOP_DB_PATH"],
-                         "ATOMIC_REQUESTS": True,  # each view one transaction: its .delay() a row of it
                          "TEST": {"NAME": os.environ["SHOP_DB_PATH"] + "-test"}}}  # a file: the relay shares it
+DATABASES["default"]["ATOMIC_REQUESTS"] = True  # each view one transaction: its .delay() a row of it
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 
