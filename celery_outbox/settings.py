@@ -424,6 +424,8 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "enqueue_exclude": TaskNamesRule(),  # task names never captured into the outbox
     "admin_token": TokenRule(),
     "crash_points": CrashPointsRule(),
+    # RabbitMQ: the type of the consumer, task and relay queues the library declares (celery/config.py).
+    "broker_queue_type": ChoiceRule(("classic", "quorum")),
 }
 
 LIBRARY_RELATIONS: tuple[Relation, ...] = (
@@ -543,6 +545,9 @@ class Settings:
     metrics_port: int = 0  # worker /metrics port; 0 = off (the Flask app always serves /metrics)
     admin_token: str = ""  # a secret: masked in repr/str and errors
     crash_points: str = ""  # comma separated names armed for chaos tests
+    # RabbitMQ only: "quorum" declares the library's queues replicated over a cluster, with a broker-side
+    # delivery limit above the consumers' own (celery/config.py ``queue_arguments``, docs/scaling.md).
+    broker_queue_type: str = "classic"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # ``@dataclass`` on a subclass would generate a repr showing every value, passwords included;

@@ -95,8 +95,12 @@ class KombuPublisher:
         conn = Connection(self.broker_url, connect_timeout=self.timeout_s,
                           transport_options=self._transport_options)
         self._conn = conn
-        conn.ensure_connection(max_retries=self.connect_retries, interval_start=0.2, interval_step=0.5,
-                               interval_max=1.0, timeout=self.timeout_s)
+        # A cluster's failover URL (``amqp://a;amqp://b;amqp://c``): kombu moves to the next node after
+        # each failed attempt, and every batch opens a fresh connection starting at the first one, so
+        # each node gets its attempt before the batch fails (else two nodes down would hide the third).
+        alternates = len(conn.alt) if getattr(conn, "alt", None) else 1
+        conn.ensure_connection(max_retries=self.connect_retries + alternates - 1, interval_start=0.2,
+                               interval_step=0.5, interval_max=1.0, timeout=self.timeout_s)
         channel = conn.channel()
         self._channel = channel
         for queue in self.queues:
