@@ -39,7 +39,13 @@ from celery_outbox.celery import (
     tracing_hook,
 )
 from celery_outbox.celery import enqueue as task_capture
-from celery_outbox.celery.config import add_task_routes, beat_schedule, broker_is_rabbitmq, redis_transport_options
+from celery_outbox.celery.config import (
+    add_task_routes,
+    beat_schedule,
+    broker_is_rabbitmq,
+    queue_arguments,
+    redis_transport_options,
+)
 from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
@@ -344,12 +350,14 @@ class Outbox:
         """Declare ``<namespace>.<consumer>`` (or the relay's queue) on the app, bound to the events exchange."""
         s = self.settings
         conf = self.app.conf
+        args = queue_arguments(s, str(s.broker_url or conf.broker_url or ""))  # quorum or not, as everywhere
         if consumer is None:
             name = f"{s.namespace}.relay"
-            queue = Queue(name, Exchange(name), routing_key=name, durable=True)
+            queue = Queue(name, Exchange(name), routing_key=name, durable=True, queue_arguments=dict(args))
         else:
             name = s.queue_name(consumer)
-            queue = Queue(name, Exchange(s.exchange_name, type="direct", durable=True), routing_key=name, durable=True)
+            queue = Queue(name, Exchange(s.exchange_name, type="direct", durable=True), routing_key=name, durable=True,
+                          queue_arguments=dict(args))
             add_task_routes(self.app, {task_name(consumer): {"queue": name}})
         queues = list(conf.task_queues or [])
         if not queues:

@@ -450,6 +450,8 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "crash_points": CrashPointsRule(),
     "tracer_provider": PatternRule(r"(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)?",
                                    "empty or module.path:function (returning an OpenTelemetry TracerProvider)"),
+    # RabbitMQ: the type of the consumer, task and relay queues the library declares (celery/config.py).
+    "broker_queue_type": ChoiceRule(("classic", "quorum")),
 }
 
 REDIS_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel")
@@ -645,6 +647,9 @@ class Settings:
     # "module:function" returning an OpenTelemetry TracerProvider, installed in every process that runs
     # outbox work: where the Outbox is built and in each worker pool process (celery/tracing_hook.py).
     tracer_provider: str = ""
+    # RabbitMQ only: "quorum" declares the library's queues replicated over a cluster, with a broker-side
+    # delivery limit above the consumers' own (celery/config.py ``queue_arguments``, docs/scaling.md).
+    broker_queue_type: str = "classic"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # ``@dataclass`` on a subclass would generate a repr showing every value, passwords included;

@@ -24,6 +24,7 @@ from celery_outbox.messages import Envelope, TaskMessage, celery_task_message, e
 from celery_outbox.schema import Tables, define_tables
 from celeryconfig import TASK_QUEUES, Settings
 from chaos.broker import RabbitBroker, RedisBroker, TakenMessage, TcpProxy, make_broker
+from chaos.cluster import ClusterBroker
 from chaos.processes import ManagedProcess, ProcessGroup, beat_argv, orders_argv, relay_argv, worker_argv
 from devtools.processes import wait_until
 from orders import migrate
@@ -63,7 +64,8 @@ class ChaosEnvironment:
 
     def __init__(self, *, broker: str, workdir: Path, pg_admin_url: str = PG_ADMIN_URL,
                  namespace: str | None = None, extra_env: Mapping[str, str] | None = None,
-                 tables: Tables | None = None, db_proxy: bool = False) -> None:
+                 tables: Tables | None = None, db_proxy: bool = False,
+                 broker_impl: ClusterBroker | None = None) -> None:
         self.kind = broker
         self.workdir = workdir
         self.pg_admin_url = pg_admin_url
@@ -79,7 +81,9 @@ class ChaosEnvironment:
             self.db_proxy = TcpProxy(target=(url.host or "127.0.0.1", url.port or 5432))
             self.process_database_url = url.set(host="127.0.0.1", port=self.db_proxy.port).render_as_string(
                 hide_password=False)
-        self.broker: RedisBroker | RabbitBroker = make_broker(broker, data_dir=workdir / "redis")
+        # ``broker_impl``: a broker started outside the environment (a RabbitMQ cluster, chaos/cluster.py)
+        self.broker: RedisBroker | RabbitBroker | ClusterBroker = (
+            broker_impl if broker_impl is not None else make_broker(broker, data_dir=workdir / "redis"))
         self.processes = ProcessGroup()
         self.extra_env = dict(extra_env or {})
         self.tables = tables if tables is not None else define_tables(prefix=self.settings.table_prefix)

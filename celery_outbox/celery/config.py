@@ -27,6 +27,45 @@ def add_task_routes(app: Any, routes: Mapping[str, Mapping[str, str]]) -> None:
         app.conf.task_routes = (dict(routes), *tuple(existing))
 
 
+QUORUM_MIN_DELIVERY_LIMIT = 20  # RabbitMQ 4's own default delivery limit for quorum queues
+
+
+def quorum_delivery_limit(settings: Settings) -> int:
+    """The ``x-delivery-limit`` of the library's quorum queues: twice the consumers' own limit, at least 20.
+
+    A quorum queue counts every return of a message to the queue (a worker killed with the message
+    unacked, a hard time limit, a connection or node lost) and drops it once it was returned more
+    than this many times. The library counts the same returns in the database (a delivery arriving
+    ``redelivered`` counts the lost one, ``delivery.deliver``) and dead-letters into its own store
+    at ``consumer_max_deliveries``, so the store must come first: a Celery retry is a new message
+    (the broker's count starts again at 0, ours goes on), so ours is never behind, except for a
+    streak of returns of a message no worker started (node losses in a row), hence the margin. A
+    message the broker does drop was published; the relay's reconciler re-sends it after
+    ``relay_reconcile_after_ms`` and the persisted count dead-letters it then
+    (docs/scaling.md, "Quorum queues and dead letters").
+    """
+    return max(QUORUM_MIN_DELIVERY_LIMIT, 2 * settings.consumer_max_deliveries)
+
+
+def queue_arguments(settings: Settings, broker_url: str) -> dict[str, Any]:
+    """Declaration arguments of the library's queues: quorum ones on RabbitMQ when the settings ask.
+
+    The same arguments must reach every declaration of a queue (the Celery app's ``task_queues``,
+    ``Outbox``'s queues, the kombu publisher): RabbitMQ refuses a redeclaration with other
+    arguments (``PRECONDITION_FAILED``), and an existing classic queue is not converted (docs/scaling.md
+    says how to move one). Redis has no queue types: asking for quorum queues there is an error.
+    """
+    if settings.broker_queue_type != "quorum":
+        return {}
+    if broker_url.startswith(("redis://", "rediss://", "redis+socket://")):
+        from celery_outbox.errors import ConfigError
+
+        raise ConfigError("OUTBOX_BROKER_QUEUE_TYPE=quorum needs RabbitMQ (amqp://); Redis has no quorum queues")
+    if not broker_is_rabbitmq(broker_url):
+        return {}
+    return {"x-queue-type": "quorum", "x-delivery-limit": quorum_delivery_limit(settings)}
+
+
 def redis_transport_options(settings: Settings) -> dict[str, Any]:
     """Redelivery of unacked messages on Redis, sized from one setting.
 
@@ -103,12 +142,14 @@ def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename
     from kombu import Exchange, Queue
 
     exchange = Exchange(settings.exchange_name, type="direct", durable=True)
+    arguments = queue_arguments(settings, broker_url)
     queues = [
-        Queue(settings.queue_name(c), exchange, routing_key=settings.queue_name(c), durable=True)
+        Queue(settings.queue_name(c), exchange, routing_key=settings.queue_name(c), durable=True,
+              queue_arguments=dict(arguments))
         for c in dict.fromkeys((*settings.consumers, *consumers))
     ]
     relay_queue = Queue(f"{settings.namespace}.relay", Exchange(f"{settings.namespace}.relay"),
-                        routing_key=f"{settings.namespace}.relay", durable=True)
+                        routing_key=f"{settings.namespace}.relay", durable=True, queue_arguments=dict(arguments))
     return {
         "broker_url": broker_url,
         "broker_connection_retry_on_startup": True,

@@ -36,6 +36,7 @@ log = logging.getLogger("relay.kombu")
 
 CONFIRM_MODES = ("confirm", "tx", "none")
 WRITE_CHUNK = 256 * 1024  # bytes of frames collected before one socket write (``_coalesced_writes``)
+NACK_PAUSE_S = 0.2  # before nacked messages are sent again (``_await``)
 
 
 class KombuPublisher:
@@ -83,6 +84,7 @@ class KombuPublisher:
         self._nacked: set[int] = set()
         self._returned: dict[str, str] = {}
         self.connections_opened = 0
+        self.nacks_resent = 0  # messages sent again after a nack (``_await``)
 
     # -- connection ------------------------------------------------------------------------------
     def _errors(self) -> tuple[type[BaseException], ...]:
@@ -95,8 +97,12 @@ class KombuPublisher:
         conn = Connection(self.broker_url, connect_timeout=self.timeout_s,
                           transport_options=self._transport_options)
         self._conn = conn
-        conn.ensure_connection(max_retries=self.connect_retries, interval_start=0.2, interval_step=0.5,
-                               interval_max=1.0, timeout=self.timeout_s)
+        # A cluster's failover URL (``amqp://a;amqp://b;amqp://c``): kombu moves to the next node after
+        # each failed attempt, and every batch opens a fresh connection starting at the first one, so
+        # each node gets its attempt before the batch fails (else two nodes down would hide the third).
+        alternates = len(conn.alt) if getattr(conn, "alt", None) else 1
+        conn.ensure_connection(max_retries=self.connect_retries + alternates - 1, interval_start=0.2,
+                               interval_step=0.5, interval_max=1.0, timeout=self.timeout_s)
         channel = conn.channel()
         self._channel = channel
         for queue in self.queues:
@@ -270,31 +276,62 @@ class KombuPublisher:
                 self._declare_task_queue(m.queue)
         with self._coalesced_writes():
             for i, m in enumerate(messages):
-                if confirm:  # registered before the write: its ack may be read during the batch
-                    self._next_tag += 1
-                    self._outstanding[self._next_tag] = i
-                if m.exchange is None:  # an event to one consumer: the namespace's events exchange
-                    producer.publish(
-                        m.body, routing_key=m.routing_key, headers=m.headers, content_type="application/json",
-                        content_encoding="utf-8", delivery_mode=2, mandatory=self.is_rabbitmq, retry=False,
-                        **m.properties,
-                    )
-                else:  # a task enqueued through the outbox: where Celery would have sent it (queue declared above)
-                    self._task_producer.publish(
-                        m.body, exchange=m.exchange or None, routing_key=m.routing_key, headers=m.headers,
-                        content_type="application/json", content_encoding="utf-8", delivery_mode=m.delivery_mode,
-                        mandatory=self.is_rabbitmq, retry=False, **m.properties,
-                    )
+                self._publish_one(producer, i, m, confirm=confirm)
+
+    def _publish_one(self, producer: Any, index: int, m: TaskMessage, *, confirm: bool) -> None:
+        if confirm:  # registered before the write: its ack may be read during the batch
+            self._next_tag += 1
+            self._outstanding[self._next_tag] = index
+        if m.exchange is None:  # an event to one consumer: the namespace's events exchange
+            producer.publish(
+                m.body, routing_key=m.routing_key, headers=m.headers, content_type="application/json",
+                content_encoding="utf-8", delivery_mode=2, mandatory=self.is_rabbitmq, retry=False,
+                **m.properties,
+            )
+        else:  # a task enqueued through the outbox: where Celery would have sent it (queue declared above)
+            self._task_producer.publish(
+                m.body, exchange=m.exchange or None, routing_key=m.routing_key, headers=m.headers,
+                content_type="application/json", content_encoding="utf-8", delivery_mode=m.delivery_mode,
+                mandatory=self.is_rabbitmq, retry=False, **m.properties,
+            )
 
     def _await(self, messages: Sequence[TaskMessage]) -> PublishReport:
+        """Wait for the batch's confirms; re-send what the broker nacked until the publish timeout.
+
+        RabbitMQ nacks a message only when the queue could not take it: a quorum queue whose leader
+        was lost answers nacks until a new leader is elected (seconds; tests/cluster/test_node_loss.py
+        saw rows dead-lettered by it), a queue process that crashed, a full queue with
+        ``x-overflow=reject-publish``. None of these is the message's fault, so the nacked messages are
+        sent again (only they: the acked ones are not duplicated) and, still nacked at the deadline, the
+        connection is dropped and the batch fails as ``BrokerUnavailableError``: a relay-wide condition
+        for the breaker, never an attempt charged to the rows. A message the broker cannot route comes back as a return and is
+        the message's own failure (``rejected``).
+        """
         if self.is_rabbitmq and self.confirm_mode == "confirm":
             deadline = time.monotonic() + self.timeout_s
-            while self._outstanding:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"no publisher confirm for {len(self._outstanding)} message(s) "
-                                       f"within {self.timeout_s}s")
-                self._conn.drain_events(timeout=remaining)
+            while True:
+                while self._outstanding:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(f"no publisher confirm for {len(self._outstanding)} message(s) "
+                                           f"within {self.timeout_s}s")
+                    self._conn.drain_events(timeout=remaining)
+                if not self._nacked:
+                    break
+                if time.monotonic() + NACK_PAUSE_S >= deadline:
+                    # A fresh connection for the next batch: a channel was seen nacking one quorum queue
+                    # for 30 s after that queue had a new leader (node-loss run), while new channels
+                    # published to it at once.
+                    nacked = len(self._nacked)
+                    self._reset()
+                    raise BrokerUnavailableError(
+                        f"broker unavailable: RabbitMQ nacked {nacked} message(s) for {self.timeout_s}s "
+                        "(a queue that cannot take messages, e.g. a quorum queue without a leader)")
+                again, self._nacked = sorted(self._nacked), set()
+                time.sleep(NACK_PAUSE_S)
+                self.nacks_resent += len(again)
+                for i in again:
+                    self._publish_one(self._producer, i, messages[i], confirm=True)
         elif self.is_rabbitmq and self.confirm_mode == "tx":
             self._channel.tx_commit()
         rejected: dict[int, str] = {i: "broker nacked the message" for i in self._nacked}
