@@ -6,7 +6,8 @@ imports kombu. One attempt per failover URL, no sleeping between them, bounded b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kombu import Connection
@@ -16,8 +17,10 @@ from celery_outbox.ops.health import BrokerProbe
 DEFAULT_TIMEOUT_S = 2.0  # under the 3 s a container healthcheck typically allows
 
 
-def ping_broker(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Return when the broker at ``url`` accepts a connection (Redis: answers PING); raise otherwise."""
+@contextmanager
+def connected(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Connection]:
+    """A kombu connection to the broker at ``url``, connected within ``timeout_s`` (one attempt per failover
+    URL, no sleeping), released on exit; raises when it cannot connect."""
     options: dict[str, Any] = {}
     if url.startswith(("redis", "rediss")):
         options.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -26,8 +29,15 @@ def ping_broker(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         # Virtual transports (Redis) open a channel to connect, and the Redis channel PINGs the server.
         conn.ensure_connection(max_retries=url.count(";"), interval_start=0, interval_step=0, interval_max=0,
                                timeout=timeout_s)
+        yield conn
     finally:
         conn.release()
+
+
+def ping_broker(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Return when the broker at ``url`` accepts a connection (Redis: answers PING); raise otherwise."""
+    with connected(url, timeout_s=timeout_s):
+        pass
 
 
 def broker_probe(url: str | Callable[[], str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> BrokerProbe:

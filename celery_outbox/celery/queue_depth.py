@@ -12,11 +12,8 @@ most that long and reports ``outbox_queue_probe_up 0``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from kombu import Connection
-
-from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S
+from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S, connected
 from celery_outbox.ops.metrics import QueueDepth, QueueProbe
 from celery_outbox.runtime import Context
 
@@ -24,13 +21,7 @@ from celery_outbox.runtime import Context
 def queue_depths(url: str, queues: Sequence[tuple[str, str]], *, timeout_s: float = DEFAULT_TIMEOUT_S
                  ) -> list[QueueDepth]:
     """``(queue, consumer)`` pairs -> their depths on the broker at ``url``; raises when it cannot connect."""
-    options: dict[str, Any] = {}
-    if url.startswith(("redis", "rediss")):
-        options.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-    conn = Connection(url, connect_timeout=timeout_s, transport_options=options)
-    try:
-        conn.ensure_connection(max_retries=url.count(";"), interval_start=0, interval_step=0, interval_max=0,
-                               timeout=timeout_s)
+    with connected(url, timeout_s=timeout_s) as conn:
         counts_consumers = conn.transport.driver_type not in ("redis", "memory")
         found: list[QueueDepth] = []
         channel = conn.channel()
@@ -47,8 +38,6 @@ def queue_depths(url: str, queues: Sequence[tuple[str, str]], *, timeout_s: floa
         finally:
             channel.close()
         return found
-    finally:
-        conn.release()
 
 
 def queue_probe(ctx: Context, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> QueueProbe:

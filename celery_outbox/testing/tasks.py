@@ -51,7 +51,8 @@ def _pending_task_rows(outbox: Any, session: Session) -> list[Any]:
     return [row for row in rows if is_task_row(row.headers)]
 
 
-def _message(outbox: Any, row: Any) -> TaskMessage:
+def row_message(outbox: Any, row: Any) -> TaskMessage:
+    """The message the relay would publish for task row ``row`` (the relay's own builder)."""
     return task_row_message(message_id=row.message_id, type=row.type, payload=row.payload, headers=row.headers,
                             max_bytes=outbox.settings.max_message_bytes)
 
@@ -59,7 +60,7 @@ def _message(outbox: Any, row: Any) -> TaskMessage:
 def enqueued_tasks(outbox: Any, *, session: Session | None = None) -> list[TaskMessage]:
     """The task messages pending in the outbox, in order, as the relay would publish them (nothing is marked)."""
     with _session(outbox, session) as s:
-        return [_message(outbox, row) for row in _pending_task_rows(outbox, s)]
+        return [row_message(outbox, row) for row in _pending_task_rows(outbox, s)]
 
 
 def run_enqueued_tasks(outbox: Any, *, session: Session | None = None, max_rounds: int = 100, throw: bool = True,
@@ -75,7 +76,7 @@ def run_enqueued_tasks(outbox: Any, *, session: Session | None = None, max_round
         with _session(outbox, session) as s:
             messages = []
             for row in _pending_task_rows(outbox, s):
-                messages.append(_message(outbox, row))
+                messages.append(row_message(outbox, row))
                 row.published_at_ms = outbox.clock.now_ms()
             if session is not None:
                 s.flush()

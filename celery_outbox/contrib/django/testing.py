@@ -27,7 +27,8 @@ from celery import signature
 from django.db import router
 
 from celery_outbox.errors import ConfigError
-from celery_outbox.messages import TaskMessage, is_task_row, task_row_message
+from celery_outbox.messages import TaskMessage, is_task_row
+from celery_outbox.testing.tasks import row_message
 
 __all__ = ["enqueued_tasks", "run_enqueued_tasks"]
 
@@ -40,14 +41,9 @@ def _pending_task_rows(using: str | None) -> list[Any]:
     return [row for row in rows.order_by("seq") if is_task_row(row.headers)]
 
 
-def _message(outbox: Any, row: Any) -> TaskMessage:
-    return task_row_message(message_id=row.message_id, type=row.type, payload=row.payload, headers=row.headers,
-                            max_bytes=outbox.settings.max_message_bytes)
-
-
 def enqueued_tasks(outbox: Any, *, using: str | None = None) -> list[TaskMessage]:
     """The task messages pending in the outbox, in order, as the relay would publish them (nothing is marked)."""
-    return [_message(outbox, row) for row in _pending_task_rows(using or getattr(outbox, "using", None))]
+    return [row_message(outbox, row) for row in _pending_task_rows(using or getattr(outbox, "using", None))]
 
 
 def run_enqueued_tasks(outbox: Any, *, using: str | None = None, max_rounds: int = 100, throw: bool = True,
@@ -64,7 +60,7 @@ def run_enqueued_tasks(outbox: Any, *, using: str | None = None, max_rounds: int
         if not rows:
             return results
         for row in rows:
-            message = _message(outbox, row)
+            message = row_message(outbox, row)
             row.published_at_ms = outbox.clock.now_ms()  # the relay's mark: the row never runs twice
             row.save(update_fields=["published_at_ms"])
             results.append(_run(outbox, message, throw=throw))
