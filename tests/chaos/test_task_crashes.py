@@ -84,7 +84,7 @@ def test_relay_killed_after_publish_before_mark_idempotent_once_plain_twice(env:
     key = env.built.record.outbox_task_key
     env.wait("both copies of each idempotent task handled",
              lambda s: ([ia.effect_count(s, ia.RECORD, k) for k in keys], env.duplicates(s, key)), ([1, 1], 2))
-    # ...and the plain @app.task ran twice per key: documented (README, "Failure matrix"), what @outbox.task prevents
+    # ...and the plain @app.task ran twice per key: documented (docs/failure-matrix.md), what @outbox.task prevents
     env.wait("each plain task's two effects", lambda s: [ia.effect_count(s, ia.PLAIN, k) for k in keys], [2, 2])
     for k in keys:
         assert (env.calls(ia.RECORD, k), env.calls(ia.PLAIN, k)) == (1, 2)

@@ -8,7 +8,7 @@ reconciler, 10 minutes after publishing and under beat alone, caught it. ``redis
 now scans every ``unacked_restore_interval`` (a tenth of the timeout, 1 to 30 s) with no throttle,
 and the restore mutex expires after one interval: the documented bound is ``visibility_timeout +
 2 x interval`` after the dead worker took the message, plus the time the next worker takes to commit
-the effect (README, "What the chaos runs taught us").
+the effect (docs/chaos.md, "What the chaos runs taught us").
 
 These tests run real ``celery -A relay.app worker`` processes against a redis-server of their own
 (``--appendonly yes --appendfsync always``, like ``chaos/broker.py``) and real Postgres. The message is

@@ -160,7 +160,10 @@ def url_of(entry: Mapping[str, Any], alias: str) -> str:
 
     engine = str(entry.get("ENGINE", ""))
     if engine.endswith("postgresql"):
-        port = str(entry.get("PORT") or "")
+        port = str(entry.get("PORT") or "").strip()
+        # ASCII digits only: int() would read an Arabic-Indic digit as 1 and raise a traceback on "abc"
+        if port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65_535):
+            raise ConfigError(f"Django database {alias!r} has PORT {port[:20]!r}: a port is 1-65535 in ASCII digits")
         url = sa.engine.URL.create(
             "postgresql", username=entry.get("USER") or None, password=entry.get("PASSWORD") or None,
             host=entry.get("HOST") or None, port=int(port) if port else None, database=entry.get("NAME") or None,
