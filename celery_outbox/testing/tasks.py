@@ -13,7 +13,8 @@ commits; what the tasks send becomes rows of that session too), else in a sessio
 (committed rows). Each message is built with the
 relay's own ``messages.task_row_message`` (a row the relay would refuse fails here too), its row is
 marked published (the relay's mark: it never runs twice), and the task runs eagerly on this thread
-with Celery's ``Task.apply``: its id, arguments, callbacks and the chain's next step, as a worker does;
+with Celery's ``Task.apply``: its id, arguments, headers, routing key, callbacks and the chain's next
+step, as a worker does (``apply_message``);
 a countdown or eta is not waited for. A task that sends another task writes a new row (in a
 transaction of its own when none is bound), run in the next round.
 """
@@ -32,7 +33,7 @@ from sqlalchemy.orm import Session
 from celery_outbox.errors import ConfigError
 from celery_outbox.messages import TaskMessage, is_task_row, task_row_message
 
-__all__ = ["enqueued_tasks", "run_enqueued_tasks", "run_task_message"]
+__all__ = ["apply_message", "enqueued_tasks", "run_enqueued_tasks", "run_task_message"]
 
 
 @contextmanager
@@ -87,22 +88,28 @@ def run_enqueued_tasks(outbox: Any, *, session: Session | None = None, max_round
 
 
 def run_task_message(outbox: Any, message: TaskMessage, *, throw: bool = True, session: Session | None = None) -> Any:
-    """What a worker does with a task ``message``: its task with its id, arguments, links and chain,
-    eagerly on this thread. Returns Celery's ``EagerResult``.
+    """What a worker does with a task ``message`` (``apply_message``), eagerly on this thread, with what
+    it sends captured. Returns Celery's ``EagerResult``.
 
     What the task sends (a ``.delay()`` in its body, the chain's next step) becomes outbox rows of
     ``session``, or of a session of the outbox's own committed after the run, never a message sent to
     the app's broker (Celery counts an eagerly run task as a running worker task, which sends directly)."""
-    app = outbox.app
+    with _session(outbox, session) as s, outbox.transaction(s):
+        return apply_message(outbox.app, message, throw=throw)
+
+
+def apply_message(app: Any, message: TaskMessage, *, throw: bool) -> Any:
+    """Run task ``message`` with Celery's ``Task.apply`` as a worker would: its id, arguments, retries,
+    headers (trace context, your own) and routing key (the queue a worker took it from), its links and
+    errbacks, then the chain's next step on its result. Returns Celery's ``EagerResult``.
+
+    One runner for this module and its Django twin (contrib/django/testing.py), so a test runs a task
+    the same way on either. Sending is the caller's business (bind the outbox first). Raises
+    ``ConfigError`` for a task ``app`` does not register."""
     name = str(message.headers["task"])
     if name not in app.tasks:
         raise ConfigError(f"task {name!r} is enqueued but not registered in this process: import the module that "
                           "defines it (a worker would reject it too)")
-    with _session(outbox, session) as s, outbox.transaction(s):
-        return _apply(app, name, message, throw=throw)
-
-
-def _apply(app: Any, name: str, message: TaskMessage, *, throw: bool) -> Any:
     args, kwargs, embed = json.loads(message.body)
     embed = embed or {}
     links = [signature(s, app=app) for s in embed.get("callbacks") or ()]

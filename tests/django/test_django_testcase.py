@@ -24,7 +24,9 @@ from celery_outbox.errors import ConfigError
 pytestmark = [pytest.mark.postgres]
 
 SUFFIX = uuid.uuid4().hex[:8]
-CONFIRM, SHIP, FAIL, ELSEWHERE = (f"testcase.{n}_{SUFFIX}" for n in ("confirm", "ship", "fail", "elsewhere"))
+CONFIRM, SHIP, FAIL, ELSEWHERE, WHOAMI = (f"testcase.{n}_{SUFFIX}"
+                                          for n in ("confirm", "ship", "fail", "elsewhere", "whoami"))
+MAIL_QUEUE = f"mail-{SUFFIX}"
 
 
 def set_routes(app: Any, routes: Any) -> None:
@@ -43,6 +45,7 @@ class EnqueueInTestCase(TestCase):  # type: ignore[misc]
     outbox: Any
     confirm: Any
     ship: Any
+    whoami: Any
 
     @classmethod
     def setUpClass(cls) -> None:
@@ -52,7 +55,7 @@ class EnqueueInTestCase(TestCase):  # type: ignore[misc]
         cls.outbox = outbox
         app = outbox.app
         cls._routes = app.conf.task_routes
-        set_routes(app, {**(cls._routes or {}), ELSEWHERE: {"queue": "another-service"}})
+        set_routes(app, {**(cls._routes or {}), ELSEWHERE: {"queue": "another-service"}, WHOAMI: {"queue": MAIL_QUEUE}})
 
         @app.task(name=SHIP, shared=False)  # type: ignore[untyped-decorator]
         def ship(order_id: str) -> int:
@@ -69,12 +72,18 @@ class EnqueueInTestCase(TestCase):  # type: ignore[misc]
         def fail(order_id: str) -> None:
             raise ValueError(f"cannot confirm {order_id}")
 
-        cls.confirm, cls.ship, cls.fail = confirm, ship, fail
+        @app.task(name=WHOAMI, bind=True, shared=False)  # type: ignore[untyped-decorator]
+        def whoami(self: Any) -> dict[str, Any]:
+            """What a worker hands the task from the message: its headers and the queue it came from."""
+            return {"tenant": (self.request.headers or {}).get("tenant"),
+                    "queue": self.request.delivery_info.get("routing_key")}
+
+        cls.confirm, cls.ship, cls.fail, cls.whoami = confirm, ship, fail, whoami
 
     @classmethod
     def tearDownClass(cls) -> None:
         app = cls.outbox.app
-        for name in (CONFIRM, SHIP, FAIL):
+        for name in (CONFIRM, SHIP, FAIL, WHOAMI):
             app.tasks.unregister(name)
         set_routes(app, cls._routes)
         super().tearDownClass()
@@ -135,3 +144,14 @@ class EnqueueInTestCase(TestCase):  # type: ignore[misc]
         # When a task is sent without an atomic() of the test's own, Then it is captured as a row
         self.confirm.delay("o-6")
         assert [m.headers["argsrepr"] for m in enqueued_tasks(self.outbox)] == ["('o-6',)"]
+
+    def test_a_task_runs_with_its_message_headers_and_queue_as_on_a_worker(self) -> None:
+        # Given a task sent in the test with a header of the caller's own (what carries trace context too),
+        # routed to its own queue
+        self.whoami.apply_async(headers={"tenant": "t-7"})
+        [message] = enqueued_tasks(self.outbox)
+        assert (message.headers["tenant"], message.routing_key) == ("t-7", MAIL_QUEUE)
+        # When the helper runs it
+        [ran] = run_enqueued_tasks(self.outbox)
+        # Then the task sees the message's headers and the queue a worker would have taken it from
+        assert ran.result == {"tenant": "t-7", "queue": MAIL_QUEUE}

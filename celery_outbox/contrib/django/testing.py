@@ -13,22 +13,22 @@ would refuse fails here too), and run the task eagerly in this process (docs/dja
             assert message.headers["task"] == "shop.send_confirmation"
             run_enqueued_tasks(outbox)                              # and what a worker would run
 
-Tasks run with Celery's ``Task.apply`` on this thread, so a task writing through the Django ORM sees
-and writes the test's uncommitted data; a countdown or eta is not waited for. A task that ``.delay()``s
+Tasks run with Celery's ``Task.apply`` on this thread as a worker runs them, headers (trace context)
+and routing key (the real queue) included: the same runner as the SQLAlchemy twin
+(``celery_outbox.testing.tasks.apply_message``). A task writing through the Django ORM sees and writes
+the test's uncommitted data; a countdown or eta is not waited for. A task that ``.delay()``s
 another one (or a chain's next step) writes a new row, run in the next round.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from celery import signature
 from django.db import router
 
 from celery_outbox.errors import ConfigError
 from celery_outbox.messages import TaskMessage, is_task_row
-from celery_outbox.testing.tasks import row_message
+from celery_outbox.testing.tasks import apply_message, row_message
 
 __all__ = ["enqueued_tasks", "run_enqueued_tasks"]
 
@@ -63,26 +63,5 @@ def run_enqueued_tasks(outbox: Any, *, using: str | None = None, max_rounds: int
             message = row_message(outbox, row)
             row.published_at_ms = outbox.clock.now_ms()  # the relay's mark: the row never runs twice
             row.save(update_fields=["published_at_ms"])
-            results.append(_run(outbox, message, throw=throw))
+            results.append(apply_message(outbox.app, message, throw=throw))
     raise ConfigError(f"tasks were still enqueuing tasks after {max_rounds} rounds; a task that enqueues itself?")
-
-
-def _run(outbox: Any, message: TaskMessage, *, throw: bool) -> Any:
-    """What a worker does with ``message``: the task with its id, arguments, links and chain."""
-    app = outbox.app
-    name = str(message.headers["task"])
-    if name not in app.tasks:
-        raise ConfigError(f"task {name!r} is enqueued but not registered in this process: import the module that "
-                          "defines it (a worker would reject it too)")
-    args, kwargs, embed = json.loads(message.body)
-    embed = embed or {}
-    links = [signature(s, app=app) for s in embed.get("callbacks") or ()]
-    errbacks = [signature(s, app=app) for s in embed.get("errbacks") or ()]
-    result = app.tasks[name].apply(args=args, kwargs=kwargs, task_id=str(message.headers["id"]),
-                                   retries=message.headers.get("retries") or 0, link=links or None,
-                                   link_error=errbacks or None, throw=throw)
-    chain = list(embed.get("chain") or ())
-    if chain and result.successful():  # as Celery's tracer does: the next step gets the result
-        following = signature(chain.pop(), app=app)
-        following.apply_async((result.result,), chain=chain or None)
-    return result
