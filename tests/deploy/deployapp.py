@@ -8,21 +8,18 @@
 Every run is a row ``(task id, task name, generation)``. ``celery -A tests.deploy.deployapp worker`` and
 ``outbox -A tests.deploy.deployapp relay`` load it; the environment names the generation
 (``DEPLOYAPP_GENERATION``), the broker, the database and the queue; a test process builds its own copies
-with ``build(...)``.
+with ``build(...)``, wired by tests/tasks/outbox_app.py.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from celery import Celery
-from kombu import Exchange, Queue
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from celery_outbox import Outbox, Settings
+from tests.tasks.outbox_app import OutboxApp, build_outbox_app
 
 
 class Base(DeclarativeBase):
@@ -37,17 +34,8 @@ class Run(Base):
     generation: Mapped[int] = mapped_column(sa.Integer)
 
 
-@dataclass
-class DeployApp:
-    outbox: Outbox
-    sessions: sessionmaker[Session]
-    tasks: dict[str, Any]
-    metadata: sa.MetaData
-
-    def create_schema(self) -> None:
-        engine = self.sessions.kw["bind"]
-        self.metadata.create_all(engine)
-        Base.metadata.create_all(engine)
+class DeployApp(OutboxApp):
+    models = Base
 
     def runs(self) -> list[Run]:
         with self.sessions() as s:
@@ -55,19 +43,10 @@ class DeployApp:
 
 
 def build(broker_url: str, database_url: str, queue: str, *, generation: int) -> DeployApp:
-    engine = sa.create_engine(database_url)
-    sessions = sessionmaker(engine)
-    app = Celery(f"deployapp{generation}", broker=broker_url, set_as_current=False)
-    app.conf.update(task_default_queue=queue, broker_connection_retry_on_startup=True,
-                    task_queues=[Queue(queue, Exchange(queue), routing_key=queue, durable=True)],
-                    task_routes={"deploy.*": {"queue": queue}},
-                    accept_content=["json"], task_serializer="json", worker_hijack_root_logger=False)
-    settings = Settings(database_url=database_url, broker_url=broker_url, namespace=queue.replace(".", "-"),
-                        broker_visibility_timeout_s=30, relay_poll_interval_s=1.0)
-    outbox = Outbox(app, engine=engine, settings=settings)
-    metadata = sa.MetaData()
-    outbox.define_tables(metadata)
-    tasks: dict[str, Any] = {}
+    t = build_outbox_app(DeployApp, f"deployapp{generation}", broker_url=broker_url, database_url=database_url,
+                         queue=queue, routes="deploy.*", default_queue=True, broker_visibility_timeout_s=30,
+                         relay_poll_interval_s=1.0)
+    outbox, sessions = t.outbox, t.sessions
 
     if generation == 1:
         @outbox.task(name="deploy.charge")
@@ -75,21 +54,21 @@ def build(broker_url: str, database_url: str, queue: str, *, generation: int) ->
             from celery import current_task
             session.add(Run(task_id=str(current_task.request.id), name="deploy.charge", generation=1))
 
-        tasks["deploy.charge"] = charge
+        t.tasks["deploy.charge"] = charge
     else:
         @outbox.task(name="deploy.charge", version=2)
         def charge2(session: Session, order: str, amount_cents: int) -> None:  # the new message format
             from celery import current_task
             session.add(Run(task_id=str(current_task.request.id), name="deploy.charge", generation=2))
 
-        @app.task(name="deploy.charge_v2", bind=True, shared=False)  # type: ignore[untyped-decorator]
+        @t.app.task(name="deploy.charge_v2", bind=True, shared=False)  # type: ignore[untyped-decorator]
         def charge_v2(self: Any, order: str) -> None:
             with sessions.begin() as s:
                 s.add(Run(task_id=str(self.request.id), name="deploy.charge_v2", generation=2))
 
-        tasks["deploy.charge"] = charge2
-        tasks["deploy.charge_v2"] = charge_v2
-    return DeployApp(outbox=outbox, sessions=sessions, tasks=tasks, metadata=metadata)
+        t.tasks["deploy.charge"] = charge2
+        t.tasks["deploy.charge_v2"] = charge_v2
+    return t
 
 
 _built = build(os.environ.get("DEPLOYAPP_BROKER_URL", "memory://"), os.environ.get("DEPLOYAPP_DATABASE_URL", "sqlite://"),

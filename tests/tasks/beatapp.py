@@ -1,21 +1,19 @@
 """An app with one periodic task through the outbox (``outbox.periodic``), built only on the public API.
 
 ``celery -A tests.tasks.beatapp beat|worker`` and ``outbox -A tests.tasks.beatapp relay`` load it; the
-environment names the broker, the database, the queue and the period (``BEATAPP_EVERY_S``).
+environment names the broker, the database, the queue and the period (``BEATAPP_EVERY_S``). The app is
+wired by tests/tasks/outbox_app.py.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from celery import Celery
-from kombu import Exchange, Queue
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from celery_outbox import Outbox, Settings
+from tests.tasks.outbox_app import OutboxApp, build_outbox_app
 
 
 class Base(DeclarativeBase):
@@ -28,16 +26,8 @@ class Run(Base):
     task_id: Mapped[str] = mapped_column(sa.String(64))
 
 
-@dataclass
-class BeatApp:
-    outbox: Outbox
-    sessions: sessionmaker[Session]
-    metadata: sa.MetaData
-
-    def create_schema(self) -> None:
-        engine = self.sessions.kw["bind"]
-        self.metadata.create_all(engine)
-        Base.metadata.create_all(engine)
+class BeatApp(OutboxApp):
+    models = Base
 
     def runs(self) -> list[Run]:
         with self.sessions() as s:
@@ -45,28 +35,19 @@ class BeatApp:
 
 
 def build(broker_url: str, database_url: str, queue: str, *, every_s: float) -> BeatApp:
-    engine = sa.create_engine(database_url)
-    sessions = sessionmaker(engine)
-    app = Celery("beatapp", broker=broker_url, set_as_current=False)
-    app.conf.update(task_routes={"beatapp.*": {"queue": queue}}, broker_connection_retry_on_startup=True,
-                    task_queues=[Queue(queue, Exchange(queue), routing_key=queue, durable=True)],
-                    accept_content=["json"], task_serializer="json", worker_hijack_root_logger=False,
-                    beat_schedule={})
-    settings = Settings(database_url=database_url, broker_url=broker_url, namespace=queue.replace(".", "-"),
-                        relay_poll_interval_s=1.0)
-    outbox = Outbox(app, engine=engine, settings=settings)
+    t = build_outbox_app(BeatApp, "beatapp", broker_url=broker_url, database_url=database_url, queue=queue,
+                         routes="beatapp.*", relay_poll_interval_s=1.0)
     # only the periodic task under test: beat here does not drive the relay (a separate `outbox relay` does)
-    app.conf.beat_schedule = {}
-    metadata = sa.MetaData()
-    outbox.define_tables(metadata)
+    t.app.conf.beat_schedule = {}
 
-    @app.task(name="beatapp.tick", bind=True, shared=False)  # type: ignore[untyped-decorator]
+    @t.app.task(name="beatapp.tick", bind=True, shared=False)  # type: ignore[untyped-decorator]
     def tick(self: Any) -> None:
-        with sessions.begin() as s:
+        with t.sessions.begin() as s:
             s.add(Run(task_id=str(self.request.id)))
 
-    outbox.periodic("tick", "beatapp.tick", every_s)
-    return BeatApp(outbox=outbox, sessions=sessions, metadata=metadata)
+    t.tasks["beatapp.tick"] = tick
+    t.outbox.periodic("tick", "beatapp.tick", every_s)
+    return t
 
 
 _built = build(os.environ.get("BEATAPP_BROKER_URL", "memory://"), os.environ.get("BEATAPP_DATABASE_URL", "sqlite://"),

@@ -4,21 +4,18 @@
 process builds its own copy with ``build(...)``. From the environment: ``SCHEDAPP_BROKER_URL``,
 ``SCHEDAPP_DATABASE_URL``, ``SCHEDAPP_QUEUE``, ``SCHEDAPP_VISIBILITY_S`` (the Redis visibility timeout,
 shortened so a test sees its redelivery) and ``SCHEDAPP_QUORUM=1`` (the task's queue is a RabbitMQ quorum
-queue).
+queue). The app is wired by tests/tasks/outbox_app.py.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from celery import Celery
-from kombu import Exchange, Queue
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from celery_outbox import Outbox, Settings
+from tests.tasks.outbox_app import OutboxApp, build_outbox_app
 
 
 class Base(DeclarativeBase):
@@ -35,17 +32,12 @@ class Run(Base):
     eta: Mapped[str | None] = mapped_column(sa.String(64), nullable=True)
 
 
-@dataclass
-class SchedApp:
-    outbox: Outbox
-    sessions: sessionmaker[Session]
-    remind: Any
-    metadata: sa.MetaData
+class SchedApp(OutboxApp):
+    models = Base
 
-    def create_schema(self) -> None:
-        engine = self.sessions.kw["bind"]
-        self.metadata.create_all(engine)
-        Base.metadata.create_all(engine)
+    @property
+    def remind(self) -> Any:
+        return self.tasks["schedapp.remind"]
 
     def runs(self) -> list[Run]:
         with self.sessions() as s:
@@ -55,30 +47,20 @@ class SchedApp:
 def build(broker_url: str, database_url: str, queue: str, *, visibility_s: int = 300, quorum: bool = False) -> SchedApp:
     from celery_outbox.clock import SystemClock
 
-    engine = sa.create_engine(database_url)
-    sessions = sessionmaker(engine)
-    app = Celery("schedapp", broker=broker_url, set_as_current=False)
-    arguments = {"x-queue-type": "quorum"} if quorum else None
-    app.conf.update(task_routes={"schedapp.remind": {"queue": queue}}, broker_connection_retry_on_startup=True,
-                    task_queues=[Queue(queue, Exchange(queue), routing_key=queue, durable=True,
-                                       queue_arguments=arguments)],
-                    accept_content=["json"], task_serializer="json", worker_hijack_root_logger=False)
     # A short visibility timeout needs retries and time limits below it (Settings.RELATIONS).
     below = 1 if visibility_s <= 60 else 60
-    settings = Settings(database_url=database_url, broker_url=broker_url, namespace=queue.replace(".", "-"),
-                        broker_visibility_timeout_s=visibility_s, relay_poll_interval_s=1.0,
-                        consumer_retry_backoff_max_s=below, consumer_time_limit_s=below)
-    outbox = Outbox(app, engine=engine, settings=settings)
-    metadata = sa.MetaData()
-    outbox.define_tables(metadata)
+    t = build_outbox_app(SchedApp, "schedapp", broker_url=broker_url, database_url=database_url, queue=queue,
+                         routes="schedapp.remind", quorum=quorum, broker_visibility_timeout_s=visibility_s,
+                         relay_poll_interval_s=1.0, consumer_retry_backoff_max_s=below, consumer_time_limit_s=below)
 
-    @app.task(name="schedapp.remind", bind=True, shared=False)  # type: ignore[untyped-decorator]
+    @t.app.task(name="schedapp.remind", bind=True, shared=False)  # type: ignore[untyped-decorator]
     def remind(self: Any, who: str) -> None:
-        with sessions.begin() as s:
+        with t.sessions.begin() as s:
             s.add(Run(task_id=str(self.request.id), ran_at_ms=SystemClock().now_ms(),
                       eta=None if self.request.eta is None else str(self.request.eta)))
 
-    return SchedApp(outbox=outbox, sessions=sessions, remind=remind, metadata=metadata)
+    t.tasks["schedapp.remind"] = remind
+    return t
 
 
 _built = build(os.environ.get("SCHEDAPP_BROKER_URL", "memory://"), os.environ.get("SCHEDAPP_DATABASE_URL", "sqlite://"),

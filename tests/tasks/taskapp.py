@@ -2,20 +2,19 @@
 
 ``celery -A tests.tasks.taskapp worker`` and ``outbox -A tests.tasks.taskapp relay --once`` load it;
 its broker, database and queue come from ``TASKAPP_BROKER_URL``, ``TASKAPP_DATABASE_URL`` and
-``TASKAPP_QUEUE``. A test process builds its own copy with ``build(...)`` (same tasks, same routes).
+``TASKAPP_QUEUE``. A test process builds its own copy with ``build(...)`` (same tasks, same routes);
+the app itself is wired by tests/tasks/outbox_app.py.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from celery import Celery
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from celery_outbox import Outbox, Settings
+from tests.tasks.outbox_app import OutboxApp, build_outbox_app
 
 
 class Base(DeclarativeBase):
@@ -31,38 +30,27 @@ class Greeting(Base):
     text: Mapped[str] = mapped_column(sa.String(200))
 
 
-@dataclass
-class TaskApp:
-    outbox: Outbox
-    sessions: sessionmaker[Session]
-    greet: Any
-    metadata: sa.MetaData
+class TaskApp(OutboxApp):
+    models = Base
 
-    def create_schema(self) -> None:
-        engine = self.sessions.kw["bind"]
-        self.metadata.create_all(engine)
-        Base.metadata.create_all(engine)
+    @property
+    def greet(self) -> Any:
+        return self.tasks["taskapp.greet"]
 
 
 def build(broker_url: str, database_url: str, queue: str) -> TaskApp:
-    engine = sa.create_engine(database_url)
-    sessions = sessionmaker(engine)
-    app = Celery("taskapp", broker=broker_url, set_as_current=False)
-    app.conf.update(task_routes={"taskapp.greet": {"queue": queue}}, broker_connection_retry_on_startup=True,
-                    accept_content=["json"], task_serializer="json", worker_hijack_root_logger=False)
-    outbox = Outbox(app, engine=engine, settings=Settings(database_url=database_url, broker_url=broker_url,
-                                                          namespace=queue.replace(".", "-")))
-    metadata = sa.MetaData()
-    outbox.define_tables(metadata)
+    t = build_outbox_app(TaskApp, "taskapp", broker_url=broker_url, database_url=database_url, queue=queue,
+                         routes="taskapp.greet")
 
-    @app.task(name="taskapp.greet", bind=True, shared=False)  # type: ignore[untyped-decorator]
+    @t.app.task(name="taskapp.greet", bind=True, shared=False)  # type: ignore[untyped-decorator]
     def greet(self: Any, name: str, *, punctuation: str = "!") -> str:
         text = f"hello {name}{punctuation}"
-        with sessions.begin() as s:
+        with t.sessions.begin() as s:
             s.add(Greeting(task_id=str(self.request.id), text=text))
         return text
 
-    return TaskApp(outbox=outbox, sessions=sessions, greet=greet, metadata=metadata)
+    t.tasks["taskapp.greet"] = greet
+    return t
 
 
 _built = build(os.environ.get("TASKAPP_BROKER_URL", "memory://"), os.environ.get("TASKAPP_DATABASE_URL", "sqlite://"),
