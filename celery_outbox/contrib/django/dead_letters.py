@@ -14,7 +14,7 @@ The admin finds the ``Outbox`` (first match wins):
 
 Without either, the dead letters are still listed (the lists read Django's models), and a replay or
 purge says how to configure it. This module imports no models, so it is safe to import before the
-app registry is ready.
+app registry is ready; the registration lives on that registry (``Registration``), not here.
 """
 
 from __future__ import annotations
@@ -35,15 +35,32 @@ SETTING = "OUTBOX_INSTANCE"
 """The Django setting naming the project's ``Outbox`` as ``"module:attribute"``. Not ``CELERY_...``:
 ``app.config_from_object("django.conf:settings", namespace="CELERY")`` would read that as a Celery setting."""
 
+REGISTRATION_KEY = "celery_outbox_registration"
+"""Where ``use()`` keeps its registration: an attribute of Django's app registry (``django.apps.apps``)."""
 
 
-class _Registration:
-    outbox: Outbox | None = None
-    send: dl.Sender | None = None
+class Registration:
+    """The ``Outbox`` the admin acts through in this process, and the test sender of consumer replays.
+
+    Kept on Django's app registry, the process's one registry of installed apps (there before the
+    settings are read, so before ``proj/celery.py`` builds the ``DjangoOutbox`` and calls ``use()``),
+    and not in this module: the library keeps no module-level mutable state. One per process, as
+    before; every thread (the admin's request threads) sees the same one."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.outbox: Outbox | None = None
+        self.send: dl.Sender | None = None
 
 
-_lock = threading.Lock()
-_registered = _Registration()
+def registration() -> Registration:
+    """This process's ``Registration``, made on first use (``dict.setdefault``: one even when threads race)."""
+    from django.apps import apps
+
+    found: Registration | None = vars(apps).get(REGISTRATION_KEY)
+    if found is None:
+        found = vars(apps).setdefault(REGISTRATION_KEY, Registration())
+    return found
 
 
 def use(outbox: Outbox | None, *, send: dl.Sender | None = None) -> None:
@@ -54,9 +71,10 @@ def use(outbox: Outbox | None, *, send: dl.Sender | None = None) -> None:
     """
     if outbox is not None:
         check_tables(outbox)
-    with _lock:
-        _registered.outbox = outbox
-        _registered.send = send if outbox is not None else None
+    reg = registration()
+    with reg.lock:
+        reg.outbox = outbox
+        reg.send = send if outbox is not None else None
 
 
 def check_tables(outbox: Outbox) -> None:
@@ -94,17 +112,19 @@ def load(spec: object) -> Outbox:
 
 def registered() -> Outbox | None:
     """The ``Outbox`` given to ``use()`` (``DjangoOutbox`` calls it), or None; never imports anything."""
-    with _lock:
-        return _registered.outbox
+    reg = registration()
+    with reg.lock:
+        return reg.outbox
 
 
 def configured() -> tuple[Outbox, dl.Sender | None]:
     """The ``Outbox`` (and the test sender, if any) the admin acts through; ``ConfigError`` if there is none."""
     from django.conf import settings
 
-    with _lock:
-        if _registered.outbox is not None:
-            return _registered.outbox, _registered.send
+    reg = registration()
+    with reg.lock:
+        if reg.outbox is not None:
+            return reg.outbox, reg.send
     spec = getattr(settings, SETTING, None)
     if spec is None:
         raise ConfigError(
@@ -112,16 +132,17 @@ def configured() -> tuple[Outbox, dl.Sender | None]:
             f"Outbox is built, or set {SETTING} = 'proj.celery:outbox' in the Django settings"
         )
     outbox = load(spec)
-    with _lock:
-        if _registered.outbox is None:  # loaded once; a use() that raced ahead wins
-            _registered.outbox = outbox
-        return _registered.outbox, _registered.send
+    with reg.lock:
+        if reg.outbox is None:  # loaded once; a use() that raced ahead wins
+            reg.outbox = outbox
+        return reg.outbox, reg.send
 
 
 def clock() -> Clock:
     """The configured Outbox's clock (ages, replay times); the system clock when none is configured yet."""
-    with _lock:
-        outbox = _registered.outbox
+    reg = registration()
+    with reg.lock:
+        outbox = reg.outbox
     return outbox.clock if outbox is not None else SystemClock()
 
 
