@@ -34,12 +34,8 @@ class Run(Base):
     generation: Mapped[int] = mapped_column(sa.Integer)
 
 
-class DeployApp(OutboxApp):
-    models = Base
-
-    def runs(self) -> list[Run]:
-        with self.sessions() as s:
-            return list(s.execute(sa.select(Run).order_by(Run.id)).scalars())
+class DeployApp(OutboxApp[Run]):
+    model = Run
 
 
 def build(broker_url: str, database_url: str, queue: str, *, generation: int) -> DeployApp:

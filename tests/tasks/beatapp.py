@@ -26,12 +26,8 @@ class Run(Base):
     task_id: Mapped[str] = mapped_column(sa.String(64))
 
 
-class BeatApp(OutboxApp):
-    models = Base
-
-    def runs(self) -> list[Run]:
-        with self.sessions() as s:
-            return list(s.execute(sa.select(Run).order_by(Run.id)).scalars())
+class BeatApp(OutboxApp[Run]):
+    model = Run
 
 
 def build(broker_url: str, database_url: str, queue: str, *, every_s: float) -> BeatApp:

@@ -9,22 +9,25 @@ what a test reads back; this module builds nothing on import (a worker loading o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import sqlalchemy as sa
 from celery import Celery
 from kombu import Exchange, Queue
-from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import Outbox, Settings
 
+R = TypeVar("R")
+
 
 @dataclass
-class OutboxApp:
+class OutboxApp(Generic[R]):
     """A built app: its outbox (and through it the Celery app), sessions on its database, the outbox's
-    tables (``metadata``) and its tasks by name. Subclasses name their models' base in ``models``."""
+    tables (``metadata``) and its tasks by name. Subclasses name the model of what their tasks record
+    (``model``, rows of type ``R`` with an ``id``); its ``DeclarativeBase`` holds the app's tables."""
 
-    models: ClassVar[type[DeclarativeBase]]
+    model: ClassVar[type[Any]]
     outbox: Outbox
     sessions: sessionmaker[Session]
     metadata: sa.MetaData
@@ -35,13 +38,18 @@ class OutboxApp:
         return self.outbox.app
 
     def create_schema(self) -> None:
-        """The outbox's tables and the app's models, on the app's database."""
+        """The outbox's tables and the app's own, on the app's database."""
         engine = self.sessions.kw["bind"]
         self.metadata.create_all(engine)
-        self.models.metadata.create_all(engine)
+        self.model.metadata.create_all(engine)
+
+    def runs(self) -> list[R]:
+        """What the tasks recorded, oldest first."""
+        with self.sessions() as s:
+            return list(s.execute(sa.select(self.model).order_by(self.model.id)).scalars())
 
 
-A = TypeVar("A", bound=OutboxApp)
+A = TypeVar("A", bound=OutboxApp[Any])
 
 
 def build_outbox_app(cls: type[A], name: str, *, broker_url: str, database_url: str, queue: str, routes: str,

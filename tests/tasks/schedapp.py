@@ -32,16 +32,12 @@ class Run(Base):
     eta: Mapped[str | None] = mapped_column(sa.String(64), nullable=True)
 
 
-class SchedApp(OutboxApp):
-    models = Base
+class SchedApp(OutboxApp[Run]):
+    model = Run
 
     @property
     def remind(self) -> Any:
         return self.tasks["schedapp.remind"]
-
-    def runs(self) -> list[Run]:
-        with self.sessions() as s:
-            return list(s.execute(sa.select(Run).order_by(Run.id)).scalars())
 
 
 def build(broker_url: str, database_url: str, queue: str, *, visibility_s: int = 300, quorum: bool = False) -> SchedApp:

@@ -30,8 +30,8 @@ class Greeting(Base):
     text: Mapped[str] = mapped_column(sa.String(200))
 
 
-class TaskApp(OutboxApp):
-    models = Base
+class TaskApp(OutboxApp[Greeting]):
+    model = Greeting
 
     @property
     def greet(self) -> Any:
