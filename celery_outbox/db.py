@@ -6,6 +6,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -87,8 +88,9 @@ def make_engine(url: str, *, settings: Settings | None = None, echo: bool = Fals
     """An engine with the settings this system relies on (public: build your own engine with it).
 
     SQLite gets WAL, a long busy timeout and foreign keys, because the demo runs a web app, a relay
-    and a worker against one file at once. Postgres gets pre-ping so a restarted server is a blip,
-    not a dead relay, and the timeouts and keepalives of ``postgres_connect_args`` from ``settings``
+    and a worker against one file at once. Postgres gets a pre-ping of every connection that sat idle
+    in the pool longer than ``Settings.db_pre_ping_idle_ms`` (``pre_ping_after_idle``), so a restarted
+    server is a blip, not a dead relay, and the timeouts and keepalives of ``postgres_connect_args`` from ``settings``
     (the defaults of ``Settings`` when none is given), so a database that stops answering without
     closing the connection makes calls fail instead of hang. ``connect_args=`` you pass win key by
     key. ``Outbox`` builds its engine with this; an engine you pass to ``Outbox`` is used as it is,
@@ -119,12 +121,67 @@ def make_engine(url: str, *, settings: Settings | None = None, echo: bool = Fals
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    kwargs.setdefault("pool_pre_ping", True)
+    idle_ms = (settings if settings is not None else Settings()).db_pre_ping_idle_ms
+    pinged_after_idle = "pool_pre_ping" not in kwargs and idle_ms > 0
+    if not pinged_after_idle:
+        kwargs.setdefault("pool_pre_ping", True)
     parsed = sa.engine.make_url(url)
     if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in _LIBPQ_DRIVERS:
         ours = postgres_connect_args(settings, driver=parsed.get_driver_name(), url_query=parsed.query)
         kwargs["connect_args"] = {**ours, **kwargs.get("connect_args", {})}
-    return sa.create_engine(url, echo=echo, **kwargs)
+    engine = sa.create_engine(url, echo=echo, **kwargs)
+    if pinged_after_idle:
+        pre_ping_after_idle(engine, idle_s=idle_ms / 1000)
+    return engine
+
+
+_CHECKED_IN_AT = "celery_outbox_checked_in_at"
+
+
+def pre_ping_after_idle(engine: Engine, *, idle_s: float) -> None:
+    """Ping a pooled connection at checkout only when it sat in the pool longer than ``idle_s``.
+
+    SQLAlchemy's ``pool_pre_ping`` pings at every checkout: a round trip per consumer delivery at
+    saturation, where a connection is back in use milliseconds after its checkin. A connection that
+    was idle long enough to have been dropped (a restarted server, a proxy's or firewall's idle
+    cut) is pinged as before; when the ping finds it dead, the whole pool is invalidated (every
+    connection of the same age is dead too) and the checkout gets a new connection, as with
+    ``pool_pre_ping``. A connection that died within ``idle_s`` of its last use fails its first
+    statement instead; the consumer delivery runs once more on a new connection (delivery.py,
+    ``is_disconnect``). A new connection is never pinged.
+    """
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(dbapi_conn: Any, record: Any) -> None:
+        if record is not None:
+            record.info[_CHECKED_IN_AT] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        since = record.info.pop(_CHECKED_IN_AT, None)
+        if since is None or time.monotonic() - since <= idle_s:
+            return
+        dialect = engine.dialect
+        try:
+            alive = dialect.do_ping(dbapi_conn)
+        except dialect.loaded_dbapi.Error as e:
+            if not dialect.is_disconnect(e, dbapi_conn, None):
+                raise
+            alive = False
+        if not alive:  # the pool replaces this connection and every older one, then checks out anew
+            raise exc.InvalidatePoolError("the pooled connection was dead at checkout")
+
+
+def is_disconnect(error: BaseException) -> bool:
+    """True when ``error`` (or an error it was raised from) is a driver error that lost its connection."""
+    seen: BaseException | None = error
+    for _ in range(10):
+        if seen is None:
+            return False
+        if isinstance(seen, exc.DBAPIError) and seen.connection_invalidated:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import tracing
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec
-from celery_outbox.db import wrap_driver_errors
+from celery_outbox.db import is_disconnect, wrap_driver_errors
 from celery_outbox.errors import DatabaseError, MalformedMessageError, SerializationError, UnknownEventTypeError
 from celery_outbox.inbox import attempts, dead_letters
 from celery_outbox.inbox.handle import DUPLICATES, CrashSite, already_seen, increment_counter
@@ -178,18 +178,36 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
     # The delivery's span continues the trace the envelope carries (a no-op without OpenTelemetry).
     with tracing.consuming(consumer=spec.name, destination=settings.queue_name(spec.name), message_id=str(key),
                            event_type=btype, headers=bheaders) as span:
-        result = _deliver(sessions, spec, body, tables=tables, settings=settings, clock=clock,
-                          crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
-                          malformed=malformed, mapping=mapping, raw=raw, key=key, btype=btype, bheaders=bheaders)
+        try:
+            result = _deliver(sessions, spec, body, tables=tables, settings=settings, clock=clock,
+                              crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
+                              malformed=malformed, mapping=mapping, raw=raw, key=key, btype=btype, bheaders=bheaders,
+                              reconnect=True)
+        except _Reconnect:  # the pooled connection was dead (db.pre_ping_after_idle): once more on a new one
+            result = _deliver(sessions, spec, body, tables=tables, settings=settings, clock=clock,
+                              crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
+                              malformed=malformed, mapping=mapping, raw=raw, key=key, btype=btype, bheaders=bheaders,
+                              reconnect=False)
         span.record(result.outcome.value, deliveries=result.deliveries, error=result.error,
                     failed=result.outcome in (Outcome.RETRY, Outcome.DEAD_LETTERED))
     return result
 
 
+class _Reconnect(Exception):
+    """Internal: this delivery lost its connection before it committed or counted anything."""
+
+
 def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, tables: Tables, settings: Settings,
              clock: Clock, crash_points: CrashSite | None, first_delivery: bool, redelivered: bool,
              malformed: MalformedDelivery | None, mapping: Mapping[str, Any] | None, raw: RawBody, key: uuid.UUID,
-             btype: str | None, bheaders: Mapping[str, Any]) -> Delivery:
+             btype: str | None, bheaders: Mapping[str, Any], reconnect: bool) -> Delivery:
+    """``reconnect``: a first delivery whose connection was lost (the engine pings only connections idle
+    longer than ``Settings.db_pre_ping_idle_ms``, db.py) raises ``_Reconnect`` before anything is
+    counted: the caller runs it once more, on a new connection. Its transaction died with the
+    connection, or committed if the loss hit the commit's answer (then the inbox reports the duplicate).
+    The second time it is a failure like any other, so a message that breaks its connection every time
+    is still counted. A count that loses its connection (``attempts.begin``: its commit may have
+    landed) is a redelivery, uncounted, as when the database is down."""
     policy = spec.policy.resolve(settings)
     name, limit = spec.name, policy.max_deliveries
     if malformed is not None:
@@ -227,6 +245,8 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
                                   park_timeout_ms=settings.consumer_park_timeout_ms if spec.ordering else None)
         except Exception as e:
             session.rollback()
+            if reconnect and row is None and is_disconnect(e):  # nothing counted, nothing committed
+                raise _Reconnect from e
             error = _error_text(e)
             if row is None:  # a first delivery is counted only now that it failed
                 counted = count()

@@ -35,6 +35,8 @@ _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 def json_depth_exceeds(text: str, max_depth: int) -> bool:
     """True when the JSON ``text`` nests arrays/objects deeper than ``max_depth`` (no recursion)."""
+    if text.count("[") + text.count("{") <= max_depth:  # cannot nest deeper than it opens: no scan (the usual case)
+        return False
     depth = 0
     for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub("", text)):
         if bracket in "[{":

@@ -30,6 +30,7 @@ from celery_outbox.cancel import cancel as cancel_row
 from celery_outbox.celery import (
     beat,
     consumer_tasks,
+    events,
     gate,
     idempotent_task,
     ops_tasks,
@@ -84,6 +85,7 @@ class Outbox:
         ops_tasks.register(app, self)
         self._install_enqueue()
         gate.register(self)  # every task message a worker of this app takes is checked (celery/gate.py)
+        app.steps["consumer"].add(events.UnconfirmedTaskEvents)  # task events without confirm waits (celery/events.py)
         tracing_hook.install(self)  # OUTBOX_TRACER_PROVIDER: here and in each worker pool process
         app.steps["worker"].add(self._boot_check_step())
         app.steps["worker"].add(receipts.receipt_step(self))  # plain outbox tasks' receipts (reconciler)

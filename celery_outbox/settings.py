@@ -437,6 +437,7 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "db_keepalives_idle_s": IntRule(1, 32_767),  # Linux TCP_KEEPIDLE maximum
     "db_keepalives_interval_s": IntRule(1, 32_767),  # Linux TCP_KEEPINTVL maximum
     "db_keepalives_count": IntRule(1, 127),  # Linux TCP_KEEPCNT maximum
+    "db_pre_ping_idle_ms": IntRule(0, HOUR_MS, zero="0 = off: a ping on every checkout"),
     "consumer_time_limit_s": IntRule(1, 86_400),
     "metrics_port": IntRule(0, 65_535, zero="0 = off"),
     # Celery tasks sent outside any bound transaction: a row committed on its own (the default), refused,
@@ -621,6 +622,9 @@ class Settings:
     db_keepalives_idle_s: int = 30
     db_keepalives_interval_s: int = 10
     db_keepalives_count: int = 3
+    # A pooled connection idle longer than this is pinged at checkout (a restarted server is a blip);
+    # one used more recently is not: at saturation that ping was a round trip per delivery (db.py).
+    db_pre_ping_idle_ms: int = 1_000
     # A consumer delivery that runs longer is killed (and redelivered, counted): no hang for ever.
     consumer_time_limit_s: int = 20  # below broker_visibility_timeout_s (Redis redelivers a longer one)
 

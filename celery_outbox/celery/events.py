@@ -10,6 +10,12 @@ from the beat task's worker or the standalone relay). Sending is best-effort: an
 sent is logged and dropped, it never fails the task that sent it, and it is never retried (the delivery's outcome is already
 committed; an event is a notice, not a record). Events travel on the broker's event exchange
 (``celeryev``), JSON like everything else.
+
+The worker's own task events (``task-received``/``-started``/``-succeeded``..., what Flower shows) are
+sent by the worker's parent process, one thread serving every pool process; on RabbitMQ with
+``confirm_publish`` (the recommended configuration, for the relay's publishes) each of them would wait
+for its publisher confirm. ``UnconfirmedTaskEvents`` gives the worker's event dispatcher a connection
+of its own without confirms: the same events, no wait (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import logging
 import socket
 from typing import Any
 
-from celery import Celery
+from celery import Celery, bootsteps
+from kombu import Producer
 
 log = logging.getLogger(__name__)
 
@@ -78,3 +85,44 @@ def reconciled(app: Celery, *, kind: str, message_id: str, target: str, hostname
     """A message the reconciler sent again: ``kind`` event / task / plain_task, ``target`` its consumer or task."""
     return send_event(app, RECONCILED, hostname=hostname, task_id=task_id, kind=kind, message_id=message_id,
                       target=target)
+
+
+def without_confirms(consumer: Any) -> bool:
+    """Move the worker consumer's event dispatcher to a broker connection without publisher confirms.
+
+    Only when its connection asks for confirms (RabbitMQ with ``confirm_publish``); True when moved.
+    Everything that holds the dispatcher (the task strategies, the heart) keeps it: only its
+    connection and producer change. Any failure keeps the dispatcher as it was (confirmed events)."""
+    dispatcher = getattr(consumer, "event_dispatcher", None)
+    connection = getattr(dispatcher, "connection", None)
+    if dispatcher is None or connection is None or not dispatcher.enabled:
+        return False
+    if not (getattr(connection, "transport_options", None) or {}).get("confirm_publish"):
+        return False
+    try:
+        fresh = consumer.ensure_connected(consumer.app.connection_for_write(
+            heartbeat=getattr(consumer, "amqheartbeat", None), transport_options={"confirm_publish": False}))
+        producer = Producer(fresh, exchange=dispatcher.exchange, serializer=dispatcher.serializer, auto_declare=False)
+    except Exception as e:
+        log.warning("task events keep waiting for publisher confirms (no second connection: %s: %s)",
+                    e.__class__.__name__, e)
+        return False
+    with dispatcher.mutex:
+        dispatcher.connection, dispatcher.producer = fresh, producer
+    try:
+        connection.close()
+    except Exception:  # already gone: nothing of ours was on it
+        log.debug("closing the confirmed event connection failed", exc_info=True)
+    return True
+
+
+class UnconfirmedTaskEvents(bootsteps.StartStopStep):
+    """Worker consumer step: task events without publisher confirms (module docstring).
+
+    Runs after Celery's ``Events`` step, on every (re)start of the consumer; Celery's step closes the
+    dispatcher's connection (now ours) when it stops."""
+
+    requires = ("celery.worker.consumer.events:Events",)  # type: ignore[assignment]
+
+    def start(self, parent: Any) -> None:
+        without_confirms(parent)

@@ -22,6 +22,7 @@ from typing import Any
 
 from celery import bootsteps, signals
 
+from celery_outbox.db import is_disconnect
 from celery_outbox.inbox import receipts
 from celery_outbox.runtime import Context
 
@@ -49,8 +50,14 @@ class Receipts:
             return False
         ctx: Context = self.outbox
         try:
-            with ctx.sessions()() as session:
-                receipts.record(session, key, now_ms=ctx.clock.now_ms(), tables=ctx.tables)
+            try:
+                with ctx.sessions()() as session:
+                    receipts.record(session, key, now_ms=ctx.clock.now_ms(), tables=ctx.tables)
+            except Exception as e:  # a pooled connection that died unpinged (db.pre_ping_after_idle): once more
+                if not is_disconnect(e):
+                    raise
+                with ctx.sessions()() as session:
+                    receipts.record(session, key, now_ms=ctx.clock.now_ms(), tables=ctx.tables)
         except Exception as e:
             log.warning("could not record the receipt of task %s (the reconciler may send it again after "
                         "OUTBOX_RELAY_RECONCILE_PLAIN_TASKS_AFTER_MS): %s: %s", key, type(e).__name__, e)

@@ -9,9 +9,10 @@ The message carries ``RECEIPT_HEADER`` (set at capture, celery_outbox/celery/enq
 tasks that came through the outbox cost a write; the worker side is celery_outbox/celery/receipts.py.
 
 One statement, ``INSERT .. ON CONFLICT DO NOTHING``; on Postgres the commit does not wait for the
-WAL flush (``synchronous_commit = off`` for this transaction only): a receipt lost in a database
-crash only makes the reconciler send the task once more, which is the caveat plain tasks carry
-anyway (docs/guarantees.md).
+WAL flush (``synchronous_commit = off`` for this transaction only, set by the insert itself through
+``set_config(..., is_local => true)``: no ``SET LOCAL`` round trip of its own): a receipt lost in a
+database crash only makes the reconciler send the task once more, which is the caveat plain tasks
+carry anyway (docs/guarantees.md).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
 from celery_outbox.db import is_postgres
 from celery_outbox.schema import Tables
-from celery_outbox.sql import insert_if_absent
+from celery_outbox.sql import insert_if_absent, statement
 
 RECEIPT_HEADER = "outbox_receipt"
 """Task header of a plain task captured into the outbox: its worker records a receipt (value 1)."""
@@ -50,9 +52,21 @@ def task_uuid(task_id: object) -> uuid.UUID | None:
 
 def record(session: Session, task_id: uuid.UUID, *, now_ms: int, tables: Tables) -> bool:
     """Record that ``task_id`` reached a worker, and commit; True when this call wrote the row."""
+    values = {"task_id": task_id, "received_at_ms": now_ms}
     if is_postgres(session):
-        session.execute(sa.text("SET LOCAL synchronous_commit TO OFF"))
-    inserted = insert_if_absent(session, tables.table(tables.receipts), ("task_id",),
-                                {"task_id": task_id, "received_at_ms": now_ms})
+        connection, stmt = statement(session, ("receipt", tables.receipts), lambda: _pg_receipt(tables))
+        inserted = connection.execute(stmt, values).rowcount == 1
+    else:
+        inserted = insert_if_absent(session, tables.table(tables.receipts), ("task_id",), values)
     session.commit()
     return inserted
+
+
+def _pg_receipt(tables: Tables) -> Any:
+    """The receipt's insert that also turns ``synchronous_commit`` off for its transaction (module docstring)."""
+    table = tables.table(tables.receipts)
+    row = sa.select(sa.bindparam("task_id", type_=table.c.task_id.type),
+                    sa.bindparam("received_at_ms", type_=table.c.received_at_ms.type)).where(
+        sa.func.set_config("synchronous_commit", "off", sa.true()).is_not(None))
+    return (postgresql.insert(table).from_select(["task_id", "received_at_ms"], row)
+            .on_conflict_do_nothing(index_elements=["task_id"]).execution_options(preserve_rowcount=True))

@@ -56,7 +56,8 @@ def test_a_postgres_engine_carries_the_settings_timeouts_and_keepalives(tight_en
                                                             "keepalives_count": "4"}
     # And unacknowledged data gives up after as long as keepalives give an idle connection (libpq >= 12)
     assert params["tcp_user_timeout"] == str(1000 * (7 + 2 * 4))
-    assert tight_engine.pool._pre_ping
+    # And pre-ping only after the idle window, not SQLAlchemy's ping on every checkout (tests/unit/test_db_idle_ping.py)
+    assert not tight_engine.pool._pre_ping
 
 
 @pytest.mark.postgres

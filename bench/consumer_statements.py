@@ -1,0 +1,144 @@
+"""Database round trips per delivery: what a consumer's pool process sends Postgres, counted by kind.
+
+Runs ``delivery.deliver`` (what the consumer task runs in a pool process) on N fresh first deliveries,
+N duplicates and, for comparison, the plain task of bench/consumer_cpu.py (the effect and its commit,
+no inbox), against a throwaway Postgres database, on an engine built like the worker's
+(``db.make_engine``). Counts, per delivery: statements the driver executed (``before_cursor_execute``),
+pool pre-pings (the dialect's ``do_ping``), commits and rollbacks, pool checkouts. Deliveries are run
+with a pause of ``--idle-ms`` before every one (0: back to back, as at saturation). Prints the table
+and writes bench/results/consumer_statements.json.
+
+    .venv/bin/python bench/consumer_statements.py [--consumer shipping] [--deliveries 200] [--idle-ms 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sqlalchemy import event
+
+from bench._common import fresh_database, write_result
+from celery_outbox.clock import SystemClock
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.delivery import deliver
+from celery_outbox.inbox.outcome import Outcome
+from celery_outbox.messages import Envelope
+from celery_outbox.schema import define_tables
+from celery_outbox.settings import Settings
+from consumers import default_registry
+from consumers.testing import order_placed_envelope
+
+KINDS = ("statements", "pings", "commits", "rollbacks", "checkouts")
+
+
+class Counting:
+    """Counts an engine's round trips by kind (``KINDS``); ``texts`` keeps each statement's first words."""
+
+    def __init__(self, engine: Any) -> None:
+        self.counts: Counter[str] = Counter()
+        self.texts: Counter[str] = Counter()
+        dialect = engine.dialect
+        ping = dialect.do_ping
+
+        def do_ping(dbapi_connection: Any) -> bool:
+            self.counts["pings"] += 1
+            return bool(ping(dbapi_connection))
+
+        dialect.do_ping = do_ping
+
+        @event.listens_for(engine, "before_cursor_execute")
+        def _stmt(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            self.counts["statements"] += 1
+            self.texts[" ".join(statement.split()[:4])] += 1
+
+        @event.listens_for(engine, "commit")
+        def _commit(conn: Any) -> None:
+            self.counts["commits"] += 1
+
+        @event.listens_for(engine, "rollback")
+        def _rollback(conn: Any) -> None:
+            self.counts["rollbacks"] += 1
+
+        @event.listens_for(engine, "checkout")
+        def _checkout(*args: Any) -> None:
+            self.counts["checkouts"] += 1
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.texts.clear()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--consumer", default="shipping")
+    parser.add_argument("--deliveries", type=int, default=200)
+    parser.add_argument("--idle-ms", type=float, default=0.0, help="pause before each delivery")
+    args = parser.parse_args()
+    n, pause = args.deliveries, args.idle_ms / 1000
+    spec = default_registry()[args.consumer]
+    tables, clock, settings = define_tables(), SystemClock(), Settings()
+    out: dict[str, Any] = {}
+    with fresh_database() as url:
+        engine = make_engine(url, settings=settings)
+        sessions = make_session_factory(engine)
+        counting = Counting(engine)
+
+        def first(i: int, tag: str) -> Envelope:
+            return order_placed_envelope(f"{tag}-{i}")
+
+        def run(label: str, one: Any) -> None:
+            one(-1)  # warm-up: the pool's first connection, statement caches
+            counting.reset()
+            for i in range(n):
+                if pause:
+                    time.sleep(pause)
+                one(i)
+            out[label] = {k: round(counting.counts[k] / n, 3) for k in KINDS}
+            out[label]["per_statement"] = {t: round(c / n, 3) for t, c in counting.texts.most_common()}
+
+        envs = {i: first(i, "dup") for i in range(-1, n)}
+
+        def outbox_first(i: int) -> None:
+            text = json.dumps(envs[i].to_dict())
+            r = deliver(sessions, spec, text, tables=tables, request_id=None, settings=settings, clock=clock,
+                        first_delivery=True)
+            assert r.outcome is Outcome.PROCESSED, r
+
+        def outbox_duplicate(i: int) -> None:
+            text = json.dumps(envs[i].to_dict())
+            r = deliver(sessions, spec, text, tables=tables, request_id=None, settings=settings, clock=clock,
+                        first_delivery=True)
+            assert r.outcome is Outcome.DUPLICATE, r
+
+        def plain(i: int) -> None:
+            envelope = first(i, "plain")
+            with sessions() as session:
+                if spec.prepare is not None:
+                    spec.prepare(session, envelope)
+                spec.handler(session, envelope)
+                session.commit()
+
+        run("outbox_first_delivery", outbox_first)
+        run("outbox_duplicate", outbox_duplicate)
+        run("plain_task", plain)
+        engine.dispose()
+    print(f"{args.consumer}: round trips per delivery ({n} deliveries each, idle {args.idle_ms} ms before each)")
+    print(f"{'path':24}" + "".join(f"{k:>11}" for k in KINDS))
+    for label, row in out.items():
+        print(f"{label:24}" + "".join(f"{row[k]:11.2f}" for k in KINDS))
+        for text, c in row["per_statement"].items():
+            print(f"    {c:5.2f}  {text}")
+    write_result("consumer_statements", {"consumer": args.consumer, "deliveries": n, "idle_ms": args.idle_ms,
+                                         "per_delivery": out})
+
+
+if __name__ == "__main__":
+    main()
