@@ -179,16 +179,19 @@ def __getattr__(name: str) -> Any:
 
 
 # -- the plain twin's sending side (bench/e2e_latency.py, bench/_plain_web.py) -----------------------
-def plain_celery(settings: Any, *, confirm_publish: bool | None = None) -> Celery:
+def plain_celery(settings: Any, *, confirm_publish: bool | None = None, sent_events: bool | None = None) -> Celery:
     """A plain Celery app with the deployment's Celery configuration and no ``Outbox`` on it (the outbox
     app refuses a ``send_task`` outside a transaction): what an application without the outbox runs.
-    ``confirm_publish`` (RabbitMQ) overrides the deployment's publisher confirms (on) for the sends."""
+    ``confirm_publish`` (RabbitMQ) overrides the deployment's publisher confirms (on) for the sends;
+    ``sent_events`` its ``task_send_sent_event`` (on; the relay sends no task-sent event)."""
     from celeryconfig import celery_config
 
     app = Celery("plain", set_as_current=False)
     conf = celery_config(settings, settings.broker_url)
     if confirm_publish is not None:
         conf["broker_transport_options"] = {**conf["broker_transport_options"], "confirm_publish": confirm_publish}
+    if sent_events is not None:
+        conf["task_send_sent_event"] = sent_events
     app.conf.update(conf)
     return app
 

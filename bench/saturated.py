@@ -9,7 +9,8 @@ Real processes on the shared RabbitMQ (a namespace of their own), a database of 
     consumer runs inbox + effect in one transaction, the e-mail task calls the provider, then its inbox row;
   - ``plain``: the same order without outbox rows, then after the commit one ``send_task`` (what
     ``.delay()`` does) per consumer and one for the plain e-mail task, publisher confirms OFF (what
-    Celery does unless told); the same prepare + handler and the same provider call, no inbox;
+    Celery does unless told) and no task-sent event (the relay sends none; otherwise the deployment's
+    Celery configuration); the same prepare + handler and the same provider call, no inbox;
   - ``plain_confirms``: ``plain`` with kombu's ``confirm_publish`` transport option on (RabbitMQ);
 - one ``celery worker`` of ``bench._worker`` (prefork, ``-c`` from ``--concurrency``, loglevel WARNING)
   shared by every mode; the relay runs in every mode (idle in the plain ones).
@@ -30,14 +31,14 @@ Latency: ``bench/e2e_latency.py``'s ``run_broker`` reused as it is (RabbitMQ, 20
 its own processes, INFO logging as in that bench): p50/p99 commit -> all four effects of an order.
 
 Prints medians over ``--rounds`` and the ratios (outbox/plain, outbox/plain_confirms, tasks/plain
-tasks, latency p99); writes bench/results/saturated.json. ``--quick``: 500 orders, 1 round, a short
-latency run (about 3 minutes). ``--profile`` (with ``--pg-admin-url`` of a PRIVATE Postgres that loads
+tasks, latency p99); writes bench/results/saturated.json. ``--quick``: 300 orders and 300 tasks, 1 round,
+a short latency run (about 3 minutes). ``--profile`` (with ``--pg-admin-url`` of a PRIVATE Postgres that loads
 pg_stat_statements, roles bench_client/bench_relay/bench_worker created, bench/README.md): one run per
 mode at the first concurrency, statements per order per side from pg_stat_statements and py-spy
 samples of the worker parent, a pool child, the relay and the client; writes
 bench/results/saturated_profile.json (throughput under py-spy is not comparable, not reported).
 
-    .venv/bin/python bench/saturated.py [--orders 2000] [--rounds 3] [--concurrency 2,4] [--quick]
+    .venv/bin/python bench/saturated.py [--orders 1000] [--rounds 3] [--concurrency 2,4] [--quick]
         [--skip-tasks] [--skip-latency]
     .venv/bin/python bench/saturated.py --profile --pg-admin-url postgresql://postgres@127.0.0.1:5461/postgres
 """
@@ -103,8 +104,9 @@ def client_main(threads: int) -> None:
     consumers = outbox.routes()[ORDER_PLACED]
     touch_queue = outbox.settings.queue_name(TOUCH_QUEUE)
     touch = add_touch_task(outbox.app, outbox.sessions, queue=touch_queue)
-    plain = {False: plain_celery(outbox.settings, confirm_publish=False),
-             True: plain_celery(outbox.settings, confirm_publish=True)}
+    # The relay sends no task-sent event, so neither does the plain twin (the worker's events are shared).
+    plain = {False: plain_celery(outbox.settings, confirm_publish=False, sent_events=False),
+             True: plain_celery(outbox.settings, confirm_publish=True, sent_events=False)}
     clock = outbox.clock
 
     def one(mode: str, key: str, i: int) -> None:
@@ -455,7 +457,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
     parser.add_argument("--concurrency", default="2,4", help="worker pool sizes, comma separated")
     parser.add_argument("--client-threads", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="about 3 minutes: 500 orders, 1 round")
+    parser.add_argument("--quick", action="store_true", help="about 3 minutes: 300 orders, 1 round")
     parser.add_argument("--skip-tasks", action="store_true")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--profile", action="store_true", help="statements per side and py-spy (private Postgres)")
@@ -516,7 +518,9 @@ def main() -> None:
         "broker": "rabbitmq (shared)", "orders": args.orders, "tasks": args.tasks, "rounds": args.rounds,
         "concurrency": args.concurrency, "client_threads": args.client_threads,
         "worker": "celery worker -A bench._worker -P prefork --loglevel WARNING (shared by every mode)",
-        "relay": "outbox relay, LISTEN/NOTIFY, default settings", "ratios": ratios, "saturated": sat,
+        "relay": "outbox relay, LISTEN/NOTIFY, default settings", "ratios": ratios,
+        "plain_client": "deployment's Celery config, task_send_sent_event off, confirm_publish off (plain) / on "
+                        "(plain_confirms)", "saturated": sat,
         "latency": lat, "seconds": round(time.monotonic() - started)})
 
 
