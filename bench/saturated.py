@@ -492,12 +492,24 @@ def main() -> None:
           f"(machine shared; same run):")
     for c in args.concurrency:
         med = sat[f"c{c}"]["median"]
+        runs = sat[f"c{c}"]["runs"]
+
+        def paired(a: str, b: str, runs: dict[str, list[dict[str, float]]] = runs) -> list[float]:
+            """Per round, a's orders/s over b's (the same round, so the same neighbours on the machine)."""
+            return [round(x["per_s"] / y["per_s"], 3) for x, y in zip(runs[a], runs[b], strict=True)]
+
+        per_round = {"outbox_over_plain": paired("outbox", "plain"),
+                     "outbox_over_plain_confirms": paired("outbox", "plain_confirms")}
+        if "tasks_outbox" in runs:
+            per_round["tasks_outbox_over_plain"] = paired("tasks_outbox", "tasks_plain")
         r = {"outbox_over_plain": med["outbox"]["per_s"] / med["plain"]["per_s"],
              "outbox_over_plain_confirms": med["outbox"]["per_s"] / med["plain_confirms"]["per_s"],
              "cpu_outbox_over_plain": med["outbox"]["total_cpu_ms"] / med["plain"]["total_cpu_ms"]}
         if "tasks_outbox" in med:
             r["tasks_outbox_over_plain"] = med["tasks_outbox"]["per_s"] / med["tasks_plain"]["per_s"]
-        ratios[f"c{c}"] = {k: round(v, 3) for k, v in r.items()}
+        ratios[f"c{c}"] = {**{k: round(v, 3) for k, v in r.items()},
+                           "per_round": per_round,
+                           "median_per_round": {k: statistics.median(v) for k, v in per_round.items()}}
         line = (f"  -c {c}: orders/s outbox {med['outbox']['per_s']:.1f}, plain {med['plain']['per_s']:.1f}, "
                 f"plain+confirms {med['plain_confirms']['per_s']:.1f}; ratio {r['outbox_over_plain']:.2f} "
                 f"(vs confirms {r['outbox_over_plain_confirms']:.2f}); CPU ms/order {med['outbox']['total_cpu_ms']:.1f} "
@@ -507,6 +519,8 @@ def main() -> None:
                      f"({r['tasks_outbox_over_plain']:.2f}), client CPU ms/task {med['tasks_outbox']['client']:.2f} "
                      f"vs {med['tasks_plain']['client']:.2f}")
         print(line)
+        print("        per round (same round, same neighbours): "
+              + "; ".join(f"{k} {v} (median {statistics.median(v):.2f})" for k, v in per_round.items()))
     if lat is not None:
         o, p = lat["outbox"], lat["plain"]
         ratios["latency_p99_outbox_over_plain"] = round(o["p99_ms"] / max(p["p99_ms"], 0.001), 3)
