@@ -32,7 +32,7 @@ its own processes, INFO logging as in that bench): p50/p99 commit -> all four ef
 
 Prints medians over ``--rounds`` and the ratios (outbox/plain, outbox/plain_confirms, tasks/plain
 tasks, latency p99); writes bench/results/saturated.json. ``--quick``: 300 orders and 300 tasks, 1 round,
-a short latency run (about 3 minutes). ``--profile`` (with ``--pg-admin-url`` of a PRIVATE Postgres that loads
+a short latency run (about 1.5 minutes). ``--profile`` (with ``--pg-admin-url`` of a PRIVATE Postgres that loads
 pg_stat_statements, roles bench_client/bench_relay/bench_worker created, bench/README.md): one run per
 mode at the first concurrency, statements per order per side from pg_stat_statements and py-spy
 samples of the worker parent, a pool child, the relay and the client; writes
@@ -457,7 +457,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
     parser.add_argument("--concurrency", default="2,4", help="worker pool sizes, comma separated")
     parser.add_argument("--client-threads", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="about 3 minutes: 300 orders, 1 round")
+    parser.add_argument("--quick", action="store_true", help="about 1.5 minutes: 300 orders, 1 round")
     parser.add_argument("--skip-tasks", action="store_true")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--profile", action="store_true", help="statements per side and py-spy (private Postgres)")
