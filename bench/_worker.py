@@ -30,6 +30,7 @@ import time
 import uuid
 from typing import IO, Any
 
+import sqlalchemy as sa
 from celery import Celery, signals
 
 from celery_outbox import Envelope, Outbox
@@ -39,6 +40,27 @@ PLAIN_PREFIX = "bench.plain."
 PLAIN_EMAIL = f"{PLAIN_PREFIX}send_confirmation_email"  # the plain twin of orders.send_confirmation_email
 HOPS_ENV = "BENCH_HOPS_DIR"
 CONF_ENV = "BENCH_WORKER_CONF"  # JSON object of Celery settings laid over the deployment's (knob experiments)
+TOUCH = "bench.touch"  # bench/saturated.py's task: one row insert, sent by .delay() with or without the outbox
+TOUCH_QUEUE = "email"  # a queue every bench worker consumes (the e-mail task's)
+_TABLES = sa.MetaData()
+# The touch task's effect, and the business row its sender commits before (plain) or with (outbox) it.
+TOUCHED = sa.Table("bench_touched", _TABLES, sa.Column("id", sa.String(80), primary_key=True))
+ITEMS = sa.Table("bench_items", _TABLES, sa.Column("id", sa.String(80), primary_key=True))
+
+
+def create_touch_tables(engine: sa.Engine) -> None:
+    _TABLES.create_all(engine)
+
+
+def add_touch_task(app: Celery, sessions: Any, *, queue: str) -> Any:
+    """``bench.touch(key)``: insert one ``bench_touched`` row and commit; the same body whichever way it was
+    sent (``.delay()`` inside ``outbox.transaction`` or a plain ``.delay()`` after the commit)."""
+    def touch(key: str) -> None:
+        with sessions()() as s:
+            s.execute(TOUCHED.insert().values(id=key))
+            s.commit()
+
+    return app.task(name=TOUCH, queue=queue, acks_late=True, ignore_result=True, shared=False)(touch)
 
 
 def plain_task_name(consumer: str) -> str:
@@ -137,6 +159,7 @@ def build() -> Outbox:
     outbox = create_outbox()
     outbox.app.conf.update(json.loads(os.environ.get(CONF_ENV) or "{}"))
     add_plain_tasks(outbox)
+    add_touch_task(outbox.app, outbox.sessions, queue=outbox.settings.queue_name(TOUCH_QUEUE))
     directory = os.environ.get(HOPS_ENV)
     if directory:
         install_hops(directory)
@@ -156,13 +179,20 @@ def __getattr__(name: str) -> Any:
 
 
 # -- the plain twin's sending side (bench/e2e_latency.py, bench/_plain_web.py) -----------------------
-def plain_celery(settings: Any) -> Celery:
+def plain_celery(settings: Any, *, confirm_publish: bool | None = None, sent_events: bool | None = None) -> Celery:
     """A plain Celery app with the deployment's Celery configuration and no ``Outbox`` on it (the outbox
-    app refuses a ``send_task`` outside a transaction): what an application without the outbox runs."""
+    app refuses a ``send_task`` outside a transaction): what an application without the outbox runs.
+    ``confirm_publish`` (RabbitMQ) overrides the deployment's publisher confirms (on) for the sends;
+    ``sent_events`` its ``task_send_sent_event`` (on; the relay sends no task-sent event)."""
     from celeryconfig import celery_config
 
     app = Celery("plain", set_as_current=False)
-    app.conf.update(celery_config(settings, settings.broker_url))
+    conf = celery_config(settings, settings.broker_url)
+    if confirm_publish is not None:
+        conf["broker_transport_options"] = {**conf["broker_transport_options"], "confirm_publish": confirm_publish}
+    if sent_events is not None:
+        conf["task_send_sent_event"] = sent_events
+    app.conf.update(conf)
     return app
 
 
