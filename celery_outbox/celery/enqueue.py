@@ -116,43 +116,47 @@ class DedupWriter(Writer, Protocol):
     def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated: ...
 
 
-_WRITTEN = "celery_outbox.enqueue.written"
+def holds_query(tables: Tables, message_id: uuid.UUID) -> sa.Select[Any]:
+    """``SELECT 1`` when an outbox row has ``message_id``: the reused-id check of every SQLAlchemy writer."""
+    return sa.select(sa.literal(1)).where(tables.table(tables.outbox).c.message_id == message_id).limit(1)
+
+
+def _reused_id(values: Mapping[str, Any]) -> ValidationError:
+    return ValidationError(f"task {values['type']!r} has task_id {str(values['message_id'])!r}, which an outbox row "
+                           "already holds (a task id is the message id: use a new one); nothing was written")
 
 
 class SessionWriter:
-    """Adds the row to a SQLAlchemy session (it commits or rolls back with the caller's data)."""
+    """Inserts the row on the SQLAlchemy session's connection: it commits or rolls back with the caller's
+    data (a savepoint rolled back takes it with it).
+
+    A Core ``INSERT`` at ``delay()``, not an ORM object flushed at commit: the unit of work, the instance
+    state and the ``RETURNING seq`` cost more than the whole capture (bench/enqueue_cpu.py), and the row
+    is in the transaction when ``delay()`` returns, so the reused-id check is one indexed lookup with no
+    bookkeeping of the session's pending objects. On the connection, not ``session.execute``: no
+    autoflush of the caller's pending objects (they are flushed when the caller says so)."""
 
     def __init__(self, session: Session, tables: Tables) -> None:
         self.session = session
         self.tables = tables
 
-    def write(self, values: dict[str, Any]) -> None:
-        self.session.add(self.tables.outbox(**values))
-        self._written().add(values["message_id"])
+    def _connection(self) -> sa.Connection:
+        return self.session.connection(bind_arguments={"mapper": self.tables.outbox})
 
-    def _written(self) -> set[uuid.UUID]:
-        """Ids written in the session's current transaction: a set, so a check never scans every pending row."""
-        transaction = self.session.get_transaction()
-        owner, ids = self.session.info.get(_WRITTEN, (None, None))
-        if owner is not transaction or not isinstance(ids, set):
-            ids = set()
-            self.session.info[_WRITTEN] = (transaction, ids)
-        return ids
+    def write(self, values: dict[str, Any]) -> None:
+        try:
+            self._connection().execute(sa.insert(self.tables.table(self.tables.outbox)), values)
+        except sa_exc.IntegrityError:  # a chosen task id another transaction wrote between the check and now
+            raise _reused_id(values) from None
+        except sa_exc.DBAPIError as e:
+            raise DatabaseError(f"writing the outbox row of task {values['type']!r} ({values['message_id']}) "
+                                f"failed: {e.orig.__class__.__name__}: {e.orig}") from e
 
     def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated:
-        done = dedup.write_unique(self.session, values, key=key, on_conflict=on_conflict, tables=self.tables)
-        self._written().add(values["message_id"])
-        return done
+        return dedup.write_unique(self.session, values, key=key, on_conflict=on_conflict, tables=self.tables)
 
     def holds(self, message_id: uuid.UUID) -> bool:
-        model = self.tables.outbox
-        if message_id in self._written() and any(  # confirmed: a savepoint rolled back takes its rows with it
-                isinstance(o, model) and o.message_id == message_id for o in self.session.new):
-            return True
-        # On the session's connection, not ``session.execute``: no autoflush of the caller's pending objects
-        # (they are flushed when the caller says so), and no ORM overhead on a per-call lookup.
-        stmt = sa.select(sa.literal(1)).where(self.tables.table(model).c.message_id == message_id).limit(1)
-        return self.session.connection().execute(stmt).first() is not None
+        return self._connection().execute(holds_query(self.tables, message_id)).first() is not None
 
 
 class OwnTransactionWriter:
@@ -164,7 +168,8 @@ class OwnTransactionWriter:
         self.outbox = outbox
 
     def write(self, values: dict[str, Any]) -> None:
-        self._commit(values, lambda session: session.add(self.outbox.tables.outbox(**values)))
+        self._commit(values, lambda session: session.connection().execute(
+            sa.insert(self.outbox.tables.table(self.outbox.tables.outbox)), values))
 
     def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated:
         done: list[dedup.Deduplicated] = []
@@ -178,19 +183,15 @@ class OwnTransactionWriter:
             with self.outbox.sessions()() as session, session.begin():
                 write(session)
         except sa_exc.IntegrityError:  # a chosen task id another process wrote between the check and the insert
-            raise ValidationError(f"task {name!r} has task_id {str(values['message_id'])!r}, which an outbox row "
-                                  "already holds (a task id is the message id: use a new one); nothing was written"
-                                  ) from None
+            raise _reused_id(values) from None
         except sa_exc.SQLAlchemyError as e:
             raise DatabaseError(f"writing the outbox row of task {name!r} ({values['message_id']}) in a transaction "
                                 f"of its own failed: {e.__class__.__name__}; nothing was written") from e
 
     def holds(self, message_id: uuid.UUID) -> bool:
-        stmt = sa.select(sa.literal(1)).where(self.outbox.tables.table(self.outbox.tables.outbox).c.message_id
-                                              == message_id).limit(1)
         try:
             with self.outbox.sessions()() as session:
-                return session.connection().execute(stmt).first() is not None
+                return session.connection().execute(holds_query(self.outbox.tables, message_id)).first() is not None
         except sa_exc.SQLAlchemyError as e:
             raise DatabaseError(f"checking task id {message_id} against the outbox failed: "
                                 f"{e.__class__.__name__}") from e
@@ -317,8 +318,7 @@ class Interceptor:
         options, key = self.dedup_options(name, options)
         values = self.row_values(producer, name, message, options)
         if _CHOSEN.get() and writer.holds(values["message_id"]):
-            raise ValidationError(f"task {name!r} has task_id {str(values['message_id'])!r}, which an outbox row "
-                                  "already holds (a task id is the message id: use a new one); nothing was written")
+            raise _reused_id(values)
         if key is None:
             writer.write(values)
             return None
