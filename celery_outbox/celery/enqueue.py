@@ -54,7 +54,6 @@ or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never c
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import uuid
@@ -390,7 +389,8 @@ class Interceptor:
                 f"and start the callback from a task, or list {name!r} in OUTBOX_ENQUEUE_EXCLUDE; nothing was written")
         self._check_known(name)
         # Celery's sender merges ``apply_async(headers=...)`` into the message headers: check them merged.
-        merged = {**task_headers, **(options.get("headers") or {})}
+        extra = options.get("headers")
+        merged = {**task_headers, **extra} if extra else task_headers  # check_call copies, never mutates
         try:  # the one rule table the worker's gate applies too (celery_outbox/task_rules.py)
             call = check_call(merged, body, rules=self.rules(name))
         except MalformedMessageError as e:
@@ -401,7 +401,8 @@ class Interceptor:
             properties["correlation_id"] = call.task_id
         task_headers = call.headers
         what = f"task {name!r} arguments (the outbox carries JSON only: str, int, float, bool, None, list, dict)"
-        encode_json(list(body) if isinstance(body, tuple) else body, what=what)  # refuse early, before Celery's encoder
+        # Refused here, before Celery's sender and its before_task_publish receivers see it.
+        body_json = encode_json(list(body) if isinstance(body, tuple) else body, what=what)
         recorder = _Recorder(producer)
         options = {k: v for k, v in options.items() if k not in ("event_dispatcher", "headers")}
         self.original(recorder, name, (task_headers, properties, body, None), **options)
@@ -417,7 +418,8 @@ class Interceptor:
         queue = next((q for q in publish.get("declare") or () if isinstance(q, Queue)), None)
         properties = {k: v for k, v in publish.items() if k not in _PUBLISH_ARGS and _is_json(v)}
         sent_headers = dict(publish.get("headers") or task_headers)
-        if not getattr(self.outbox.app.tasks.get(name), "outbox_task_key", None):
+        task = self.outbox.app.tasks.get(name)
+        if not getattr(task, "outbox_task_key", None):
             sent_headers[RECEIPT_HEADER] = 1  # a plain task: its worker records a receipt (celery/receipts.py)
         row_headers: dict[str, Any] = {
             "outbox_kind": TASK_KIND,
@@ -430,20 +432,25 @@ class Interceptor:
             "priority": properties.get("priority"),
             "delivery_mode": DELIVERY_MODES.get(publish.get("delivery_mode") or 2, 2),
         }
-        version = getattr(self.outbox.app.tasks.get(name), "outbox_task_version", None)
+        version = getattr(task, "outbox_task_version", None)
         if isinstance(version, int) and not isinstance(version, bool) and version > 0:
             row_headers[VERSION_HEADER] = version  # the relay holds it for a worker that runs it (workers.py)
-        payload = {"body": json.loads(encode_json(list(sent_body), what=what))}
-        encoded = encode_json({"payload": payload, "headers": row_headers},
-                              what=f"task {name!r} message headers (JSON only)")
-        check_size(encoded, limit=self.outbox.settings.max_message_bytes, what=f"task {name!r} message")
+        sent = list(sent_body)
+        if sent_body is not body or signals.before_task_publish.receivers:  # a receiver may have changed it
+            body_json = encode_json(sent, what=what)
+        headers_json = encode_json(row_headers, what=f"task {name!r} message headers (JSON only)")
+        # The row as JSON (``encode_json({"headers": ..., "payload": {"body": ...}})``, keys sorted), without
+        # encoding it again: what the size limit measures.
+        check_size(f'{{"headers":{headers_json},"payload":{{"body":{body_json}}}}}',
+                   limit=self.outbox.settings.max_message_bytes, what=f"task {name!r} message")
+        # Both are plain JSON now (checked strictly above); the writer stores them as they are, in this call.
+        payload = {"body": sent}
         now = self.outbox.clock.now_ms()
-        stored = json.loads(encoded)["headers"]
-        due = self.held_until(stored["task_headers"], now)
+        due = self.held_until(row_headers["task_headers"], now)
         if due is not None:  # held in the outbox until due, published then without an eta (docs/scheduled.md)
-            stored["task_headers"]["eta"] = None
-            stored["held_until_ms"] = due
-        return {"message_id": message_id, "type": name, "payload": payload, "headers": stored,
+            row_headers["task_headers"] = {**row_headers["task_headers"], "eta": None}
+            row_headers["held_until_ms"] = due
+        return {"message_id": message_id, "type": name, "payload": payload, "headers": row_headers,
                 "created_at_ms": now, "next_attempt_at_ms": now if due is None else due, "attempts": 0}
 
     def held_until(self, task_headers: Mapping[str, Any], now_ms: int) -> int | None:
@@ -511,7 +518,12 @@ def queue_spec(queue: Queue) -> QueueSpec:
                      max_priority=getattr(queue, "max_priority", None))
 
 
+_ALWAYS_JSON = frozenset({str, int, bool, type(None)})  # exactly these types: strict JSON whatever the value
+
+
 def _is_json(value: Any) -> bool:
+    if type(value) in _ALWAYS_JSON:  # most message properties (ids, priority): no encoder run
+        return True
     try:
         encode_json(value)
     except SerializationError:
