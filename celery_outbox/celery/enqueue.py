@@ -81,7 +81,7 @@ from celery_outbox.errors import (
     ValidationError,
 )
 from celery_outbox.inbox.receipts import RECEIPT_HEADER
-from celery_outbox.messages import TASK_KIND, QueueSpec, check_size, encode_json
+from celery_outbox.messages import TASK_KIND, QueueSpec, check_size, encode_json, task_name
 from celery_outbox.schema import Tables
 from celery_outbox.task_rules import TaskRules, check_call
 from celery_outbox.workers import VERSION_HEADER
@@ -373,7 +373,7 @@ class Interceptor:
     def captures(self, name: str, headers: Mapping[str, Any]) -> bool:
         if _DIRECT.get() or name.startswith(OWN_PREFIXES) or name in self.outbox.settings.enqueue_exclude:
             return False
-        if name in own_task_names(self.outbox):
+        if is_consumer_task(self.outbox, name):
             return False
         parent = self.outbox.app.current_worker_task
         return not (parent is not None and headers.get("id") == getattr(parent.request, "id", None))
@@ -494,15 +494,19 @@ def carried(outbox: Any, name: str) -> bool:
     (except the canvas containers, whose members are checked themselves)."""
     if name in CANVAS_TASKS:
         return True
-    if name.startswith(OWN_PREFIXES) or name in own_task_names(outbox):
+    if name.startswith(OWN_PREFIXES) or is_consumer_task(outbox, name):
         return False
     app = outbox.app
     return name in app.tasks or app.amqp.router.lookup_route(name) is not None
 
 
-def own_task_names(outbox: Any) -> frozenset[str]:
-    from celery_outbox.messages import task_name
+def is_consumer_task(outbox: Any, name: str) -> bool:
+    """True when ``name`` is a consumer's task. Every one starts with ``task_name("")``: any other task
+    (each ``delay()``) is answered without building the set of consumers' task names."""
+    return name.startswith(task_name("")) and name in own_task_names(outbox)
 
+
+def own_task_names(outbox: Any) -> frozenset[str]:
     return frozenset(task_name(c) for c in outbox.known_consumers())
 
 
