@@ -54,7 +54,6 @@ or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never c
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import uuid
@@ -82,7 +81,7 @@ from celery_outbox.errors import (
     ValidationError,
 )
 from celery_outbox.inbox.receipts import RECEIPT_HEADER
-from celery_outbox.messages import TASK_KIND, QueueSpec, check_size, encode_json
+from celery_outbox.messages import TASK_KIND, QueueSpec, check_size, encode_json, task_name
 from celery_outbox.schema import Tables
 from celery_outbox.task_rules import TaskRules, check_call
 from celery_outbox.workers import VERSION_HEADER
@@ -116,43 +115,47 @@ class DedupWriter(Writer, Protocol):
     def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated: ...
 
 
-_WRITTEN = "celery_outbox.enqueue.written"
+def holds_query(tables: Tables, message_id: uuid.UUID) -> sa.Select[Any]:
+    """``SELECT 1`` when an outbox row has ``message_id``: the reused-id check of every SQLAlchemy writer."""
+    return sa.select(sa.literal(1)).where(tables.table(tables.outbox).c.message_id == message_id).limit(1)
+
+
+def _reused_id(values: Mapping[str, Any]) -> ValidationError:
+    return ValidationError(f"task {values['type']!r} has task_id {str(values['message_id'])!r}, which an outbox row "
+                           "already holds (a task id is the message id: use a new one); nothing was written")
 
 
 class SessionWriter:
-    """Adds the row to a SQLAlchemy session (it commits or rolls back with the caller's data)."""
+    """Inserts the row on the SQLAlchemy session's connection: it commits or rolls back with the caller's
+    data (a savepoint rolled back takes it with it).
+
+    A Core ``INSERT`` at ``delay()``, not an ORM object flushed at commit: the unit of work, the instance
+    state and the ``RETURNING seq`` cost more than the whole capture (bench/enqueue_cpu.py), and the row
+    is in the transaction when ``delay()`` returns, so the reused-id check is one indexed lookup with no
+    bookkeeping of the session's pending objects. On the connection, not ``session.execute``: no
+    autoflush of the caller's pending objects (they are flushed when the caller says so)."""
 
     def __init__(self, session: Session, tables: Tables) -> None:
         self.session = session
         self.tables = tables
 
-    def write(self, values: dict[str, Any]) -> None:
-        self.session.add(self.tables.outbox(**values))
-        self._written().add(values["message_id"])
+    def _connection(self) -> sa.Connection:
+        return self.session.connection(bind_arguments={"mapper": self.tables.outbox})
 
-    def _written(self) -> set[uuid.UUID]:
-        """Ids written in the session's current transaction: a set, so a check never scans every pending row."""
-        transaction = self.session.get_transaction()
-        owner, ids = self.session.info.get(_WRITTEN, (None, None))
-        if owner is not transaction or not isinstance(ids, set):
-            ids = set()
-            self.session.info[_WRITTEN] = (transaction, ids)
-        return ids
+    def write(self, values: dict[str, Any]) -> None:
+        try:
+            self._connection().execute(sa.insert(self.tables.table(self.tables.outbox)), values)
+        except sa_exc.IntegrityError:  # a chosen task id another transaction wrote between the check and now
+            raise _reused_id(values) from None
+        except sa_exc.DBAPIError as e:
+            raise DatabaseError(f"writing the outbox row of task {values['type']!r} ({values['message_id']}) "
+                                f"failed: {e.orig.__class__.__name__}: {e.orig}") from e
 
     def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated:
-        done = dedup.write_unique(self.session, values, key=key, on_conflict=on_conflict, tables=self.tables)
-        self._written().add(values["message_id"])
-        return done
+        return dedup.write_unique(self.session, values, key=key, on_conflict=on_conflict, tables=self.tables)
 
     def holds(self, message_id: uuid.UUID) -> bool:
-        model = self.tables.outbox
-        if message_id in self._written() and any(  # confirmed: a savepoint rolled back takes its rows with it
-                isinstance(o, model) and o.message_id == message_id for o in self.session.new):
-            return True
-        # On the session's connection, not ``session.execute``: no autoflush of the caller's pending objects
-        # (they are flushed when the caller says so), and no ORM overhead on a per-call lookup.
-        stmt = sa.select(sa.literal(1)).where(self.tables.table(model).c.message_id == message_id).limit(1)
-        return self.session.connection().execute(stmt).first() is not None
+        return self._connection().execute(holds_query(self.tables, message_id)).first() is not None
 
 
 class OwnTransactionWriter:
@@ -164,7 +167,8 @@ class OwnTransactionWriter:
         self.outbox = outbox
 
     def write(self, values: dict[str, Any]) -> None:
-        self._commit(values, lambda session: session.add(self.outbox.tables.outbox(**values)))
+        self._commit(values, lambda session: session.connection().execute(
+            sa.insert(self.outbox.tables.table(self.outbox.tables.outbox)), values))
 
     def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated:
         done: list[dedup.Deduplicated] = []
@@ -178,19 +182,15 @@ class OwnTransactionWriter:
             with self.outbox.sessions()() as session, session.begin():
                 write(session)
         except sa_exc.IntegrityError:  # a chosen task id another process wrote between the check and the insert
-            raise ValidationError(f"task {name!r} has task_id {str(values['message_id'])!r}, which an outbox row "
-                                  "already holds (a task id is the message id: use a new one); nothing was written"
-                                  ) from None
+            raise _reused_id(values) from None
         except sa_exc.SQLAlchemyError as e:
             raise DatabaseError(f"writing the outbox row of task {name!r} ({values['message_id']}) in a transaction "
                                 f"of its own failed: {e.__class__.__name__}; nothing was written") from e
 
     def holds(self, message_id: uuid.UUID) -> bool:
-        stmt = sa.select(sa.literal(1)).where(self.outbox.tables.table(self.outbox.tables.outbox).c.message_id
-                                              == message_id).limit(1)
         try:
             with self.outbox.sessions()() as session:
-                return session.connection().execute(stmt).first() is not None
+                return session.connection().execute(holds_query(self.outbox.tables, message_id)).first() is not None
         except sa_exc.SQLAlchemyError as e:
             raise DatabaseError(f"checking task id {message_id} against the outbox failed: "
                                 f"{e.__class__.__name__}") from e
@@ -317,8 +317,7 @@ class Interceptor:
         options, key = self.dedup_options(name, options)
         values = self.row_values(producer, name, message, options)
         if _CHOSEN.get() and writer.holds(values["message_id"]):
-            raise ValidationError(f"task {name!r} has task_id {str(values['message_id'])!r}, which an outbox row "
-                                  "already holds (a task id is the message id: use a new one); nothing was written")
+            raise _reused_id(values)
         if key is None:
             writer.write(values)
             return None
@@ -374,7 +373,7 @@ class Interceptor:
     def captures(self, name: str, headers: Mapping[str, Any]) -> bool:
         if _DIRECT.get() or name.startswith(OWN_PREFIXES) or name in self.outbox.settings.enqueue_exclude:
             return False
-        if name in own_task_names(self.outbox):
+        if is_consumer_task(self.outbox, name):
             return False
         parent = self.outbox.app.current_worker_task
         return not (parent is not None and headers.get("id") == getattr(parent.request, "id", None))
@@ -390,7 +389,8 @@ class Interceptor:
                 f"and start the callback from a task, or list {name!r} in OUTBOX_ENQUEUE_EXCLUDE; nothing was written")
         self._check_known(name)
         # Celery's sender merges ``apply_async(headers=...)`` into the message headers: check them merged.
-        merged = {**task_headers, **(options.get("headers") or {})}
+        extra = options.get("headers")
+        merged = {**task_headers, **extra} if extra else task_headers  # check_call copies, never mutates
         try:  # the one rule table the worker's gate applies too (celery_outbox/task_rules.py)
             call = check_call(merged, body, rules=self.rules(name))
         except MalformedMessageError as e:
@@ -401,7 +401,8 @@ class Interceptor:
             properties["correlation_id"] = call.task_id
         task_headers = call.headers
         what = f"task {name!r} arguments (the outbox carries JSON only: str, int, float, bool, None, list, dict)"
-        encode_json(list(body) if isinstance(body, tuple) else body, what=what)  # refuse early, before Celery's encoder
+        # Refused here, before Celery's sender and its before_task_publish receivers see it.
+        body_json = encode_json(list(body) if isinstance(body, tuple) else body, what=what)
         recorder = _Recorder(producer)
         options = {k: v for k, v in options.items() if k not in ("event_dispatcher", "headers")}
         self.original(recorder, name, (task_headers, properties, body, None), **options)
@@ -417,7 +418,8 @@ class Interceptor:
         queue = next((q for q in publish.get("declare") or () if isinstance(q, Queue)), None)
         properties = {k: v for k, v in publish.items() if k not in _PUBLISH_ARGS and _is_json(v)}
         sent_headers = dict(publish.get("headers") or task_headers)
-        if not getattr(self.outbox.app.tasks.get(name), "outbox_task_key", None):
+        task = self.outbox.app.tasks.get(name)
+        if not getattr(task, "outbox_task_key", None):
             sent_headers[RECEIPT_HEADER] = 1  # a plain task: its worker records a receipt (celery/receipts.py)
         row_headers: dict[str, Any] = {
             "outbox_kind": TASK_KIND,
@@ -430,20 +432,25 @@ class Interceptor:
             "priority": properties.get("priority"),
             "delivery_mode": DELIVERY_MODES.get(publish.get("delivery_mode") or 2, 2),
         }
-        version = getattr(self.outbox.app.tasks.get(name), "outbox_task_version", None)
+        version = getattr(task, "outbox_task_version", None)
         if isinstance(version, int) and not isinstance(version, bool) and version > 0:
             row_headers[VERSION_HEADER] = version  # the relay holds it for a worker that runs it (workers.py)
-        payload = {"body": json.loads(encode_json(list(sent_body), what=what))}
-        encoded = encode_json({"payload": payload, "headers": row_headers},
-                              what=f"task {name!r} message headers (JSON only)")
-        check_size(encoded, limit=self.outbox.settings.max_message_bytes, what=f"task {name!r} message")
+        sent = list(sent_body)
+        if sent_body is not body or signals.before_task_publish.receivers:  # a receiver may have changed it
+            body_json = encode_json(sent, what=what)
+        headers_json = encode_json(row_headers, what=f"task {name!r} message headers (JSON only)")
+        # The row as JSON (``encode_json({"headers": ..., "payload": {"body": ...}})``, keys sorted), without
+        # encoding it again: what the size limit measures.
+        check_size(f'{{"headers":{headers_json},"payload":{{"body":{body_json}}}}}',
+                   limit=self.outbox.settings.max_message_bytes, what=f"task {name!r} message")
+        # Both are plain JSON now (checked strictly above); the writer stores them as they are, in this call.
+        payload = {"body": sent}
         now = self.outbox.clock.now_ms()
-        stored = json.loads(encoded)["headers"]
-        due = self.held_until(stored["task_headers"], now)
+        due = self.held_until(row_headers["task_headers"], now)
         if due is not None:  # held in the outbox until due, published then without an eta (docs/scheduled.md)
-            stored["task_headers"]["eta"] = None
-            stored["held_until_ms"] = due
-        return {"message_id": message_id, "type": name, "payload": payload, "headers": stored,
+            row_headers["task_headers"] = {**row_headers["task_headers"], "eta": None}
+            row_headers["held_until_ms"] = due
+        return {"message_id": message_id, "type": name, "payload": payload, "headers": row_headers,
                 "created_at_ms": now, "next_attempt_at_ms": now if due is None else due, "attempts": 0}
 
     def held_until(self, task_headers: Mapping[str, Any], now_ms: int) -> int | None:
@@ -487,15 +494,19 @@ def carried(outbox: Any, name: str) -> bool:
     (except the canvas containers, whose members are checked themselves)."""
     if name in CANVAS_TASKS:
         return True
-    if name.startswith(OWN_PREFIXES) or name in own_task_names(outbox):
+    if name.startswith(OWN_PREFIXES) or is_consumer_task(outbox, name):
         return False
     app = outbox.app
     return name in app.tasks or app.amqp.router.lookup_route(name) is not None
 
 
-def own_task_names(outbox: Any) -> frozenset[str]:
-    from celery_outbox.messages import task_name
+def is_consumer_task(outbox: Any, name: str) -> bool:
+    """True when ``name`` is a consumer's task. Every one starts with ``task_name("")``: any other task
+    (each ``delay()``) is answered without building the set of consumers' task names."""
+    return name.startswith(task_name("")) and name in own_task_names(outbox)
 
+
+def own_task_names(outbox: Any) -> frozenset[str]:
     return frozenset(task_name(c) for c in outbox.known_consumers())
 
 
@@ -511,7 +522,12 @@ def queue_spec(queue: Queue) -> QueueSpec:
                      max_priority=getattr(queue, "max_priority", None))
 
 
+_ALWAYS_JSON = frozenset({str, int, bool, type(None)})  # exactly these types: strict JSON whatever the value
+
+
 def _is_json(value: Any) -> bool:
+    if type(value) in _ALWAYS_JSON:  # most message properties (ids, priority): no encoder run
+        return True
     try:
         encode_json(value)
     except SerializationError:

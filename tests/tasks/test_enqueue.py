@@ -103,6 +103,25 @@ def test_rollback_leaves_no_row_and_nothing_is_published(tasks: TaskApp) -> None
     assert tasks.broker_messages() == []
 
 
+def test_a_savepoint_rolled_back_takes_its_task_with_it(tasks: TaskApp) -> None:
+    # Given a transaction that enqueues one task, then another with a chosen id inside a savepoint that fails
+    class Declined(Exception):
+        pass
+
+    chosen = str(uuid.uuid4())
+    with tasks.sessions.begin() as s, tasks.outbox.transaction(s):
+        kept = tasks.mail.delay("kept@example.com")
+        with pytest.raises(Declined), s.begin_nested():
+            tasks.mail.apply_async(("gone@example.com",), task_id=chosen)
+            raise Declined
+        # When the chosen id is used again after the savepoint's rollback, Then it is free (no row holds it)
+        again = tasks.mail.apply_async(("again@example.com",), task_id=chosen)
+    # Then the commit holds the first task and the second use of the id, never the rolled-back one
+    rows = {str(r.message_id): r.payload["body"][0] for r in tasks.rows()}
+    assert rows == {kept.id: ["kept@example.com"], again.id: ["again@example.com"]}
+    assert sorted(m.headers["id"] for m in drain(tasks.outbox).published) == sorted([kept.id, chosen])
+
+
 def test_commit_then_relay_publishes_the_task_as_celery_built_it(tasks: TaskApp, clock: ManualClock) -> None:
     # Given a task enqueued at a frozen instant with countdown, expires and priority, routed by task_routes
     enqueued_at = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -97,11 +97,12 @@ def test_celery_made_task_ids_cost_no_query(tasks: TaskApp) -> None:
             # When tasks are sent with Celery's own ids
             for i in range(5):
                 tasks.mail.delay(f"{i}@example.com")
-            # Then no statement ran for them (the rows are flushed with the caller's commit)
-            assert seen == []
-            # And a chosen id costs one lookup
+            # Then each cost its row's INSERT and nothing else (no reused-id lookup)
+            assert [st.lstrip().upper().split()[:2] for st in seen] == [["INSERT", "INTO"]] * 5
+            # And a chosen id costs one lookup before its INSERT
+            seen.clear()
             tasks.mail.apply_async(("chosen@example.com",), task_id=str(uuid.uuid4()))
-            assert len(seen) == 1 and seen[0].lstrip().upper().startswith("SELECT")
+            assert [st.lstrip().upper().split()[0] for st in seen] == ["SELECT", "INSERT"]
     finally:
         sa.event.remove(engine, "before_cursor_execute", count)
 
