@@ -35,7 +35,8 @@ FUZZ = hsettings(max_examples=200, deadline=None, suppress_health_check=[HealthC
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = [f.name for f in dataclasses.fields(Settings)]
 NUMERIC = [n for n in FIELDS if isinstance(Settings.RULES[n], (IntRule, FloatRule))]
-ZERO_MEANS_OFF = {"metrics_port", "relay_reconcile_plain_tasks_after_ms", "worker_heartbeat_ms"}  # documented: 0 = off
+ZERO_MEANS_OFF = {"metrics_port", "relay_reconcile_plain_tasks_after_ms", "worker_heartbeat_ms",
+                  "relay_gather_ms"}  # documented: 0 = off
 SECRETS = ("database_url", "broker_url", "admin_token")
 
 
