@@ -8,6 +8,7 @@ at each offered rate for ``--seconds``, waits until the outbox is drained, and r
 - the relay process's CPU (``/proc/<pid>/stat``, user + system) per order;
 - the CPU of the relay's Postgres backends (every client backend of the run's database but this
   script's own, which are named ``relay-wakeups-bench``) per order;
+- orders per batch (a batch stamps its rows with one ``published_at_ms``: distinct stamps);
 - commit -> published latency per row (``published_at_ms - created_at_ms``: the relay stamps the row
   after the broker confirmed it), p50 / p99.
 
@@ -165,13 +166,16 @@ def main() -> None:
                         lat = [float(x) for x in s.execute(
                             sa.select(table.c.published_at_ms - table.c.created_at_ms)
                             .where(table.c.created_at_ms >= t0_ms)).scalars()]
+                        # a batch stamps its rows with one published_at_ms: distinct stamps ~ batches
+                        batches = int(s.execute(sa.select(sa.func.count(sa.distinct(table.c.published_at_ms)))
+                                                .where(table.c.created_at_ms >= t0_ms)).scalar_one())
                     got = {"orders": n, "relay_cpu_ms_per_order": 1000 * (cpu1 - cpu0) / n,
                            "pg_cpu_ms_per_order": 1000 * pg / n, "p50_ms": percentile(lat, 50),
-                           "p99_ms": percentile(lat, 99)}
+                           "p99_ms": percentile(lat, 99), "orders_per_batch": n / max(1, batches)}
                     runs[v][rate].append(got)
                     print(f"  round {rnd} {v:9s} {rate:5.0f}/s: relay {got['relay_cpu_ms_per_order']:.2f} ms CPU/order, "
                           f"pg {got['pg_cpu_ms_per_order']:.2f} ms/order, commit->published p50 {got['p50_ms']:.0f} "
-                          f"p99 {got['p99_ms']:.0f} ms", flush=True)
+                          f"p99 {got['p99_ms']:.0f} ms, {got['orders_per_batch']:.1f} orders/batch", flush=True)
                     purge()
                 if relay.proc is not None:
                     relay.proc.send_signal(signal.SIGTERM)
@@ -188,7 +192,8 @@ def main() -> None:
             total = m["relay_cpu_ms_per_order"] + m["pg_cpu_ms_per_order"]
             btotal = b["relay_cpu_ms_per_order"] + b["pg_cpu_ms_per_order"]
             print(f"  {rate:5.0f}/s {v:9s} relay {m['relay_cpu_ms_per_order']:.2f} + pg {m['pg_cpu_ms_per_order']:.2f} "
-                  f"= {total:.2f} ms CPU/order (x{total / btotal:.2f})  p50 {m['p50_ms']:.0f} ms  p99 {m['p99_ms']:.0f} ms")
+                  f"= {total:.2f} ms CPU/order (x{total / btotal:.2f})  p50 {m['p50_ms']:.0f} ms  p99 {m['p99_ms']:.0f} ms  "
+                  f"{m['orders_per_batch']:.1f} orders/batch")
     write_result(args.name, {"rates": rates, "seconds_per_step": args.seconds, "rounds": args.rounds,
                               "clients": args.clients, "variants": variants, "medians": med,
                               "runs": {v: {f"{r:g}": x for r, x in d.items()} for v, d in runs.items()},

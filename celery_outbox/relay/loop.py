@@ -5,7 +5,7 @@
 LISTEN connection, rows whose backoff ends). Per wake-up it does no more than a batch needs (issue #24):
 a NOTIFY soon after the last drain waits ``relay_gather_ms`` for more commits before claiming, each
 claim first drops the notifications that have arrived (their rows are visible to it, so they must not
-wake the loop again), the mark reads the next due time in its own statement (Postgres), and the worker
+wake the loop again), the mark reads the next due time in the same statement (Postgres), and the worker
 registry is reused for a second while it holds nothing (``dispatch.RegistryCache``).
 The loop catches every ``Exception`` and logs it (one
 bad row or a database blip must not kill the relay, docs/design.md, rule 4); KeyboardInterrupt and other
