@@ -584,7 +584,7 @@ class Settings:
     relay_batch_size: int = 100
     relay_max_in_flight_rows: int = 1_000
     relay_poll_interval_s: float = 1.0
-    relay_gather_ms: int = 5  # bench/relay_wakeups.py chose it (docs/settings.md)
+    relay_gather_ms: int = 10  # chosen from bench/relay_wakeups.py (figures in docs/settings.md)
     relay_max_attempts: int = 10
     relay_base_delay_ms: int = 1_000
     relay_max_delay_ms: int = 300_000
