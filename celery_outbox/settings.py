@@ -413,6 +413,9 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     # moment, so the most duplicates a relay crash can cause (relay/adaptive.py).
     "relay_max_in_flight_rows": IntRule(1, 10_000),
     "relay_poll_interval_s": FloatRule(0.01, 86_400.0),
+    # After a NOTIFY wakes the standalone relay, how long it gathers further commits before claiming
+    # (relay/loop.py): one claim / publish / mark for several commits instead of one each.
+    "relay_gather_ms": IntRule(0, 1_000, zero="0 = off: claim at once"),
     "relay_max_attempts": IntRule(1, 1_000),  # the attempts column is a 32-bit integer
     "relay_base_delay_ms": IntRule(1, DAY_MS),
     "relay_max_delay_ms": IntRule(1, DAY_MS),
@@ -582,6 +585,7 @@ class Settings:
     relay_batch_size: int = 100
     relay_max_in_flight_rows: int = 1_000
     relay_poll_interval_s: float = 1.0
+    relay_gather_ms: int = 10  # chosen from bench/relay_wakeups.py (figures in docs/settings.md)
     relay_max_attempts: int = 10
     relay_base_delay_ms: int = 1_000
     relay_max_delay_ms: int = 300_000

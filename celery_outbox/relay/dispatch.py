@@ -4,7 +4,7 @@
 loop, the tests and the benchmark all run exactly the same code. Its order is the whole point: a
 crash after publishing and before marking re-publishes the batch (a duplicate the inbox absorbs);
 marking first would lose it. The steps are public (``claim_due``, ``build_messages``,
-``mark_batch``) so a test can assemble the wrong order on purpose and watch it lose a message.
+``mark_batch``, ``mark_rows``) so a test can assemble the wrong order on purpose and watch it lose a message.
 
 On Postgres the rows are claimed with ``FOR UPDATE SKIP LOCKED`` in the transaction that later
 marks them, so concurrent relays take disjoint rows. On SQLite (a single relay by design) the read
@@ -83,6 +83,10 @@ class BatchResult:
     held: int = 0  # task rows waiting for a worker that runs them (no attempt charged; workers.py)
     error: str | None = None
     dead_lettered_rows: list[tuple[str, str]] = field(default_factory=list)  # (message_id, why)
+    # Postgres: the mark also read the earliest due time of the other pending rows (None: none pending);
+    # ``next_due_read`` says it did. The standalone relay sleeps until then (relay/loop.py).
+    next_due_ms: int | None = None
+    next_due_read: bool = False
 
     @property
     def drained(self) -> bool:
@@ -121,14 +125,70 @@ class DeployHold:
     recheck_ms: int
 
 
+REGISTRY_TTL_MS = 1_000  # the longest ``RegistryCache`` answers from memory (at most a tenth of a heartbeat)
+
+
+class RegistryCache:
+    """The last worker registry a relay read, reused for ``ttl_ms`` by batches it holds nothing of.
+
+    The standalone relay claims once per wake-up, often one commit's rows (issue #24): reading the
+    registry for each costs three statements (savepoint, select, release). Reused only when it lets
+    every task row of the batch go out: any row it would hold is decided on a fresh read, so the cache
+    never holds a row the registry would let go. What it can miss is a change younger than ``ttl_ms``
+    that would hold a row: a worker that registered within ``ttl_ms`` (the same as publishing that
+    row ``ttl_ms`` earlier, before the worker existed, which the hold never covered) or a worker
+    that expired within it (expiry itself lags 3 heartbeats). Its clock is the relay's.
+    """
+
+    def __init__(self, *, ttl_ms: int) -> None:
+        self.ttl_ms = ttl_ms
+        self._read_at_ms: int | None = None
+        self._registry: workers.Registry = workers.EMPTY
+        self.hits = 0
+        self.reads = 0
+
+    @classmethod
+    def for_hold(cls, hold: DeployHold) -> RegistryCache:
+        return cls(ttl_ms=max(0, min(REGISTRY_TTL_MS, hold.heartbeat_ms // 10)))
+
+    def fresh(self, now_ms: int) -> workers.Registry | None:
+        """The cached registry when read less than ``ttl_ms`` ago (by ``now_ms``), else None."""
+        at = self._read_at_ms
+        if at is None or not 0 <= now_ms - at < self.ttl_ms:
+            return None
+        return self._registry
+
+    def store(self, now_ms: int, registry: workers.Registry) -> None:
+        self._read_at_ms, self._registry = now_ms, registry
+        self.reads += 1
+
+
+def _held_by(registry: workers.Registry, tasks: Sequence[tuple[int, ClaimedRow]]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    if not registry.queues:
+        return out
+    for i, row in tasks:
+        queue, version = workers.row_target(row.headers)
+        why = None if queue is None else registry.why_held(queue=queue, task=row.type, version=version)
+        if why is not None:
+            out[i] = why
+    return out
+
+
 def held_rows(session: Session, rows: Sequence[ClaimedRow], now_ms: int, *, hold: DeployHold | None,
-              tables: Tables) -> dict[int, str]:
+              tables: Tables, cache: RegistryCache | None = None) -> dict[int, str]:
     """Row index -> what it waits for, for the task rows of ``rows`` that some live registered worker of
-    their queue cannot run. One read of the registry, only when the batch holds task rows; a registry that
-    cannot be read (no table yet) holds nothing, logged."""
+    their queue cannot run. One read of the registry, only when the batch holds task rows (with ``cache``,
+    none while its registry is fresh and holds none of them); a registry that cannot be read (no table
+    yet) holds nothing, logged."""
     tasks = [(i, r) for i, r in enumerate(rows) if is_task_row(r.headers)]
     if hold is None or not tasks:
         return {}
+    if cache is not None:
+        cached = cache.fresh(now_ms)
+        if cached is not None and not _held_by(cached, tasks):
+            cache.hits += 1
+            return {}
     try:
         if is_postgres(session):  # a failed read must not abort the claim's transaction (and its row locks)
             with session.begin_nested():
@@ -139,15 +199,9 @@ def held_rows(session: Session, rows: Sequence[ClaimedRow], now_ms: int, *, hold
         log.warning("the worker registry cannot be read, no task is held for a worker (run `outbox db upgrade`?): "
                     "%s: %s", type(e).__name__, e)
         return {}
-    if not registry.queues:
-        return {}
-    out: dict[int, str] = {}
-    for i, row in tasks:
-        queue, version = workers.row_target(row.headers)
-        why = None if queue is None else registry.why_held(queue=queue, task=row.type, version=version)
-        if why is not None:
-            out[i] = why
-    return out
+    if cache is not None:
+        cache.store(now_ms, registry)
+    return _held_by(registry, tasks)
 
 
 def build_messages(rows: Sequence[ClaimedRow], routes: Mapping[str, Sequence[str]], namespace: str,
@@ -193,45 +247,49 @@ def build_messages(rows: Sequence[ClaimedRow], routes: Mapping[str, Sequence[str
                  held=MappingProxyType(dict(held)))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Marked:
+    """What ``mark_rows`` did; ``next_due_read``: the Postgres mark also read ``next_due_ms``."""
+
+    marked: int
+    failed: int
+    dead_lettered: int
+    next_due_ms: int | None = None
+    next_due_read: bool = False
+
+
 def mark_batch(session: Session, now_ms: int, *, tables: Tables, published: Sequence[ClaimedRow],
                failed: Mapping[int, tuple[ClaimedRow, str]], max_attempts: int, base_delay_ms: int,
                max_delay_ms: int, dead_now: Mapping[int, tuple[ClaimedRow, str]] | None = None,
                count: bool = False, held: Sequence[tuple[ClaimedRow, str]] = (), held_until_ms: int = 0,
                ) -> tuple[int, int, int]:
-    """Mark in the current transaction (the caller commits): returns (marked, failed, dead_lettered).
+    """``mark_rows`` returning (marked, failed, dead_lettered); the caller commits."""
+    m = mark_rows(session, now_ms, tables=tables, published=published, failed=failed, max_attempts=max_attempts,
+                  base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms, dead_now=dead_now, count=count,
+                  held=held, held_until_ms=held_until_ms)
+    return m.marked, m.failed, m.dead_lettered
 
-    Published rows: ONE statement with one array parameter (Postgres, ``= ANY(:ids)``; with
-    ``count`` the relay's ``published`` counter is added in that same statement) or one ``IN``
-    UPDATE (SQLite, counter staged after it). Failed rows: one executemany UPDATE charging an
-    attempt (backoff, dead letter at ``max_attempts``). ``dead_now`` rows are dead-lettered whatever
-    their attempts. ``held`` rows (waiting for a worker that runs them) are due again at ``held_until_ms``
-    with what they wait for in ``held_for``, their attempts untouched (a deploy is not their failure).
+
+def mark_rows(session: Session, now_ms: int, *, tables: Tables, published: Sequence[ClaimedRow],
+              failed: Mapping[int, tuple[ClaimedRow, str]], max_attempts: int, base_delay_ms: int,
+              max_delay_ms: int, dead_now: Mapping[int, tuple[ClaimedRow, str]] | None = None,
+              count: bool = False, held: Sequence[tuple[ClaimedRow, str]] = (), held_until_ms: int = 0,
+              ) -> Marked:
+    """Mark in the current transaction (the caller commits).
+
+    Failed rows: one executemany UPDATE charging an attempt (backoff, dead letter at
+    ``max_attempts``). ``dead_now`` rows are dead-lettered whatever their attempts. ``held`` rows
+    (waiting for a worker that runs them) are due again at ``held_until_ms`` with what they wait for
+    in ``held_for``, their attempts untouched (a deploy is not their failure). Published rows, last:
+    ONE statement with one array parameter (Postgres, ``= ANY(:ids)``; with ``count`` the relay's
+    ``published`` counter is added and the next due time read in that same statement, which sees the
+    updates above) or one ``IN`` UPDATE (SQLite, counter staged after it).
     """
     marked = n_failed = n_dead = 0
+    next_due: int | None = None
+    due_read = False
     outbox = tables.table(tables.outbox)
     with wrap_driver_errors("marking outbox rows"):
-        if published and is_postgres(session):
-            ids = [r.seq for r in published]
-            if count:
-                marked = int(session.execute(
-                    mark_published_pg(tables, session.get_bind().dialect),
-                    {"now": now_ms, "ids": ids, "scope": counters.RELAY, "name": counters.PUBLISHED}).scalar_one())
-            else:
-                res = session.execute(
-                    sa.update(outbox)
-                    .where(outbox.c.seq == sa.any_(sa.bindparam("ids", type_=ARRAY(sa.BigInteger))),
-                           outbox.c.published_at_ms.is_(None))
-                    .values(published_at_ms=now_ms), {"ids": ids})
-                marked = int(getattr(res, "rowcount", 0) or 0)
-        elif published:
-            res = session.execute(
-                sa.update(outbox)
-                .where(outbox.c.seq.in_([r.seq for r in published]), outbox.c.published_at_ms.is_(None))
-                .values(published_at_ms=now_ms)
-            )
-            marked = int(getattr(res, "rowcount", 0) or 0)
-            if count:
-                counters.stage_increment(session, counters.RELAY, counters.PUBLISHED, marked, tables=tables)
         params: list[dict[str, Any]] = []
         for row, error in failed.values():
             attempts = row.attempts + 1
@@ -269,7 +327,31 @@ def mark_batch(session: Session, now_ms: int, *, tables: Tables, published: Sequ
                 .where(outbox.c.seq == sa.bindparam("h_seq"), outbox.c.published_at_ms.is_(None))
                 .values(next_attempt_at_ms=held_until_ms, held_for=sa.bindparam("h_why")),
                 [{"h_seq": row.seq, "h_why": why[:300]} for row, why in held])
-    return marked, n_failed, n_dead
+        if published and is_postgres(session):
+            ids = [r.seq for r in published]
+            if count:
+                stamped, due = session.execute(
+                    mark_published_pg(tables, session.get_bind().dialect),
+                    {"now": now_ms, "ids": ids, "scope": counters.RELAY, "name": counters.PUBLISHED}).one()
+                marked, next_due, due_read = int(stamped), None if due is None else int(due), True
+            else:
+                res = session.execute(
+                    sa.update(outbox)
+                    .where(outbox.c.seq == sa.any_(sa.bindparam("ids", type_=ARRAY(sa.BigInteger))),
+                           outbox.c.published_at_ms.is_(None))
+                    .values(published_at_ms=now_ms), {"ids": ids})
+                marked = int(getattr(res, "rowcount", 0) or 0)
+        elif published:
+            res = session.execute(
+                sa.update(outbox)
+                .where(outbox.c.seq.in_([r.seq for r in published]), outbox.c.published_at_ms.is_(None))
+                .values(published_at_ms=now_ms)
+            )
+            marked = int(getattr(res, "rowcount", 0) or 0)
+            if count:
+                counters.stage_increment(session, counters.RELAY, counters.PUBLISHED, marked, tables=tables)
+    return Marked(marked=marked, failed=n_failed, dead_lettered=n_dead, next_due_ms=next_due,
+                  next_due_read=due_read)
 
 
 def start_publish(publisher: Publisher, messages: Sequence[TaskMessage]) -> Callable[[], PublishReport]:
@@ -320,13 +402,14 @@ def _abort(session: Session, spans: tracing.RelaySpans, e: BaseException) -> Non
 
 def claim_batch(session: Session, clock: Clock, *, tables: Tables, limit: int,
                 routes: Mapping[str, Sequence[str]], max_message_bytes: int, namespace: str,
-                hold: DeployHold | None = None) -> Claimed:
+                hold: DeployHold | None = None, registry_cache: RegistryCache | None = None) -> Claimed:
     """Claim up to ``limit`` due rows (earliest due first, then seq) and build their broker messages (nothing is sent).
 
     An empty claim is committed at once. On SQLite the read transaction is committed before
     returning, so the database's one write lock is never held across broker I/O. An exception rolls
     back (releasing the claim) and propagates. With ``hold``, task rows no live worker of their queue
-    runs are set aside (``Built.held``) and put back for ``hold.recheck_ms`` when the batch is marked.
+    runs are set aside (``Built.held``) and put back for ``hold.recheck_ms`` when the batch is marked;
+    ``registry_cache`` spares the registry read while it is fresh (``RegistryCache``).
     """
     result = BatchResult()
     spans = tracing.NO_RELAY_SPANS
@@ -334,7 +417,7 @@ def claim_batch(session: Session, clock: Clock, *, tables: Tables, limit: int,
         now = clock.now_ms()
         rows = claim_due(session, now, limit, tables=tables)
         result.claimed = len(rows)
-        held = held_rows(session, rows, now, hold=hold, tables=tables) if rows else {}
+        held = held_rows(session, rows, now, hold=hold, tables=tables, cache=registry_cache) if rows else {}
         if not rows or not is_postgres(session):
             session.commit()  # SQLite: single relay; do not hold the write lock across broker I/O
         if not rows:
@@ -413,10 +496,12 @@ def finish_batch(flight: InFlight, clock: Clock, *, tables: Tables, max_attempts
                      if i not in built.unpublishable and i not in rejected_rows and i not in built.held]
         dead_now = {i: (rows[i], why) for i, why in built.unpublishable.items()}
         held = [(rows[i], f"waiting for a worker that runs {why}") for i, why in built.held.items()]
-        marked, result.failed, result.dead_lettered = mark_batch(
+        m = mark_rows(
             session, done, tables=tables, published=published, failed=rejected_rows, dead_now=dead_now,
             max_attempts=max_attempts, base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms, count=True,
             held=held, held_until_ms=done + claimed.recheck_ms)
+        marked, result.failed, result.dead_lettered = m.marked, m.failed, m.dead_lettered
+        result.next_due_ms, result.next_due_read = m.next_due_ms, m.next_due_read
         result.held = len(held)
         if held:
             log.info("%s task row(s) held: %s", len(held), "; ".join(sorted({why for _, why in held}))[:500])

@@ -2,7 +2,12 @@
 
 ``outbox relay`` runs this. A row inserted into the outbox fires the ``outbox_pending`` NOTIFY
 (trigger of migration 0001), which wakes the loop at once; polling is the fallback (SQLite, a lost
-LISTEN connection, rows whose backoff ends). The loop catches every ``Exception`` and logs it (one
+LISTEN connection, rows whose backoff ends). Per wake-up it does no more than a batch needs (issue #24):
+a NOTIFY soon after the last drain waits ``relay_gather_ms`` for more commits before claiming, each
+claim first drops the notifications that have arrived (their rows are visible to it, so they must not
+wake the loop again), the mark reads the next due time in the same statement (Postgres), and the worker
+registry is reused for a second while it holds nothing (``dispatch.RegistryCache``).
+The loop catches every ``Exception`` and logs it (one
 bad row or a database blip must not kill the relay, docs/design.md, rule 4); KeyboardInterrupt and other
 BaseExceptions pass.
 
@@ -53,6 +58,7 @@ from celery_outbox.relay.dispatch import (
     BatchResult,
     Claimed,
     CrashPointsLike,
+    RegistryCache,
     breaker_from_settings,
     claim_batch,
     dispatch_with_settings,
@@ -73,6 +79,10 @@ STALL_MARGIN_S = 2.0  # added to the longest healthy step (``stall_bound_s``)
 STOP_GRACE_S = 0.4  # after SIGTERM: how long the current batch may finish before its connections are shut down
 STOP_GIVE_UP_S = 0.7  # after SIGTERM: when ``run`` returns even if the loop's thread is still blocked
 _TICK_S = 0.05  # how often the watchdog looks
+# A NOTIFY gathers (``relay_gather_ms``) only when it comes within this many windows of the last drain's
+# end: commits arrive often enough that the window will collect more; a wake-up after a quiet spell
+# (one commit now and then) claims at once and pays no latency for nothing.
+GATHER_QUIET = 4
 
 
 def stall_bound_s(settings: Settings, *, poll_interval_s: float | None = None) -> float:
@@ -103,9 +113,17 @@ class DrainResult:
     broker_unavailable: bool = False
     error: str | None = None
     dead_lettered_rows: list[tuple[str, str]] = field(default_factory=list)
+    # The next due time the last mark read (Postgres, ``BatchResult.next_due_ms``); ``next_due_read``
+    # False: unknown (the loop asks the database before it sleeps).
+    next_due_ms: int | None = None
+    next_due_read: bool = False
 
     def add(self, r: BatchResult) -> None:
         self.batches += 1
+        if r.next_due_read:
+            self.next_due_ms, self.next_due_read = r.next_due_ms, True
+        elif r.claimed:  # a batch that claimed rows and did not read it: what came before is stale
+            self.next_due_ms, self.next_due_read = None, False
         self.dead_lettered_rows.extend(r.dead_lettered_rows)
         self.claimed += r.claimed
         self.published += r.published
@@ -128,6 +146,9 @@ class LoopStats:
     notify_wakeups: int = 0
     poll_wakeups: int = 0
     kick_wakeups: int = 0
+    gathers: int = 0  # NOTIFY wake-ups that waited ``relay_gather_ms`` for more commits before claiming
+    coalesced: int = 0  # notifications read and dropped because the claim after them sees their rows
+    due_reads: int = 0  # next-due queries before a sleep (not needed when the last mark read it)
     broker_unavailable: int = 0
     skipped_busy: int = 0  # SQLite: another drain held the single-flight lock
     reconciles: int = 0  # reconcile passes run (``reconcile_if_due``)
@@ -213,7 +234,15 @@ class RelayLoop:
         self._lock_path = sqlite_lock_path(bind.url.render_as_string(hide_password=False) if bind is not None else "")
         self.poll_interval_s = poll_interval_s or settings.relay_poll_interval_s
         self.listen = listen
+        # After a NOTIFY that comes soon after the last drain (within GATHER_QUIET x the window), wait
+        # the window for more commits, so one claim, publish and mark serve several (``_gather``).
+        self.gather_s = settings.relay_gather_ms / 1000
+        self._drained_at = 0.0  # monotonic end of the last drain
+        self._due_hint: DrainResult | None = None  # the last drain, when its mark read the next due time
         self.max_batches_per_drain = max_batches_per_drain
+        # Read once, not per claim; the worker registry is reused for a second between wake-ups (RegistryCache).
+        self._hold = hold_from_settings(settings)
+        self._registry_cache = RegistryCache.for_hold(self._hold) if self._hold is not None else None
         # Called with every finished drain (e.g. the CLI sends Celery events for its dead letters);
         # it must not raise, and if it does the error is logged: the drain is done either way.
         self.on_drain = on_drain
@@ -257,6 +286,7 @@ class RelayLoop:
         relay) they run one after another.
         """
         total = DrainResult()
+        self._due_hint = None
         with single_flight(self._lock_path) as mine:
             if not mine:
                 self.stats.skipped_busy += 1
@@ -265,6 +295,9 @@ class RelayLoop:
                 self._drain_pipelined(total)
             else:
                 self._drain_sequential(total)
+        self._drained_at = time.monotonic()
+        if total.next_due_read:
+            self._due_hint = total
         self.stats.drains += 1
         self.stats.published += total.published
         if total.broker_unavailable:
@@ -280,6 +313,7 @@ class RelayLoop:
         """Claim, publish, confirm, mark, commit; then the next batch (until an empty one)."""
         for _ in range(self.max_batches_per_drain):
             asked = self.sizer.size
+            self._coalesce_notifies()
             with self.session_factory() as session:
                 result = dispatch_with_settings(session, self.publisher, self.clock, self.settings, tables=self.tables,
                                                 breaker=self.breaker, crash_points=self.crash_points,
@@ -296,12 +330,13 @@ class RelayLoop:
         now = self.clock.now_ms()
         if not self.breaker.allow(now):
             return BatchResult(broker_unavailable=True, breaker_open=True, error=self.breaker.last_error)
+        self._coalesce_notifies()
         session = self.session_factory()
         try:
             return claim_batch(session, self.clock, tables=self.tables,
                                limit=self.breaker.batch_limit(now, self.sizer.size), routes=self.routes,
                                max_message_bytes=self.settings.max_message_bytes, namespace=self.settings.namespace,
-                               hold=hold_from_settings(self.settings))
+                               hold=self._hold, registry_cache=self._registry_cache)
         except BaseException:
             session.close()
             raise
@@ -619,10 +654,43 @@ class RelayLoop:
             self._listener = None
             self.stats.listening = False
 
+    def _until_due_s(self) -> float:
+        """``until_next_due_s``, from the last drain's mark when it read the next due time (Postgres: the
+        mark statement reads it, relay/queries.py), else from one query."""
+        hint, self._due_hint = self._due_hint, None
+        if hint is None:
+            self.stats.due_reads += 1
+            return self.until_next_due_s()
+        due = hint.next_due_ms
+        return self.poll_interval_s if due is None else max(0.01, (due - self.clock.now_ms()) / 1000)
+
+    def _coalesce_notifies(self) -> None:
+        """Read and drop the notifications that have arrived, just before a claim: their commits are
+        visible to it (Postgres delivers a NOTIFY after its transaction committed), so the claim takes
+        their rows, and they must not wake the loop again for nothing after this drain. A notification
+        that arrives later wakes it as usual."""
+        if self._listener is None:
+            return
+        try:
+            self.stats.coalesced += self._listener.consume()
+        except Exception as e:  # the LISTEN connection is broken: poll until it is back (``_ensure_listener``)
+            log.warning("reading outbox notifications failed; polling until LISTEN works again: %s", e)
+            self._close_listener()
+
+    def _gather(self) -> None:
+        """After a NOTIFY: wait ``relay_gather_ms`` for more commits before the drain claims (one claim,
+        publish, confirm wait and mark for all of them), when it came soon after the last drain (see
+        ``GATHER_QUIET``). A stop or a kick ends the wait at once; the notifications it collected are
+        dropped by the claim (``_coalesce_notifies``)."""
+        if self.gather_s <= 0 or self.stopping or time.monotonic() - self._drained_at > GATHER_QUIET * self.gather_s:
+            return
+        self.stats.gathers += 1
+        select.select([self._wake_r], [], [], self.gather_s)
+
     def _wait(self) -> None:
         breaker_wait = self.breaker.wait_ms(self.clock.now_ms()) / 1000
         # an open breaker publishes nothing, due or not; otherwise wake when the next held row is due
-        timeout = min(self.poll_interval_s, breaker_wait if breaker_wait > 0 else self.until_next_due_s())
+        timeout = min(self.poll_interval_s, breaker_wait if breaker_wait > 0 else self._until_due_s())
         fds: list[Any] = [self._wake_r]
         if self._listener is not None:
             fds.append(self._listener)
@@ -638,3 +706,4 @@ class RelayLoop:
             self.stats.kick_wakeups += 1
         if self._listener is not None and self._listener in ready and self._listener.consume():
             self.stats.notify_wakeups += 1
+            self._gather()

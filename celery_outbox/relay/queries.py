@@ -1,6 +1,6 @@
 """The relay's SQL: due pending rows, earliest due first then in seq order (served by the partial index
 ``ix_outbox_due``), the next due time the relay sleeps until, and the Postgres mark that stamps a
-batch and counts it in one statement."""
+batch, counts it and reads the next due time in one statement."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from celery_outbox.schema import Tables
+from celery_outbox.schema import PENDING_SQL, Tables
 
 # The columns ``dispatch.claim_due`` copies into a ``ClaimedRow``, in this order.
 CLAIM_COLUMNS = ("seq", "message_id", "type", "payload", "headers", "created_at_ms", "attempts")
@@ -54,9 +54,16 @@ def next_due(tables: Tables) -> sa.Select[Any]:
 
 
 def mark_published_pg(tables: Tables, dialect: sa.Dialect) -> sa.TextClause:
-    """Postgres: stamp ``published_at_ms`` on the rows ``:ids`` (one array parameter) and add the
-    number stamped to the relay's ``published`` counter, in ONE statement (a data-modifying CTE);
-    returns that number. Rows another relay stamped first are not stamped or counted again.
+    """Postgres: stamp ``published_at_ms`` on the rows ``:ids`` (one array parameter), add the number
+    stamped to the relay's ``published`` counter and read the next due time, in ONE statement (a
+    data-modifying CTE); returns ``(stamped, next_due)``. Rows another relay stamped first are not
+    stamped or counted again.
+
+    ``next_due`` is what ``next_due`` would answer once the batch is marked: the earliest
+    ``next_attempt_at_ms`` of the pending rows but ``:ids`` (the statement's snapshot still shows them
+    pending; rows this transaction re-scheduled before it, failed or held, show their new time), NULL
+    when none. The standalone relay sleeps until then without a query of its own per wake-up
+    (relay/loop.py).
 
     Parameters: ``now`` (ms), ``ids`` (list of seq), ``scope`` and ``name`` (the counter's key).
     """
@@ -68,5 +75,6 @@ def mark_published_pg(tables: Tables, dialect: sa.Dialect) -> sa.TextClause:
         f"counted AS (INSERT INTO {counters} (consumer, name, value) "
         f"SELECT :scope, :name, m.n FROM (SELECT count(*) AS n FROM marked) AS m WHERE m.n > 0 "
         f"ON CONFLICT (consumer, name) DO UPDATE SET value = {counters}.value + EXCLUDED.value) "
-        f"SELECT count(*) FROM marked"
+        f"SELECT count(*), (SELECT min(next_attempt_at_ms) FROM {outbox} "
+        f"WHERE {PENDING_SQL} AND seq <> ALL(:ids)) FROM marked"
     ).bindparams(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)))

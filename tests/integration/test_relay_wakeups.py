@@ -1,0 +1,164 @@
+"""What the standalone relay does per wake-up on Postgres (issue #24): the mark reads the next due time,
+a claim swallows the notifications of the rows it takes, a NOTIFY soon after a drain gathers more commits,
+and the worker registry is reused between wake-ups only when it holds nothing."""
+
+from __future__ import annotations
+
+import select
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox import Tables, workers
+from celery_outbox.clock import ManualClock
+from celery_outbox.messages import TASK_KIND
+from celery_outbox.relay.dispatch import ClaimedRow, RegistryCache, claim_due, held_rows, mark_rows
+from celery_outbox.relay.loop import RelayLoop
+from celery_outbox.relay.queries import next_due
+from celery_outbox.testing.memory import InMemoryPublisher
+from celeryconfig import Settings
+from tests.outbox_rows import insert_pending
+
+pytestmark = pytest.mark.postgres
+
+
+def settings(tmp_path: Path, pg_url: str, **kw: object) -> Settings:
+    values: dict[str, object] = {"relay_poll_interval_s": 0.05, **kw}
+    return Settings(home=tmp_path, database_url=pg_url, namespace="wk", routes={"OrderPlaced": ("shipping",)},
+                    **values)  # type: ignore[arg-type]
+
+
+def schedule(sessions: sessionmaker[Session], tables: Tables, due_ms: int) -> None:
+    """One pending row due at ``due_ms`` (a held task, a backoff)."""
+    with sessions() as s:
+        s.add(tables.outbox(message_id=uuid.uuid4(), type="OrderPlaced", payload={}, headers={},
+                            created_at_ms=due_ms, next_attempt_at_ms=due_ms, attempts=0))
+        s.commit()
+
+
+def test_the_mark_reads_the_earliest_due_time_of_the_other_pending_rows(
+        pg_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    # Given two due rows and one due in 5 s
+    now = clock.now_ms()
+    insert_pending(pg_sessions, now, 2, tables=tables)
+    schedule(pg_sessions, tables, now + 5_000)
+    with pg_sessions() as s:
+        a, b = claim_due(s, now, 2, tables=tables)
+        # When the batch is marked: a published, b rejected (backoff 1 s)
+        m = mark_rows(s, now, tables=tables, published=[a], failed={1: (b, "nack")}, max_attempts=5,
+                      base_delay_ms=1_000, max_delay_ms=60_000, count=True)
+        s.commit()
+    # Then the mark read the next due time: b's backoff (the update before it is seen; a is not counted),
+    # the same as the query the loop used to send before it slept
+    assert (m.marked, m.failed, m.next_due_read, m.next_due_ms) == (1, 1, True, now + 1_000)
+    with pg_sessions() as s:
+        assert s.execute(next_due(tables)).scalar() == now + 1_000
+
+
+def test_a_drain_sleeps_until_the_due_time_its_mark_read_and_asks_the_database_only_after_an_empty_drain(
+        pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
+    # Given a due row and one held for 3 s
+    insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
+    schedule(pg_sessions, tables, clock.now_ms() + 3_000)
+    loop = RelayLoop(settings=settings(tmp_path, pg_url), tables=tables, session_factory=pg_sessions,
+                     publisher=InMemoryPublisher(), clock=clock, listen=False)
+    # When the loop drains, Then it would sleep 3 s, without a query of its own
+    assert loop.drain_once().published == 1
+    assert (loop._until_due_s(), loop.stats.due_reads) == (3.0, 0)
+    # When a drain claims nothing (no mark), Then the wait asks the database, and the answer is the same
+    assert loop.drain_once().claimed == 0
+    assert (loop._until_due_s(), loop.stats.due_reads) == (3.0, 1)
+    loop.close()
+
+
+def test_the_notification_of_a_commit_the_claim_took_does_not_wake_the_loop_again(
+        pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
+    # Given a listening loop and a commit of two rows whose NOTIFY has reached the loop's socket
+    loop = RelayLoop(settings=settings(tmp_path, pg_url, relay_gather_ms=0), tables=tables,
+                     session_factory=pg_sessions, publisher=InMemoryPublisher(), clock=clock)
+    loop._ensure_listener()
+    assert loop._listener is not None
+    insert_pending(pg_sessions, clock.now_ms(), 2, tables=tables)
+    assert select.select([loop._listener], [], [], 30)[0], "the NOTIFY never arrived"
+    # When the loop drains, then waits
+    assert loop.drain_once().published == 2
+    loop._wait()
+    # Then the claim took the notification with the rows: the wait ends by the poll, not by a NOTIFY
+    assert (loop.stats.coalesced, loop.stats.notify_wakeups, loop.stats.poll_wakeups) == (1, 0, 1)
+    # And a commit after the drain wakes it as before
+    insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
+    assert select.select([loop._listener], [], [], 30)[0], "the NOTIFY never arrived"
+    loop._wait()
+    assert loop.stats.notify_wakeups == 1
+    loop.close()
+
+
+def test_a_notify_soon_after_a_drain_gathers_and_one_after_a_quiet_spell_does_not(
+        pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
+    loop = RelayLoop(settings=settings(tmp_path, pg_url, relay_gather_ms=250, relay_poll_interval_s=30.0),
+                     tables=tables, session_factory=pg_sessions, publisher=InMemoryPublisher(), clock=clock)
+    loop._ensure_listener()
+    # Given a drain that just ended, When a commit's NOTIFY wakes the loop, Then it gathers before claiming
+    loop.drain_once()
+    insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
+    loop._wait()
+    assert (loop.stats.notify_wakeups, loop.stats.gathers) == (1, 1)
+    # Given a drain 10 s ago (a quiet spell), When a NOTIFY wakes it, Then it claims at once
+    loop.drain_once()
+    loop._drained_at -= 10.0
+    insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
+    loop._wait()
+    assert (loop.stats.notify_wakeups, loop.stats.gathers) == (2, 1)
+    assert loop.drain_once().published == 1
+    loop.close()
+
+
+QUEUE = "wk.tasks"
+
+
+def task_row(version: int) -> ClaimedRow:
+    return ClaimedRow(seq=1, message_id=uuid.uuid4(), type="t.send", payload={}, attempts=0, created_at_ms=0,
+                      headers={"outbox_kind": TASK_KIND, "routing_key": QUEUE, workers.VERSION_HEADER: version})
+
+
+def test_the_registry_is_reused_within_its_ttl_only_while_it_holds_nothing(
+        pg_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    from celery_outbox.relay.dispatch import DeployHold
+
+    hold = DeployHold(heartbeat_ms=10_000, recheck_ms=2_000)
+    cache = RegistryCache.for_hold(hold)
+    now = clock.now_ms()
+    with pg_sessions() as s:
+        workers.register(s, worker=uuid.uuid4(), name="w@h", queues=[QUEUE], tasks={"t.send": 1}, now_ms=now,
+                         tables=tables)
+    with pg_sessions() as s:
+        # Given a registry read once (a live worker runs t.send v1)
+        assert held_rows(s, [task_row(1)], now, hold=hold, tables=tables, cache=cache) == {}
+        assert (cache.reads, cache.hits) == (1, 0)
+        # When the next batch within the TTL holds nothing by it, Then it is not read again
+        assert held_rows(s, [task_row(1)], now + cache.ttl_ms - 1, hold=hold, tables=tables, cache=cache) == {}
+        assert (cache.reads, cache.hits) == (1, 1)
+        # When a row the cached registry would hold comes (v2), Then the hold is decided on a fresh read
+        assert held_rows(s, [task_row(2)], now + 1, hold=hold, tables=tables, cache=cache)
+        assert cache.reads == 2
+        # When the TTL has passed, Then the registry is read again
+        assert held_rows(s, [task_row(1)], now + 1 + cache.ttl_ms, hold=hold, tables=tables, cache=cache) == {}
+        assert cache.reads == 3
+
+
+def test_a_fresh_read_lets_go_a_row_a_stale_registry_would_hold(
+        pg_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    from celery_outbox.relay.dispatch import DeployHold
+
+    hold = DeployHold(heartbeat_ms=10_000, recheck_ms=2_000)
+    cache = RegistryCache.for_hold(hold)
+    now = clock.now_ms()
+    # Given a cached registry where the queue's only worker runs v1, and a database where it has gone
+    cache.store(now, workers.Registry(queues={QUEUE: ({"t.send": 1},)}))
+    with pg_sessions() as s:
+        assert s.execute(sa.select(sa.func.count()).select_from(tables.table(tables.workers))).scalar() == 0
+        # When a v2 row is claimed within the TTL, Then it goes out (the database says nobody holds it)
+        assert held_rows(s, [task_row(2)], now + 1, hold=hold, tables=tables, cache=cache) == {}
