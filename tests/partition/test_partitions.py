@@ -271,3 +271,23 @@ def test_cli_convert_status_and_drop(url: str, sessions: sessionmaker[Session], 
     dropped = run(url, tmp_path, "drop", "--published-older-than", "1s")
     assert dropped.exit_code == 0 and f"dropped 1 partition(s), 10 row(s): {TABLE}_plain" in dropped.output, \
         dropped.output
+
+
+def test_the_notify_trigger_still_wakes_a_listening_relay_after_convert(
+        url: str, sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given a converted table and a connection LISTENing on the channel the standalone relay uses
+    partitions.convert(sessions, tables=tables, size=SIZE, ahead=1)
+    engine = make_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as c:
+            c.exec_driver_sql(f"LISTEN {tables.notify_channel}")
+            raw = c.connection.dbapi_connection
+            assert raw is not None
+            # When a row is written through the partitioned parent
+            insert(sessions, 1, published_at=None, tag="wake")
+            c.exec_driver_sql("SELECT 1")  # reads the notifications the server queued
+            raw.poll()
+            # Then the notification arrived
+            assert [n.channel for n in raw.notifies] == [tables.notify_channel]
+    finally:
+        engine.dispose()
