@@ -17,8 +17,14 @@ What Postgres cannot do on a partitioned table is a unique index without the par
 
 The layout is recognised by the catalog (the outbox table's ``relkind`` is ``p``), never by a setting:
 SQLite and the plain table stay the default and unchanged. Partitions are created ahead by
-``ensure_partitions`` (run by ``outbox prune`` and ``outbox db partitions ensure``); a ``DEFAULT``
-partition catches rows past the last one, so a late ``ensure`` never fails a write.
+``ensure_partitions`` (run by ``outbox prune`` and ``outbox db partitions ensure``).
+
+Locks: after the conversion nothing here takes ACCESS EXCLUSIVE on the outbox table. A pipelined relay
+under backlog always has a batch transaction open that waits for its next claim, which would queue behind
+that lock: an application-level deadlock that only ``lock_timeout`` ends (bench/partitioned_retention.py
+found it). So a new partition is built on its own and ATTACHed (SHARE UPDATE EXCLUSIVE on the parent), and
+an expired one is DETACHed CONCURRENTLY (the same) and then dropped. Both need the table to have no
+DEFAULT partition; the partitions ahead are what keeps writes from failing (docs/partitioning.md).
 """
 
 from __future__ import annotations
@@ -112,7 +118,7 @@ class DropReport:
     dropped: tuple[str, ...] = ()
     rows: int = 0  # rows the dropped partitions held
     kept: dict[str, str] = field(default_factory=dict)  # partition -> why it stays
-    lock_s: tuple[float, ...] = ()  # ACCESS EXCLUSIVE on the outbox table per drop, granted to commit
+    lock_s: tuple[float, ...] = ()  # per drop: DETACH CONCURRENTLY to DROP (no lock that blocks the relay)
 
     def to_dict(self) -> dict[str, Any]:
         return {"dropped": list(self.dropped), "rows": self.rows, "kept": dict(self.kept),
@@ -207,18 +213,20 @@ def _partition_indexes(session: Session, tables: Tables, part: str) -> None:
 
 
 def _create_range(session: Session, tables: Tables, lower: int, upper: int) -> str:
+    """A new empty table with the partition's CHECK and indexes, then ATTACH: SHARE UPDATE EXCLUSIVE on the
+    parent (the relay's claims and marks go on), the CHECK spares the scan, the indexes are attached."""
     table = _table(tables)
     name = f"{table}_p{lower}"
-    session.execute(sa.text(f"CREATE TABLE {name} PARTITION OF {table} FOR VALUES FROM ({lower}) TO ({upper})"))
+    session.execute(sa.text(f"CREATE TABLE {name} (LIKE {table} INCLUDING DEFAULTS INCLUDING STORAGE)"))
+    session.execute(sa.text(f"ALTER TABLE {name} ADD CONSTRAINT {name}_range "
+                            f"CHECK (seq IS NOT NULL AND seq >= {lower} AND seq < {upper})"))
+    session.execute(sa.text(f"ALTER TABLE {name} ADD PRIMARY KEY (seq)"))
+    for index in tables.table(tables.outbox).indexes:
+        if not index.unique:
+            sql = _ddl(session, tables, index, on=name).replace(f"INDEX {index.name} ON", "INDEX ON", 1)
+            session.execute(sa.text(sql))
     _partition_indexes(session, tables, name)
-    return name
-
-
-def _create_default(session: Session, tables: Tables) -> str:
-    table = _table(tables)
-    name = f"{table}_overflow"
-    session.execute(sa.text(f"CREATE TABLE {name} PARTITION OF {table} DEFAULT"))
-    _partition_indexes(session, tables, name)
+    session.execute(sa.text(f"ALTER TABLE {table} ATTACH PARTITION {name} FOR VALUES FROM ({lower}) TO ({upper})"))
     return name
 
 
@@ -257,7 +265,7 @@ def convert(session_factory: sessionmaker[Session], *, tables: Tables, size: int
        behind a long transaction): rename the table and its indexes, create the partitioned parent with
        the library's indexes, ATTACH the old table as the partition ``seq < boundary`` (the valid CHECK
        proves the bound: no scan; its indexes match the parent's: no build), create ``ahead`` empty
-       partitions and the default one, move the NOTIFY trigger, add the reused-id check.
+       partitions, move the NOTIFY trigger, add the reused-id check.
     The old table's rows keep their seq; new rows start at the boundary, in the first new partition.
     """
     _check_size(size, ahead, lock_timeout_ms)
@@ -305,7 +313,6 @@ def convert(session_factory: sessionmaker[Session], *, tables: Tables, size: int
                 s.execute(sa.text(_ddl(s, tables, index)))
         s.execute(sa.text(f"ALTER TABLE {table} ATTACH PARTITION {old} FOR VALUES FROM (MINVALUE) TO ({boundary})"))
         created = [_create_range(s, tables, boundary + k * size, boundary + (k + 1) * size) for k in range(ahead)]
-        created.append(_create_default(s, tables))
         s.execute(sa.text(
             f"CREATE OR REPLACE FUNCTION {unique}() RETURNS trigger AS $$ BEGIN "
             f"IF EXISTS (SELECT 1 FROM {table} WHERE message_id = NEW.message_id) THEN "
@@ -335,9 +342,8 @@ def ensure_partitions(session_factory: sessionmaker[Session], *, tables: Tables,
                       lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> tuple[str, ...]:
     """Create empty partitions until ``ahead`` of them lie above the next seq; returns their names.
 
-    Each is a ``CREATE TABLE ... PARTITION OF`` (a brief ACCESS EXCLUSIVE on the outbox table, bounded by
-    ``lock_timeout``). Rows that reached the default partition meanwhile stay there: new ranges start above
-    them, and the default partition is dropped like any other once its rows are past retention.
+    Each is built on its own and ATTACHed (SHARE UPDATE EXCLUSIVE on the outbox table, ``lock_timeout``
+    bounded): the relay and writers go on meanwhile.
     """
     _check_size(DEFAULT_SIZE, ahead, lock_timeout_ms)
     table = _table(tables)
@@ -350,10 +356,7 @@ def ensure_partitions(session_factory: sessionmaker[Session], *, tables: Tables,
         want = _next_seq(s, table) + ahead * size
         if top >= want:
             return ()
-        _lock(s, table, lock_timeout_ms)
-        in_default = s.execute(sa.text(f"SELECT max(seq) FROM {table}_overflow")).scalar()
-        if in_default is not None and in_default >= top:
-            top = (int(in_default) // size + 1) * size
+        s.execute(sa.text(f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}"))
         created = []
         while top < want:
             created.append(_create_range(s, tables, top, top + size))
@@ -374,7 +377,7 @@ def _state(session: Session, part: Partition, next_seq: int, *, rows: int | None
         f"SELECT max(published_at_ms) FROM {name} WHERE published_at_ms IS NOT NULL")).scalar()
     if rows is None:
         rows = int(session.execute(sa.text(f"SELECT count(*) FROM {name}")).scalar_one())
-    closed = part.default or (part.upper is not None and part.upper <= next_seq)
+    closed = part.upper is not None and part.upper <= next_seq
     return PartitionState(partition=part, rows=int(rows), pending=pending, dead=int(dead),
                           newest_published_ms=None if newest is None else int(newest),
                           newest_dead_ms=None if newest_dead is None else int(newest_dead), closed=closed)
@@ -390,6 +393,37 @@ def status(session_factory: sessionmaker[Session], *, tables: Tables) -> list[Pa
         return [_state(s, p, next_seq) for p in list_partitions(s, tables=tables)]
 
 
+def _detach_and_drop(session_factory: sessionmaker[Session], tables: Tables, part: Partition, lock_timeout_ms: int,
+                     kept: dict[str, str]) -> float | None:
+    """DETACH CONCURRENTLY (its own transactions: SHARE UPDATE EXCLUSIVE on the parent, it waits for the
+    relay's open transactions instead of blocking them), then look at the detached table, which nothing
+    can write any more: a pending row there (a dead row replayed between the first look and the detach)
+    sends it back with ATTACH; otherwise DROP. Returns the seconds from DETACH to DROP, None when kept."""
+    table = _table(tables)
+    bind = session_factory.kw["bind"]
+    t0 = time.perf_counter()
+    with bind.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+        pending_detach = c.exec_driver_sql(
+            "SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = to_regclass(%(p)s)", {"p": part.name}).scalar()
+        try:
+            c.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_ms)}")
+            # An earlier run interrupted mid-detach (its wait timed out) left it half detached: finish that.
+            how = "FINALIZE" if pending_detach else "CONCURRENTLY"
+            c.exec_driver_sql(f"ALTER TABLE {table} DETACH PARTITION {part.name} {how}")
+        except sa.exc.OperationalError as e:
+            kept[part.name] = f"not detached: {type(e.orig).__name__} (the next run tries again)"
+            log.warning("partition %s not detached: %s", part.name, e.orig)
+            return None
+        pending = c.exec_driver_sql(f"SELECT 1 FROM {part.name} WHERE {PENDING_SQL} LIMIT 1").first()
+        if pending is not None:
+            bound = f"FROM ({'MINVALUE' if part.lower is None else part.lower}) TO ({part.upper})"
+            c.exec_driver_sql(f"ALTER TABLE {table} ATTACH PARTITION {part.name} FOR VALUES {bound}")
+            kept[part.name] = "a row became pending while it was detached: attached again"
+            return None
+        c.exec_driver_sql(f"DROP TABLE {part.name}")
+    return time.perf_counter() - t0
+
+
 def drop_expired(session_factory: sessionmaker[Session], *, tables: Tables, published_older_than_ms: int,
                  dead_older_than_ms: int | None = None, clock: Clock,
                  lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> DropReport:
@@ -397,9 +431,9 @@ def drop_expired(session_factory: sessionmaker[Session], *, tables: Tables, publ
 
     Never a partition that may still get a row (its range reaches the next seq), nor one holding a
     pending row. Dead-lettered rows keep their partition unless ``dead_older_than_ms`` is given (the
-    plain layout never deletes them either). Each drop re-checks under ACCESS EXCLUSIVE on the outbox
-    table (``lock_timeout`` bounded; a timeout keeps the partition for the next run), then DETACH and
-    DROP: catalog work, no row is read or written. The inbox is not touched.
+    plain layout never deletes them either). Each drop is DETACH CONCURRENTLY, a last look at the detached
+    table, then DROP (``_detach_and_drop``): catalog work, no row is written, the relay is not blocked.
+    The inbox is not touched.
     """
     for name, value in (("published age", published_older_than_ms), ("dead-letter age", dead_older_than_ms)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -421,36 +455,20 @@ def drop_expired(session_factory: sessionmaker[Session], *, tables: Tables, publ
         for part in list_partitions(s, tables=tables):
             state = _state(s, part, next_seq)
             why = state.blocker(published_before_ms=published_before, dead_before_ms=dead_before)
-            if why is None and part.default and state.rows == 0:
-                continue  # an empty default partition: nothing to gain from dropping and re-creating it
+            if why is None and part.default:
+                why = "a DEFAULT partition (not created by this library) is never dropped"
             if why is None:
                 candidates.append(state)
             else:
                 kept[part.name] = why
         s.rollback()
-        for state in candidates:
-            part = state.partition
-            try:
-                _lock(s, table, lock_timeout_ms)
-            except sa.exc.OperationalError as e:  # lock_timeout: the next run tries again
-                s.rollback()
-                kept[part.name] = f"lock not granted within {lock_timeout_ms} ms ({type(e.orig).__name__})"
-                continue
-            t0 = time.perf_counter()
-            again = _state(s, part, _next_seq(s, table), rows=state.rows)
-            why = again.blocker(published_before_ms=published_before, dead_before_ms=dead_before)
-            if why is not None:  # a dead row replayed, a row written since the first look
-                s.rollback()
-                kept[part.name] = why
-                continue
-            s.execute(sa.text(f"ALTER TABLE {table} DETACH PARTITION {part.name}"))
-            s.execute(sa.text(f"DROP TABLE {part.name}"))
-            if part.default:
-                _create_default(s, tables)
-            s.commit()
-            locks.append(time.perf_counter() - t0)
+    for state in candidates:
+        part = state.partition
+        took = _detach_and_drop(session_factory, tables, part, lock_timeout_ms, kept)
+        if took is not None:
+            locks.append(took)
             dropped.append(part.name)
-            rows += again.rows
+            rows += state.rows
     report = DropReport(dropped=tuple(dropped), rows=rows, kept=kept, lock_s=tuple(locks))
     log.info("dropped partitions %s", report.to_dict())
     return report

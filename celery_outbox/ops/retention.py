@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.db import is_postgres, wrap_driver_errors
-from celery_outbox.errors import ValidationError
+from celery_outbox.errors import DatabaseError, ValidationError
 from celery_outbox.ops import partitions
 from celery_outbox.schema import Tables
 
@@ -173,7 +173,10 @@ def _drop_partitions(session_factory: sessionmaker[Session], published_older_tha
                      clock: Clock, progress: PruneCallback | None) -> tuple[int, int]:
     """The partitioned layout's outbox retention: partitions ahead, then DROP of the expired ones.
     Returns (rows the dropped partitions held, partitions dropped); a "batch" is one partition here."""
-    partitions.ensure_partitions(session_factory, tables=tables)
+    try:
+        partitions.ensure_partitions(session_factory, tables=tables)
+    except DatabaseError as e:  # a lock not granted in time: the drops below still run, the next prune retries
+        log.warning("partitions ahead not created: %s", e)
     report = partitions.drop_expired(session_factory, tables=tables, published_older_than_ms=published_older_than_ms,
                                      clock=clock)
     if progress is not None:

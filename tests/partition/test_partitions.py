@@ -99,7 +99,7 @@ def test_convert_a_live_table_then_the_relay_publishes_old_and_new_rows(
     assert relkind(sessions) == "p"
     assert where(sessions) == {f"{TABLE}_plain": 320}
     assert report.boundary == 2 * SIZE
-    assert report.created == (f"{TABLE}_p2000", f"{TABLE}_p3000", f"{TABLE}_overflow")
+    assert report.created == (f"{TABLE}_p2000", f"{TABLE}_p3000")
     # and `outbox db check` (readiness) accepts the layout: the parent's missing unique indexes are by design
     assert migrate.check(url) == []
     # and new rows land in the first new partition
@@ -175,22 +175,28 @@ def test_dead_lettered_rows_keep_their_partition_unless_a_dead_age_is_given(
     assert gone.dropped == (f"{TABLE}_p2000",) and gone.rows == 1000
 
 
-def test_rows_past_the_last_partition_land_in_the_default_one_and_ensure_starts_above_them(
-        sessions: sessionmaker[Session], tables: Tables) -> None:
-    # Given a converted table with one partition ahead, and more rows than it holds
+def test_ensure_and_drop_go_on_while_a_relay_batch_holds_its_transaction_open(
+        sessions: sessionmaker[Session], tables: Tables, clock: ManualClock) -> None:
+    # Given a converted table whose old partition is all published, and a relay batch's transaction open
+    # (rows claimed FOR UPDATE in the newest partition, not committed), as a pipelined relay always has
+    insert(sessions, 100, published_at=1, tag="old")
     partitions.convert(sessions, tables=tables, size=SIZE, ahead=1)
-    insert(sessions, 1200, published_at=None, tag="x")
-    # Then no write failed: the overflow went to the default partition
-    assert where(sessions) == {f"{TABLE}_p2000": 1000, f"{TABLE}_overflow": 200}
-    # When partitions are ensured ahead
-    created = partitions.ensure_partitions(sessions, tables=tables, ahead=2)
-    # Then they start above the default partition's rows, and new rows go there
-    assert created == (f"{TABLE}_p4000", f"{TABLE}_p5000")
-    with sessions() as s:
-        s.execute(sa.text(f"ALTER TABLE {TABLE} ALTER COLUMN seq RESTART WITH 4000"))
-        s.commit()
-    insert(sessions, 5, published_at=None, tag="y")
-    assert where(sessions)[f"{TABLE}_p4000"] == 5
+    insert(sessions, 10, published_at=None, tag="new")
+    relay = sessions()
+    relay.execute(sa.text(f"SELECT seq FROM {TABLE} WHERE published_at_ms IS NULL FOR UPDATE SKIP LOCKED")).all()
+    try:
+        clock.set(10_000_000)
+        # When partitions are created ahead and expired ones dropped, with a 1 s lock timeout
+        created = partitions.ensure_partitions(sessions, tables=tables, ahead=3, lock_timeout_ms=1000)
+        # Then both happen without waiting for the relay's transaction (no ACCESS EXCLUSIVE on the table)
+        assert created == (f"{TABLE}_p3000", f"{TABLE}_p4000", f"{TABLE}_p5000")
+        relay.commit()  # DETACH CONCURRENTLY waits for transactions already open: the batch ends, as batches do
+        report = partitions.drop_expired(sessions, tables=tables, published_older_than_ms=1000, clock=clock,
+                                         lock_timeout_ms=1000)
+        assert report.dropped == (f"{TABLE}_plain",) and report.rows == 100
+    finally:
+        relay.close()
+    assert where(sessions) == {f"{TABLE}_p2000": 10}
 
 
 def test_revert_goes_back_to_the_plain_table_the_library_defines(
