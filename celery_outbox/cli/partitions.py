@@ -33,15 +33,18 @@ def partitions() -> None:
               help="Rows (seq values) per partition.")
 @click.option("--ahead", type=AsciiInt(low=1), default=ops.DEFAULT_AHEAD, show_default=True,
               help="Empty partitions to create above the next seq.")
+@click.option("--reused-id-check/--no-reused-id-check", default=True, show_default=True,
+              help="Refuse a message_id any partition holds (a probe per partition per insert), or per partition only.")
 @_LOCK_TIMEOUT
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 @handle_errors
-def convert(ctx: click.Context, by: str, size: int, ahead: int, lock_timeout: int, as_json: bool) -> None:
+def convert(ctx: click.Context, by: str, size: int, ahead: int, reused_id_check: bool, lock_timeout: int,
+            as_json: bool) -> None:
     """Convert the live plain outbox table: it becomes the first partition (no row copied)."""
     outbox = get_outbox(ctx)
     report = ops.convert(outbox.sessions(), tables=outbox.tables, size=size, ahead=ahead,
-                         lock_timeout_ms=lock_timeout)
+                         lock_timeout_ms=lock_timeout, reused_id_check=reused_id_check)
     if as_json:
         _echo_json(report.to_dict())
         return

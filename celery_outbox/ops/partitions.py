@@ -256,7 +256,8 @@ def _check_size(size: int, ahead: int, lock_timeout_ms: int) -> None:
 
 
 def convert(session_factory: sessionmaker[Session], *, tables: Tables, size: int = DEFAULT_SIZE,
-            ahead: int = DEFAULT_AHEAD, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> ConvertReport:
+            ahead: int = DEFAULT_AHEAD, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
+            reused_id_check: bool = True) -> ConvertReport:
     """Turn the live plain outbox table into a table partitioned by ``seq`` range, without copying a row.
 
     1. ``CHECK (seq < boundary) NOT VALID`` (a brief ACCESS EXCLUSIVE), boundary one partition above the
@@ -267,6 +268,8 @@ def convert(session_factory: sessionmaker[Session], *, tables: Tables, size: int
        proves the bound: no scan; its indexes match the parent's: no build), create ``ahead`` empty
        partitions, move the NOTIFY trigger, add the reused-id check.
     The old table's rows keep their seq; new rows start at the boundary, in the first new partition.
+    ``reused_id_check=False`` leaves ``message_id`` unique per partition only (one index probe per insert
+    instead of one per partition; docs/partitioning.md weighs it).
     """
     _check_size(size, ahead, lock_timeout_ms)
     table = _table(tables)
@@ -313,13 +316,8 @@ def convert(session_factory: sessionmaker[Session], *, tables: Tables, size: int
                 s.execute(sa.text(_ddl(s, tables, index)))
         s.execute(sa.text(f"ALTER TABLE {table} ATTACH PARTITION {old} FOR VALUES FROM (MINVALUE) TO ({boundary})"))
         created = [_create_range(s, tables, boundary + k * size, boundary + (k + 1) * size) for k in range(ahead)]
-        s.execute(sa.text(
-            f"CREATE OR REPLACE FUNCTION {unique}() RETURNS trigger AS $$ BEGIN "
-            f"IF EXISTS (SELECT 1 FROM {table} WHERE message_id = NEW.message_id) THEN "
-            f"RAISE EXCEPTION 'duplicate key value violates unique constraint \"{table}_message_id_key\"' "
-            "USING ERRCODE = 'unique_violation', DETAIL = format('Key (message_id)=(%s) already exists.', "
-            "NEW.message_id); END IF; RETURN NEW; END $$ LANGUAGE plpgsql"))
-        s.execute(sa.text(f"CREATE TRIGGER {unique} BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {unique}()"))
+        if reused_id_check:
+            _reused_id_check(s, table, unique)
         if had_notify:
             s.execute(sa.text(f"CREATE TRIGGER {notify} AFTER INSERT ON {table} FOR EACH STATEMENT "
                               f"EXECUTE FUNCTION {notify}()"))
@@ -329,6 +327,17 @@ def convert(session_factory: sessionmaker[Session], *, tables: Tables, size: int
                            lock_s=lock_s)
     log.info("converted %s", report.to_dict())
     return report
+
+
+def _reused_id_check(s: Session, table: str, unique: str) -> None:
+    """The trigger that refuses a message_id any partition holds (SQLSTATE 23505, as the plain table)."""
+    s.execute(sa.text(
+        f"CREATE OR REPLACE FUNCTION {unique}() RETURNS trigger AS $$ BEGIN "
+        f"IF EXISTS (SELECT 1 FROM {table} WHERE message_id = NEW.message_id) THEN "
+        f"RAISE EXCEPTION 'duplicate key value violates unique constraint \"{table}_message_id_key\"' "
+        "USING ERRCODE = 'unique_violation', DETAIL = format('Key (message_id)=(%s) already exists.', "
+        "NEW.message_id); END IF; RETURN NEW; END $$ LANGUAGE plpgsql"))
+    s.execute(sa.text(f"CREATE TRIGGER {unique} BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {unique}()"))
 
 
 def _size_of(parts: list[Partition]) -> int:

@@ -126,6 +126,20 @@ def test_a_reused_message_id_is_refused_in_any_partition(sessions: sessionmaker[
     assert sum(where(sessions).values()) == 2
 
 
+def test_without_the_reused_id_check_ids_are_unique_per_partition_only(
+        sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given a table converted with reused_id_check=False, one row in the old partition
+    insert(sessions, 1, published_at=1, tag="old")
+    partitions.convert(sessions, tables=tables, size=SIZE, ahead=2, reused_id_check=False)
+    insert(sessions, 1, published_at=None, tag="new")
+    # When the new partition's id is written again, it is refused (the partition's unique index)
+    with pytest.raises(sa.exc.IntegrityError):
+        insert(sessions, 1, published_at=None, tag="new")
+    # and the old partition's id goes through: the documented trade-off
+    insert(sessions, 1, published_at=None, tag="old")
+    assert sum(where(sessions).values()) == 3
+
+
 def test_retention_drops_expired_partitions_never_one_with_a_pending_row(
         sessions: sessionmaker[Session], tables: Tables, clock: ManualClock) -> None:
     # Given a converted table: the old partition all published; then 2500 new rows over p2000, p3000,
