@@ -409,7 +409,10 @@ def _detach_and_drop(session_factory: sessionmaker[Session], tables: Tables, par
     can write any more: a pending row there (a dead row replayed between the first look and the detach)
     sends it back with ATTACH; otherwise DROP. Returns the seconds from DETACH to DROP, None when kept."""
     table = _table(tables)
-    bind = session_factory.kw["bind"]
+    bind = session_factory.kw.get("bind")
+    if not isinstance(bind, sa.Engine):
+        raise ConfigError("dropping partitions needs a sessionmaker bound to an Engine (DETACH CONCURRENTLY "
+                          "runs outside a transaction, on a connection of its own)")
     t0 = time.perf_counter()
     with bind.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
         pending_detach = c.exec_driver_sql(
