@@ -7,6 +7,7 @@ from sqlalchemy.engine import make_url
 
 from celery_outbox import migrate
 from celery_outbox.cli.common import UPGRADE_HINT, get_outbox, handle_errors
+from celery_outbox.cli.partitions import partitions
 
 
 def _where(url: str) -> str:
@@ -17,6 +18,9 @@ def _where(url: str) -> str:
 @click.group()
 def db() -> None:
     """Database schema (Alembic migrations)."""
+
+
+db.add_command(partitions)  # the optional partitioned outbox layout: docs/partitioning.md
 
 
 @db.command()

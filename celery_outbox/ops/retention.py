@@ -7,6 +7,10 @@ still redeliver its message would let a duplicate through as a second effect. Ta
 tasks' record of having reached a worker, inbox/receipts.py) are pruned with the inbox, at its cutoff:
 the settings keep that window longer than the reconciler's plain-task window.
 
+On the partitioned layout (Postgres, docs/partitioning.md) the outbox side deletes nothing: it creates
+the partitions ahead and drops every old partition whose rows are all published past the cutoff
+(ops/partitions.py); a partition holding a pending or dead-lettered row stays. The inbox side is the same.
+
 Progress: ``prune(progress=...)`` calls back once when each side starts (``batch == 0``, with the
 number of rows it expects to delete) and after every committed batch, so a caller can render a bar
 (the CLI does, with rich) without this module knowing how.
@@ -26,7 +30,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.db import is_postgres, wrap_driver_errors
-from celery_outbox.errors import ValidationError
+from celery_outbox.errors import DatabaseError, ValidationError
+from celery_outbox.ops import partitions
 from celery_outbox.schema import Tables
 
 log = logging.getLogger(__name__)
@@ -43,9 +48,12 @@ class PruneReport:
     outbox_batches: int = 0
     inbox_cutoff_ms: int | None = None
     outbox_cutoff_ms: int | None = None
+    outbox_partitions_dropped: int | None = None  # None: the plain layout (batched DELETE)
 
     def to_dict(self) -> dict[str, int | None]:
-        return {
+        partitioned = {} if self.outbox_partitions_dropped is None else {
+            "outbox_partitions_dropped": self.outbox_partitions_dropped}
+        return {**partitioned,
             "inbox_deleted": self.inbox_deleted, "inbox_batches": self.inbox_batches,
             "inbox_cutoff_ms": self.inbox_cutoff_ms, "receipts_deleted": self.receipts_deleted,
             "outbox_deleted": self.outbox_deleted, "outbox_batches": self.outbox_batches,
@@ -156,6 +164,29 @@ def _drain(session_factory: sessionmaker[Session], build: Callable[..., sa.Execu
             return deleted, batches
 
 
+def _partitioned(session_factory: sessionmaker[Session], *, tables: Tables) -> bool:
+    with session_factory() as session, wrap_driver_errors("reading the outbox layout"):
+        return partitions.is_partitioned(session, tables=tables)
+
+
+def _drop_partitions(session_factory: sessionmaker[Session], published_older_than_ms: int, *, tables: Tables,
+                     clock: Clock, progress: PruneCallback | None) -> tuple[int, int]:
+    """The partitioned layout's outbox retention: partitions ahead, then DROP of the expired ones.
+    Returns (rows the dropped partitions held, partitions dropped); a "batch" is one partition here."""
+    try:
+        partitions.ensure_partitions(session_factory, tables=tables)
+    except DatabaseError as e:  # a lock not granted in time: the drops below still run, the next prune retries
+        log.warning("partitions ahead not created: %s", e)
+    report = partitions.drop_expired(session_factory, tables=tables, published_older_than_ms=published_older_than_ms,
+                                     clock=clock)
+    if progress is not None:
+        progress(PruneProgress(target="outbox", batch=0, deleted=0, total_deleted=0, expected=report.rows))
+        if report.dropped:
+            progress(PruneProgress(target="outbox", batch=len(report.dropped), deleted=report.rows,
+                                   total_deleted=report.rows, expected=report.rows))
+    return report.rows, len(report.dropped)
+
+
 def prune(session_factory: sessionmaker[Session], *, tables: Tables, inbox_older_than_ms: int | None,
           published_older_than_ms: int | None, batch: int = DEFAULT_BATCH, clock: Clock,
           redelivery_window_ms: int, progress: PruneCallback | None = None) -> PruneReport:
@@ -182,12 +213,19 @@ def prune(session_factory: sessionmaker[Session], *, tables: Tables, inbox_older
                        target="inbox", progress=progress)
         receipts = _drain(session_factory, _receipts_batch, inbox_cutoff, batch, "task receipts", tables=tables,
                           target="receipts")
+    dropped: int | None = None
     if published_older_than_ms is not None:
         outbox_cutoff = now - published_older_than_ms
-        outbox = _drain(session_factory, _outbox_batch, outbox_cutoff, batch, "published outbox rows", tables=tables,
-                        target="outbox", progress=progress)
+        if _partitioned(session_factory, tables=tables):
+            outbox = _drop_partitions(session_factory, published_older_than_ms, tables=tables, clock=clock,
+                                      progress=progress)
+            dropped = outbox[1]
+        else:
+            outbox = _drain(session_factory, _outbox_batch, outbox_cutoff, batch, "published outbox rows",
+                            tables=tables, target="outbox", progress=progress)
     report = PruneReport(inbox_deleted=inbox[0], inbox_batches=inbox[1], receipts_deleted=receipts[0],
                          outbox_deleted=outbox[0],
-                         outbox_batches=outbox[1], inbox_cutoff_ms=inbox_cutoff, outbox_cutoff_ms=outbox_cutoff)
+                         outbox_batches=outbox[1], inbox_cutoff_ms=inbox_cutoff, outbox_cutoff_ms=outbox_cutoff,
+                         outbox_partitions_dropped=dropped)
     log.info("pruned %s", report.to_dict())
     return report
