@@ -26,7 +26,7 @@ What is counted, from the database (triggers added for the run, the library unto
   than the previous version's (what several relays do to publication order);
 - duplicates absorbed, dead letters (parked messages that timed out land there: must be 0).
 
-Used by bench/relays_ordering.py (figures in docs/scaling.md) and tests/chaos/test_relays_ordering.py.
+Used by bench/relays_ordering.py (figures in docs/scaling.md) and tests/integration/test_relays_ordering.py.
 """
 
 from __future__ import annotations
