@@ -8,16 +8,20 @@ apart: a reminder due tomorrow is not a stuck backlog, so it never ages the olde
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy import exc
 from sqlalchemy.orm import Session
 
 from celery_outbox import counters as relay_counters
 from celery_outbox.clock import Clock
 from celery_outbox.relay import reconcile
 from celery_outbox.schema import Tables
+
+log = logging.getLogger(__name__)
 
 DUPLICATES = "duplicates"  # tables.counters.name the inbox increments per duplicate absorbed
 # The reconciler's counters, by kind (relay/reconcile.py).
@@ -211,14 +215,24 @@ _SLOTS_SQL = ("SELECT slot_name, active, age(xmin), age(catalog_xmin) FROM pg_re
               "WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL ORDER BY slot_name")
 _TABLES_SQL = ("SELECT relname, n_dead_tup, n_live_tup, (extract(epoch FROM last_autovacuum) * 1000)::bigint, "
                "(extract(epoch FROM last_vacuum) * 1000)::bigint FROM pg_stat_user_tables "
-               "WHERE relid = ANY(CAST(:oids AS oid[]))")
+               "WHERE relid IN (to_regclass(:outbox), to_regclass(:inbox))")
 
 
 def vacuum_stats(session: Session, *, tables: Tables) -> VacuumStats | None:
-    """What holds back vacuum and the outbox and inbox tables' dead tuples (None off Postgres). Reads small
-    in-memory views (pg_stat_activity, pg_prepared_xacts, pg_replication_slots, pg_stat_user_tables)."""
+    """What holds back vacuum and the outbox and inbox tables' dead tuples (None off Postgres, or when the views
+    cannot be read: the rest of the stats still can). Reads small in-memory views (pg_stat_activity,
+    pg_prepared_xacts, pg_replication_slots, pg_stat_user_tables), in a savepoint."""
     if session.get_bind().dialect.name != "postgresql":
         return None
+    try:
+        with session.begin_nested():
+            return _vacuum_stats(session, tables=tables)
+    except exc.DBAPIError as e:
+        log.warning("stats: cannot read the vacuum views: %s", e.orig)
+        return None
+
+
+def _vacuum_stats(session: Session, *, tables: Tables) -> VacuumStats:
     holders = session.execute(sa.text(_HOLDERS_SQL)).all()
     oldest = max(holders, key=lambda h: h.xids or 0, default=None)
     who = None
@@ -229,8 +243,8 @@ def vacuum_stats(session: Session, *, tables: Tables) -> VacuumStats | None:
                          catalog_xmin_age_xids=None if c is None else int(c))
              for name, active, x, c in session.execute(sa.text(_SLOTS_SQL))]
     names = [tables.table(tables.outbox).name, tables.table(tables.inbox).name]
-    oids = [session.execute(sa.text("SELECT CAST(to_regclass(:t) AS oid)"), {"t": f'"{n}"'}).scalar() for n in names]
-    found = {str(r[0]): r for r in session.execute(sa.text(_TABLES_SQL), {"oids": [o for o in oids if o]})}
+    found = {str(r[0]): r for r in session.execute(sa.text(_TABLES_SQL),
+                                                    {"outbox": f'"{names[0]}"', "inbox": f'"{names[1]}"'})}
     stats = [TableVacuumStats(table=n, dead_tuples=int(found[n][1]), live_tuples=int(found[n][2]),
                               last_autovacuum_ms=None if found[n][3] is None else int(found[n][3]),
                               last_vacuum_ms=None if found[n][4] is None else int(found[n][4]))

@@ -125,3 +125,18 @@ def test_on_sqlite_the_vacuum_signals_are_absent_not_zero(sqlite_sessions: sessi
     assert r.exit_code == 0 and json.loads(r.stdout)["vacuum"] is None
     r = run(env, "stats")
     assert r.exit_code == 0 and "vacuum horizon" not in r.stdout
+
+
+@pytest.mark.postgres
+def test_a_vacuum_view_that_cannot_be_read_leaves_the_other_stats_alone(
+        pg_sessions: sessionmaker[Session], tables: Tables, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given a pending row, and a vacuum view the database refuses (a managed server's permissions, say)
+    with pg_sessions() as s:
+        outbox_row(s, tables=tables, created_at_ms=T0)
+    monkeypatch.setattr(ops_stats, "_SLOTS_SQL", "SELECT * FROM no_such_view_here")
+    # When stats are collected, Then the vacuum figures are absent, logged, and the rest is there
+    with pg_sessions() as s:
+        st = ops_stats.collect(s, tables=tables, clock=ManualClock(start_ms=T0))
+    assert st.vacuum is None and st.pending == 1
+    assert "cannot read the vacuum views" in caplog.text
