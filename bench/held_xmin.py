@@ -15,7 +15,8 @@ The outbox table carries the library's autovacuum settings (migration co0007, ce
 the server (e.g. a private one with autovacuum on: the shared test server has it off).
 
     .venv/bin/python bench/held_xmin.py [--rate 300] [--phase-s 120] [--hold-s <phase-s>]
-        [--admin-url postgresql://postgres@127.0.0.1:5447/postgres] [--table-settings library|server] [--label x]
+        [--admin-url postgresql://postgres@127.0.0.1:5447/postgres] [--table-settings library|server]
+        [--history 1000000] [--label x]
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def main() -> int:
                     help="an admin URL of the Postgres server to create the scratch database on")
     ap.add_argument("--table-settings", choices=("library", "server"), default="library",
                     help="library: the hot tables' autovacuum settings of co0007; server: reset to the server's")
+    ap.add_argument("--history", type=int, default=0,
+                    help="published rows already retained before the run (retention keeps a day of them), then "
+                         "VACUUM ANALYZE: the default trigger (20%% of the table) grows with them, co0007's does not")
     ap.add_argument("--label", default="", help="suffix of the result file (held_xmin-<label>.json)")
     args = ap.parse_args()
     hold_s = args.hold_s or args.phase_s
@@ -67,6 +71,17 @@ def main() -> int:
         with plain.begin() as c:
             if args.table_settings == "server":
                 autovacuum.reset(c, tables)
+            if args.history:
+                at = clock.now_ms() - 3_600_000
+                c.execute(sa.text(
+                    f"INSERT INTO {tables.table(tables.outbox).name} (message_id, type, payload, headers, created_at_ms, "
+                    "published_at_ms, attempts, next_attempt_at_ms) SELECT gen_random_uuid(), 'OrderPlaced', "
+                    "jsonb_build_object('n', i), '{}'::jsonb, :at, :at, 1, :at FROM generate_series(1, :n) AS i"),
+                    {"at": at, "n": args.history})
+        if args.history:
+            with plain.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+                c.exec_driver_sql(f"VACUUM ANALYZE {tables.table(tables.outbox).name}")
+        with plain.begin() as c:
             server = {k: c.exec_driver_sql(f"SHOW {k}").scalar() for k in
                       ("server_version", "autovacuum", "autovacuum_naptime", "autovacuum_vacuum_cost_delay")}
             reloptions = c.execute(sa.text("SELECT reloptions FROM pg_class WHERE relname = :t"),
@@ -199,6 +214,7 @@ def main() -> int:
           f"{recovered} s after the transaction ended", flush=True)
     write_result("held_xmin" + (f"-{args.label}" if args.label else ""), {
         "rate": args.rate, "phase_s": args.phase_s, "hold_s": hold_s, "table_settings": args.table_settings,
+        "history": args.history,
         "server": server, "outbox_reloptions": reloptions, "summary": summary, "timeline": timeline})
     return 0
 

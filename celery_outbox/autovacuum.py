@@ -121,12 +121,13 @@ class VacuumReport:
     tables: list[TableVacuum] = field(default_factory=list)
 
     def lines(self) -> list[str]:
-        """What `outbox db check` prints: one line per table, then one warning per problem."""
+        """What `outbox db check` prints: the server's switch, then each table's effective settings (its own, or
+        the server default it falls back to, marked)."""
         out = [f"autovacuum: {'on' if self.autovacuum_on else 'OFF'} (server)"]
         for t in self.tables:
-            shown = " ".join(f"{k.removeprefix('autovacuum_')}={v}" for k, v in sorted(t.reloptions.items()))
-            out.append(f"autovacuum {t.table}: {shown or 'server defaults'}"
-                       + (" (partitioned: set on its partitions)" if t.partitioned else ""))
+            effective = {**{k: f"{v} (server default)" for k, v in t.missing.items()}, **t.reloptions}
+            shown = " ".join(f"{k.removeprefix('autovacuum_')}={v}" for k, v in sorted(effective.items()))
+            out.append(f"autovacuum {t.table}: {shown}" + (" (partitioned: set on its partitions)" if t.partitioned else ""))
         return out
 
     def warnings(self) -> list[str]:
@@ -136,6 +137,9 @@ class VacuumReport:
                        "the outbox tables, dead tuples and index bloat grow until a manual VACUUM "
                        "(docs/operations.md, 'Vacuum and bloat')")
         for t in self.tables:
+            if t.reloptions.get("autovacuum_enabled", "").lower() in ("false", "off", "0", "no"):
+                out.append(f"warning: autovacuum is disabled on {t.table} (autovacuum_enabled=false): only a manual "
+                           "VACUUM cleans it")
             if t.missing and not t.partitioned:
                 defaults = ", ".join(f"{k} (server default {v})" for k, v in sorted(t.missing.items()))
                 out.append(f"warning: {t.table} lacks the library's autovacuum settings: {defaults}; run "

@@ -72,10 +72,11 @@ def check(ctx: click.Context) -> None:
     problems = migrate.check(outbox.sessions.url, prefix=outbox.settings.table_prefix)
     for p in problems:
         click.echo(p, err=True)
+    if not problems:
+        click.echo("schema ok")
     _show_autovacuum(ctx)
     if problems:
         raise click.exceptions.Exit(1)
-    click.echo("schema ok")
 
 
 def _show_autovacuum(ctx: click.Context) -> None:

@@ -128,6 +128,16 @@ def test_db_check_shows_each_hot_tables_settings_and_flags_missing_ones(scratch_
     assert line.startswith("warning: outbox_inbox lacks the library's autovacuum settings: ")
     assert "autovacuum_vacuum_scale_factor (server default 0.2)" in line and "outbox db upgrade" in line
     assert "autovacuum outbox_inbox: analyze_scale_factor=0 analyze_threshold=10000" in flagged.stdout
+    assert "vacuum_scale_factor=0.2 (server default)" in flagged.stdout
+    # When someone turns autovacuum off on one table, Then that is flagged too
+    engine = make_engine(scratch_pg)
+    with engine.begin() as c:
+        c.exec_driver_sql("ALTER TABLE outbox_messages SET (autovacuum_enabled = false)")
+    engine.dispose()
+    off = CliRunner().invoke(cli, ["db", "check"], obj={"outbox": box})
+    assert off.exit_code == 0 and "warning: autovacuum is disabled on outbox_messages" in off.stderr, off.output
+    [messages] = [x for x in off.stdout.splitlines() if x.startswith("autovacuum outbox_messages: ")]
+    assert " enabled=false " in messages
 
 
 def test_db_check_on_sqlite_says_nothing_of_autovacuum(tmp_path: Path) -> None:
