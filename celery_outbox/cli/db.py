@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from sqlalchemy.engine import make_url
 
-from celery_outbox import migrate
+from celery_outbox import autovacuum, migrate
 from celery_outbox.cli.common import UPGRADE_HINT, get_outbox, handle_errors
 from celery_outbox.cli.partitions import partitions
 
@@ -62,7 +62,9 @@ def current(ctx: click.Context) -> None:
 @click.pass_context
 @handle_errors
 def check(ctx: click.Context) -> None:
-    """Exit 1 unless the live schema matches this version of the library (for CI and readiness probes)."""
+    """Exit 1 unless the live schema matches this version of the library (for CI and readiness probes).
+    On Postgres it also shows the hot tables' autovacuum settings and warns (exit unchanged) when they are
+    missing or the server's autovacuum is off (docs/operations.md, "Vacuum and bloat")."""
     outbox = get_outbox(ctx)
     if migrate.current(outbox.sessions.url, prefix=outbox.settings.table_prefix) is None:
         if migrate.tables_present(outbox.sessions.url, prefix=outbox.settings.table_prefix):
@@ -74,6 +76,22 @@ def check(ctx: click.Context) -> None:
     problems = migrate.check(outbox.sessions.url, prefix=outbox.settings.table_prefix)
     for p in problems:
         click.echo(p, err=True)
+    if not problems:
+        click.echo("schema ok")
+    _show_autovacuum(ctx)
     if problems:
         raise click.exceptions.Exit(1)
-    click.echo("schema ok")
+
+
+def _show_autovacuum(ctx: click.Context) -> None:
+    """The hot tables' effective autovacuum settings: a warning, never a failed check (an operator may tune
+    them on purpose, and readiness must not depend on them). Nothing on SQLite."""
+    outbox = get_outbox(ctx)
+    with outbox.sessions()() as session:
+        report = autovacuum.inspect(session.connection(), outbox.tables)
+    if report is None:
+        return
+    for line in report.lines():
+        click.echo(line)
+    for line in report.warnings():
+        click.echo(line, err=True)

@@ -463,3 +463,27 @@ def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     for name in sorted(set(st.inbox) | set(st.duplicates_absorbed) | set(known_consumers)):
         cons_t.add_row(name, str(st.inbox.get(name, 0)), str(st.duplicates_absorbed.get(name, 0)))
     console.print(cons_t)
+    if st.vacuum is not None:
+        _print_vacuum(console, st.vacuum, st.now_ms)
+
+
+def _print_vacuum(console: Console, v: ops_stats.VacuumStats, now_ms: int) -> None:
+    """Postgres: what predicts a bloated outbox (docs/operations.md, "Vacuum and bloat")."""
+    if v.oldest_xact_age_xids is None:
+        console.print("vacuum horizon: no open transaction holds it back")
+    else:
+        console.print(f"vacuum horizon: oldest transaction holding it back is {v.oldest_xact_age_xids} xids old "
+                      f"({v.oldest_xact}); longest open {_age(v.oldest_xact_age_ms)}")
+    for slot in v.slots:
+        console.print(f"replication slot {slot.slot} ({'active' if slot.active else 'INACTIVE'}): xmin "
+                      f"{'-' if slot.xmin_age_xids is None else slot.xmin_age_xids} xids, catalog_xmin "
+                      f"{'-' if slot.catalog_xmin_age_xids is None else slot.catalog_xmin_age_xids} xids old")
+    vac_t = Table(title="dead tuples (pg_stat_user_tables, estimates)")
+    for col in ("table", "dead", "live", "last autovacuum", "last vacuum"):
+        vac_t.add_column(col)
+    def ago(at_ms: int | None) -> str:
+        return "never" if at_ms is None else f"{_age(max(0, now_ms - at_ms))} ago"
+
+    for t in v.tables:
+        vac_t.add_row(t.table, str(t.dead_tuples), str(t.live_tuples), ago(t.last_autovacuum_ms), ago(t.last_vacuum_ms))
+    console.print(vac_t)

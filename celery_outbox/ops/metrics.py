@@ -62,6 +62,45 @@ def _queue_families() -> dict[str, GaugeMetricFamily]:
     }
 
 
+def _vacuum_families() -> dict[str, GaugeMetricFamily]:
+    """Postgres only (docs/operations.md, "Vacuum and bloat"): absent on SQLite, not zero."""
+    return {
+        "xact_xids": GaugeMetricFamily(
+            "outbox_db_oldest_xact_age_xids",
+            "Postgres: age in transaction ids of the oldest transaction holding back vacuum in the outbox's database "
+            "(sessions, walsenders, prepared transactions; autovacuum workers excluded; 0 when none)"),
+        "xact_seconds": GaugeMetricFamily(
+            "outbox_db_oldest_xact_seconds",
+            "Postgres: how long the longest-open transaction holding back vacuum has been open (0 when none)"),
+        "slot_xids": GaugeMetricFamily(
+            "outbox_db_replication_slot_xmin_age_xids",
+            "Postgres: age in transaction ids of the oldest replication slot horizon, kind=xmin (holds every "
+            "table's dead tuples) or catalog_xmin (the catalogs'); 0 when no slot holds one", labels=["kind"]),
+        "dead": GaugeMetricFamily("outbox_table_dead_tuples",
+                                  "Postgres: dead tuples of the outbox and inbox tables (pg_stat_user_tables, an "
+                                  "estimate)", labels=["table"]),
+        "live": GaugeMetricFamily("outbox_table_live_tuples",
+                                  "Postgres: live tuples of the outbox and inbox tables (an estimate)", labels=["table"]),
+        "vacuumed": GaugeMetricFamily("outbox_table_last_vacuum_timestamp_seconds",
+                                      "Postgres: when the table was last vacuumed, kind=auto (autovacuum) or manual "
+                                      "(0: never since the statistics were reset)", labels=["table", "kind"]),
+    }
+
+
+def _vacuum_metrics(v: ops_stats.VacuumStats) -> Iterator[Metric]:
+    fam = _vacuum_families()
+    fam["xact_xids"].add_metric([], v.oldest_xact_age_xids or 0)
+    fam["xact_seconds"].add_metric([], (v.oldest_xact_age_ms or 0) / 1000)
+    fam["slot_xids"].add_metric(["xmin"], max((s.xmin_age_xids or 0 for s in v.slots), default=0))
+    fam["slot_xids"].add_metric(["catalog_xmin"], max((s.catalog_xmin_age_xids or 0 for s in v.slots), default=0))
+    for t in v.tables:
+        fam["dead"].add_metric([t.table], t.dead_tuples)
+        fam["live"].add_metric([t.table], t.live_tuples)
+        fam["vacuumed"].add_metric([t.table, "auto"], (t.last_autovacuum_ms or 0) / 1000)
+        fam["vacuumed"].add_metric([t.table, "manual"], (t.last_vacuum_ms or 0) / 1000)
+    yield from fam.values()
+
+
 def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     return {
         "up": GaugeMetricFamily("outbox_stats_up", "1 if the last scrape could read the outbox database"),
@@ -124,6 +163,7 @@ class OutboxCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         # Names only: registering must not touch the database or the broker.
         yield from _families().values()
+        yield from _vacuum_families().values()
         if self._queue_probe is not None:
             yield from _queue_families().values()
 
@@ -191,6 +231,8 @@ class OutboxCollector(Collector):
             fam["processed_total"].add_metric([consumer], processed)
             fam["dead_total"].add_metric(["consumer", consumer], kept.get(counters.DEAD_LETTERED, 0))
         yield from fam.values()
+        if st.vacuum is not None:
+            yield from _vacuum_metrics(st.vacuum)
         yield from self._collect_queues()
 
 

@@ -8,16 +8,20 @@ apart: a reminder due tomorrow is not a stuck backlog, so it never ages the olde
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy import exc
 from sqlalchemy.orm import Session
 
 from celery_outbox import counters as relay_counters
 from celery_outbox.clock import Clock
 from celery_outbox.relay import reconcile
 from celery_outbox.schema import Tables
+
+log = logging.getLogger(__name__)
 
 DUPLICATES = "duplicates"  # tables.counters.name the inbox increments per duplicate absorbed
 # The reconciler's counters, by kind (relay/reconcile.py).
@@ -51,6 +55,55 @@ class WaitingForWorker:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SlotHorizon:
+    """A replication slot holding back vacuum: ``xmin`` (a physical slot with hot_standby_feedback) holds every
+    table's dead tuples, ``catalog_xmin`` (a logical slot) the system catalogs'. Ages in transaction ids: a
+    slot keeps no timestamp of its horizon."""
+
+    slot: str
+    active: bool
+    xmin_age_xids: int | None
+    catalog_xmin_age_xids: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"slot": self.slot, "active": self.active, "xmin_age_xids": self.xmin_age_xids,
+                "catalog_xmin_age_xids": self.catalog_xmin_age_xids}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableVacuumStats:
+    """One hot table's dead and live tuples (pg_stat_user_tables, estimates) and its last vacuums."""
+
+    table: str
+    dead_tuples: int
+    live_tuples: int
+    last_autovacuum_ms: int | None  # epoch ms; None: never since the statistics were reset
+    last_vacuum_ms: int | None  # a manual VACUUM
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"table": self.table, "dead_tuples": self.dead_tuples, "live_tuples": self.live_tuples,
+                "last_autovacuum_ms": self.last_autovacuum_ms, "last_vacuum_ms": self.last_vacuum_ms}
+
+
+@dataclass(frozen=True, kw_only=True)
+class VacuumStats:
+    """Postgres: what predicts a bloated outbox (docs/operations.md, "Vacuum and bloat"). The oldest transaction
+    that holds back vacuum in this database (a session's ``backend_xmin``/``backend_xid``, or a prepared
+    transaction), the replication slots, and the outbox and inbox tables' dead tuples."""
+
+    oldest_xact_age_xids: int | None  # None: no transaction holds the horizon back
+    oldest_xact_age_ms: int | None  # how long the longest-open of them has been open
+    oldest_xact: str | None  # who, for people: "pid 123 psql (idle in transaction)" or "prepared 'x'"
+    slots: list[SlotHorizon] = field(default_factory=list)
+    tables: list[TableVacuumStats] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"oldest_xact_age_xids": self.oldest_xact_age_xids, "oldest_xact_age_ms": self.oldest_xact_age_ms,
+                "oldest_xact": self.oldest_xact, "replication_slots": [s.to_dict() for s in self.slots],
+                "tables": [t.to_dict() for t in self.tables]}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stats:
     now_ms: int
     pending: int
@@ -77,6 +130,8 @@ class Stats:
     inbox: dict[str, int] = field(default_factory=dict)
     duplicates_absorbed: dict[str, int] = field(default_factory=dict)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)  # consumer -> name -> value
+    # Postgres only (None on SQLite, which has no vacuum): what holds back vacuum, and the dead tuples.
+    vacuum: VacuumStats | None = None
 
     @property
     def reconciled(self) -> dict[str, int]:
@@ -109,6 +164,7 @@ class Stats:
                                     "per_consumer": dict(self.duplicates_absorbed)},
             "reconciled": self.reconciled,
             "counters": {c: dict(v) for c, v in self.counters.items()},
+            "vacuum": None if self.vacuum is None else self.vacuum.to_dict(),
         }
 
 
@@ -136,6 +192,67 @@ def claim_held_ms(session: Session, *, tables: Tables) -> int | None:
         "AND l.granted AND l.pid <> pg_backend_pid()"
     ), {"table": tables.table(tables.outbox).fullname}).scalar()
     return None if held is None else max(0, int(held))
+
+
+# Sessions of this database (and walsenders, whose hot_standby_feedback holds every database) that hold back
+# the oldest xid vacuum may clean: a snapshot (backend_xmin) or an xid of their own (backend_xid). Autovacuum
+# workers are left out (a vacuum's own snapshot does not hold back other vacuums), and so is this session.
+# Other roles' sessions show no xmin without pg_read_all_stats.
+_HOLDERS_SQL = """
+SELECT pid, application_name, state, backend_type,
+       greatest(age(backend_xmin), age(backend_xid)) AS xids,
+       (extract(epoch FROM clock_timestamp() - xact_start) * 1000)::bigint AS open_ms
+FROM pg_stat_activity
+WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL) AND pid <> pg_backend_pid()
+  AND backend_type NOT IN ('autovacuum worker', 'autovacuum launcher')
+  AND (datname = current_database() OR backend_type = 'walsender')
+UNION ALL
+SELECT NULL, gid, 'prepared', 'prepared transaction', age(transaction),
+       (extract(epoch FROM clock_timestamp() - prepared) * 1000)::bigint
+FROM pg_prepared_xacts WHERE database = current_database()
+"""
+_SLOTS_SQL = ("SELECT slot_name, active, age(xmin), age(catalog_xmin) FROM pg_replication_slots "
+              "WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL ORDER BY slot_name")
+_TABLES_SQL = ("SELECT relname, n_dead_tup, n_live_tup, (extract(epoch FROM last_autovacuum) * 1000)::bigint, "
+               "(extract(epoch FROM last_vacuum) * 1000)::bigint FROM pg_stat_user_tables "
+               "WHERE relid IN (to_regclass(:outbox), to_regclass(:inbox))")
+
+
+def vacuum_stats(session: Session, *, tables: Tables) -> VacuumStats | None:
+    """What holds back vacuum and the outbox and inbox tables' dead tuples (None off Postgres, or when the views
+    cannot be read: the rest of the stats still can). Reads small in-memory views (pg_stat_activity,
+    pg_prepared_xacts, pg_replication_slots, pg_stat_user_tables), in a savepoint."""
+    if session.get_bind().dialect.name != "postgresql":
+        return None
+    try:
+        with session.begin_nested():
+            return _vacuum_stats(session, tables=tables)
+    except exc.DBAPIError as e:
+        log.warning("stats: cannot read the vacuum views: %s", e.orig)
+        return None
+
+
+def _vacuum_stats(session: Session, *, tables: Tables) -> VacuumStats:
+    holders = session.execute(sa.text(_HOLDERS_SQL)).all()
+    oldest = max(holders, key=lambda h: h.xids or 0, default=None)
+    who = None
+    if oldest is not None:
+        who = (f"prepared transaction {oldest.application_name!r}" if oldest.pid is None else
+               f"pid {oldest.pid} {oldest.application_name or oldest.backend_type} ({oldest.state or 'active'})")
+    slots = [SlotHorizon(slot=str(name), active=bool(active), xmin_age_xids=None if x is None else int(x),
+                         catalog_xmin_age_xids=None if c is None else int(c))
+             for name, active, x, c in session.execute(sa.text(_SLOTS_SQL))]
+    names = [tables.table(tables.outbox).name, tables.table(tables.inbox).name]
+    found = {str(r[0]): r for r in session.execute(sa.text(_TABLES_SQL),
+                                                    {"outbox": f'"{names[0]}"', "inbox": f'"{names[1]}"'})}
+    stats = [TableVacuumStats(table=n, dead_tuples=int(found[n][1]), live_tuples=int(found[n][2]),
+                              last_autovacuum_ms=None if found[n][3] is None else int(found[n][3]),
+                              last_vacuum_ms=None if found[n][4] is None else int(found[n][4]))
+             for n in names if n in found]
+    open_ms = [int(h.open_ms) for h in holders if h.open_ms is not None]
+    return VacuumStats(
+        oldest_xact_age_xids=None if oldest is None or oldest.xids is None else int(oldest.xids),
+        oldest_xact_age_ms=max(0, max(open_ms)) if open_ms else None, oldest_xact=who, slots=slots, tables=stats)
 
 
 def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
@@ -204,4 +321,5 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
         waiting_for_worker=waiting_for_worker,
         dead_letters=groups, inbox=inbox, duplicates_absorbed=duplicates,
         counters=counters,
+        vacuum=vacuum_stats(session, tables=tables),
     )
