@@ -170,9 +170,9 @@ def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename
         # consuming nothing, after a RabbitMQ outage (chaos run; celery/celery#9512). Prefetch is 1
         # per process here, so there is nothing to protect by reducing it.
         "worker_enable_prefetch_count_reduction": False,
-        # Task events for Flower without -E. Their cost (docs/scaling.md): in prefork the worker's parent
-        # process sends three per task, on RabbitMQ each waiting for its publisher confirm, and that
-        # parent is one thread; turning them off doubled a 2-process worker's sustained throughput.
+        # Task events for Flower without -E. In prefork the worker's parent (one thread) sends three per
+        # task; an outbox worker sends them on a connection without publisher confirms (celery/events.py,
+        # UnconfirmedTaskEvents), as waiting for each confirm was half the parent's time (docs/benchmarks.md).
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "task_queues": [*queues, relay_queue],

@@ -40,6 +40,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import autovacuum
 from celery_outbox.clock import Clock
 from celery_outbox.db import is_postgres, wrap_driver_errors
 from celery_outbox.errors import ConfigError, ValidationError
@@ -226,6 +227,8 @@ def _create_range(session: Session, tables: Tables, lower: int, upper: int) -> s
             sql = _ddl(session, tables, index, on=name).replace(f"INDEX {index.name} ON", "INDEX ON", 1)
             session.execute(sa.text(sql))
     _partition_indexes(session, tables, name)
+    # A partitioned parent takes no autovacuum settings: each partition gets co0007's (docs/operations.md).
+    session.execute(sa.text(autovacuum.set_sql(name, autovacuum.server_version_num(session.connection()))))
     session.execute(sa.text(f"ALTER TABLE {table} ATTACH PARTITION {name} FOR VALUES FROM ({lower}) TO ({upper})"))
     return name
 
@@ -512,6 +515,7 @@ def revert(session_factory: sessionmaker[Session], *, tables: Tables,
         for name in indexes:
             s.execute(sa.text(f"ALTER INDEX {name} RENAME TO {name[:51]}_partitioned"))
         tables.table(tables.outbox).create(s.connection())
+        s.execute(sa.text(autovacuum.set_sql(table, autovacuum.server_version_num(s.connection()))))
         s.execute(sa.text(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {gone} ORDER BY seq"))
         s.execute(sa.text(f"ALTER TABLE {table} ALTER COLUMN seq RESTART WITH {next_seq}"))
         if had_notify:

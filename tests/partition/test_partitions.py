@@ -311,3 +311,28 @@ def test_the_notify_trigger_still_wakes_a_listening_relay_after_convert(
             assert [n.channel for n in raw.notifies] == [tables.notify_channel]
     finally:
         engine.dispose()
+
+
+def reloptions(sessions: sessionmaker[Session]) -> dict[str, list[str] | None]:
+    """Each ordinary table of the outbox (the plain table, or every partition) and its storage parameters."""
+    with sessions() as s:
+        rows = s.execute(sa.text(
+            "SELECT relname, reloptions FROM pg_class WHERE relkind = 'r' AND relname LIKE :p"),
+            {"p": f"{TABLE}%"}).all()
+    return {str(r[0]): r[1] for r in rows}
+
+
+def test_every_partition_and_a_reverted_table_keep_the_hot_table_autovacuum_settings(
+        sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given the plain table as co0007 leaves it (a fixed vacuum trigger, docs/operations.md)
+    assert "autovacuum_vacuum_threshold=5000" in (reloptions(sessions)[TABLE] or [])
+    # When it is converted and partitions are created ahead
+    partitions.convert(sessions, tables=tables, size=SIZE, ahead=2)
+    partitions.ensure_partitions(sessions, tables=tables, ahead=3)
+    # Then every partition (the old table included) carries the settings: the parent takes none
+    parts = reloptions(sessions)
+    assert len(parts) >= 3
+    assert all("autovacuum_vacuum_threshold=5000" in (opts or []) for opts in parts.values()), parts
+    # And a revert's new plain table carries them too
+    partitions.revert(sessions, tables=tables)
+    assert "autovacuum_vacuum_threshold=5000" in (reloptions(sessions)[TABLE] or [])
