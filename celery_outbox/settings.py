@@ -585,7 +585,7 @@ class Settings:
     relay_batch_size: int = 100
     relay_max_in_flight_rows: int = 1_000
     relay_poll_interval_s: float = 1.0
-    relay_gather_ms: int = 10  # chosen from bench/relay_wakeups.py (figures in docs/settings.md)
+    relay_gather_ms: int = 0  # off: it buys relay CPU with latency (figures in docs/settings.md)
     relay_max_attempts: int = 10
     relay_base_delay_ms: int = 1_000
     relay_max_delay_ms: int = 300_000
