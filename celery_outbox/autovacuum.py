@@ -11,7 +11,7 @@ and the figures are in docs/operations.md, "Vacuum and bloat". SQLite has no aut
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,26 +79,24 @@ def _plain_tables(conn: sa.Connection, names: tuple[str, ...]) -> list[str]:
     return found
 
 
-def apply(conn: sa.Connection, tables: Tables) -> list[str]:
-    """Set the hot tables' autovacuum settings (Postgres; no-op elsewhere). Returns the tables it set."""
+def _alter_each(conn: sa.Connection, tables: Tables, sql: Callable[[str, int], str]) -> list[str]:
     if conn.dialect.name != "postgresql":
         return []
     version = server_version_num(conn)
     done = _plain_tables(conn, hot_tables(tables))
     for name in done:
-        conn.exec_driver_sql(set_sql(name, version))
+        conn.exec_driver_sql(sql(name, version))
     return done
+
+
+def apply(conn: sa.Connection, tables: Tables) -> list[str]:
+    """Set the hot tables' autovacuum settings (Postgres; no-op elsewhere). Returns the tables it set."""
+    return _alter_each(conn, tables, set_sql)
 
 
 def reset(conn: sa.Connection, tables: Tables) -> list[str]:
     """Back to the server's defaults (co0007's downgrade)."""
-    if conn.dialect.name != "postgresql":
-        return []
-    version = server_version_num(conn)
-    done = _plain_tables(conn, hot_tables(tables))
-    for name in done:
-        conn.exec_driver_sql(reset_sql(name, version))
-    return done
+    return _alter_each(conn, tables, reset_sql)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -71,20 +72,28 @@ def sqlite_session(sqlite_sessions: sessionmaker[Session]) -> Iterator[Session]:
         yield s
 
 
-@pytest.fixture(scope="session")
-def pg_database() -> Iterator[str]:
-    """A migrated database of its own for this test session; dropped at the end."""
+@contextmanager
+def scratch_database(prefix: str) -> Iterator[str]:
+    """An empty Postgres database of its own (named ``<prefix>_<hex>``), dropped on the way out."""
     require_service("PostgreSQL", "127.0.0.1", 5432)
-    name = f"outbox_test_{uuid.uuid4().hex[:10]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    migrate.upgrade(url)
-    yield url
-    with admin.connect() as c:
-        c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    admin.dispose()
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as c:
+            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str]:
+    """A migrated database of its own for this test session; dropped at the end."""
+    with scratch_database("outbox_test") as url:
+        migrate.upgrade(url)
+        yield url
 
 
 @pytest.fixture

@@ -33,8 +33,7 @@ from celery_outbox.relay import lease
 from celery_outbox.schema import define_tables
 from consumers.effects import effect_counts
 from devtools.processes import Child, wait_until
-from tests.conftest import PG_ADMIN_URL
-from tests.services import require_service
+from tests.conftest import scratch_database
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
 
@@ -76,17 +75,8 @@ def free_port() -> int:
 @pytest.fixture
 def fresh_database() -> Iterator[str]:
     """An empty Postgres database (not migrated: the page's db-upgrade does that); dropped after."""
-    require_service("PostgreSQL", "127.0.0.1", 5432)
-    name = f"outbox_readme_{uuid.uuid4().hex[:10]}"
-    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as c:
-            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
+    with scratch_database("outbox_readme") as url:
+        yield url
 
 
 def http(method: str, url: str, body: dict[str, object] | None = None) -> tuple[int, dict[str, object]]:

@@ -23,8 +23,7 @@ from celery_outbox.ops import partitions, retention
 from celery_outbox.relay.dispatch import dispatch_batch
 from celery_outbox.schema import Tables
 from celery_outbox.testing.memory import InMemoryPublisher
-from tests.conftest import PG_ADMIN_URL
-from tests.services import require_service
+from tests.conftest import scratch_database
 
 pytestmark = pytest.mark.postgres
 
@@ -35,17 +34,9 @@ TABLE = "outbox_messages"
 @pytest.fixture
 def url() -> Iterator[str]:
     """A migrated database of its own per test: converting changes the schema, so none is shared."""
-    require_service("PostgreSQL", "127.0.0.1", 5432)
-    name = f"outbox_part_{uuid.uuid4().hex[:10]}"
-    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    db = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    migrate.upgrade(db)
-    yield db
-    with admin.connect() as c:
-        c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    admin.dispose()
+    with scratch_database("outbox_part") as db:
+        migrate.upgrade(db)
+        yield db
 
 
 @pytest.fixture

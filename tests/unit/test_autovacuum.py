@@ -3,7 +3,6 @@ shows of them: set by the upgrade, reset by the downgrade, under any table prefi
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +15,7 @@ from celery_outbox import Outbox, Settings, autovacuum, migrate
 from celery_outbox.cli import cli
 from celery_outbox.db import make_engine
 from celery_outbox.schema import define_tables
-from tests.conftest import PG_ADMIN_URL
-from tests.services import require_service
+from tests.conftest import scratch_database
 
 HOT = {"messages", "inbox", "task_receipts", "entity_versions"}
 
@@ -25,17 +23,8 @@ HOT = {"messages", "inbox", "task_receipts", "entity_versions"}
 @pytest.fixture
 def scratch_pg() -> Iterator[str]:
     """An empty Postgres database of this test's own (migrations run up and down in it)."""
-    require_service("PostgreSQL", "127.0.0.1", 5432)
-    name = f"outbox_autovac_{uuid.uuid4().hex[:10]}"
-    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as c:
-            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
+    with scratch_database("outbox_autovac") as url:
+        yield url
 
 
 def reloptions(url: str) -> dict[str, dict[str, str]]:
