@@ -10,9 +10,12 @@ A task sent with a dedup key (``apply_async(headers={"outbox_dedup_key": K})`` o
 
 The guarantee is the partial unique index ``ux_<prefix>dedup`` on pending rows with a key, not a
 read: the write is ``DELETE`` (replace only) then ``INSERT ... ON CONFLICT DO NOTHING``, and a
-conflict is looked at again. On Postgres (read committed) a second transaction writing K waits for
-the first to commit and then sees its row: keep reports it, replace deletes it and writes again, so
-two concurrent writers leave one pending row. A row the relay is publishing (it holds the row lock)
+conflict is looked at again. On Postgres the writers of one key also take a transaction-level advisory
+lock on it first, so they run one after another: a second transaction writing K waits for the first to
+commit and then sees its row (keep reports it, replace deletes it and writes its own). Without that lock,
+replacers racing on one key each saw their insert conflict with the row another had just committed, and
+eight writers of three keys could run out of attempts (tests/tasks/test_dedup.py).
+A row the relay is publishing (it holds the row lock)
 makes a replace wait; the relay marks it published, so it leaves the index and the new row goes in
 beside it: the old task ran or runs, the new one is pending. A replace never rewrites a row in
 place: on SQLite the relay's mark matches rows by seq, and a rewritten row would be marked
@@ -93,6 +96,9 @@ def write_unique(session: Session, values: dict[str, Any], *, key: str, on_confl
             .returning(outbox.c.message_id))
     replaced: uuid.UUID | None = None
     with wrap_driver_errors(f"writing task {values['type']!r} with dedup key {key[:80]!r}"):
+        if conn.dialect.name == "postgresql":  # SQLite writers are serialized by its database lock already
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(
+                sa.func.hashtextextended(sa.literal(f"{outbox.name}:{key}"), 0))))
         for _ in range(ATTEMPTS):
             if on_conflict == REPLACE:
                 gone = conn.execute(sa.delete(outbox).where(holder).returning(outbox.c.message_id)).first()
