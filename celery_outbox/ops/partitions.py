@@ -233,6 +233,17 @@ def _create_range(session: Session, tables: Tables, lower: int, upper: int) -> s
     return name
 
 
+def _rename_aside(session: Session, table: str, to: str, suffix: str) -> None:
+    """Rename ``table`` to ``to`` and its indexes to ``<name>_<suffix>`` (cut to Postgres' 63 characters), so
+    the library's names are free for the table that takes its place (convert and revert)."""
+    indexes = session.execute(sa.text(
+        "SELECT i.relname FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+        "WHERE x.indrelid = to_regclass(:t)"), {"t": table}).scalars().all()
+    session.execute(sa.text(f"ALTER TABLE {table} RENAME TO {to}"))
+    for name in indexes:
+        session.execute(sa.text(f"ALTER INDEX {name} RENAME TO {name[:62 - len(suffix)]}_{suffix}"))
+
+
 def _lock(session: Session, table: str, lock_timeout_ms: int) -> None:
     session.execute(sa.text(f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}"))
     session.execute(sa.text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
@@ -301,12 +312,7 @@ def convert(session_factory: sessionmaker[Session], *, tables: Tables, size: int
         t0 = time.perf_counter()
         notify, unique = _trigger_names(tables)
         had_notify = _has_trigger(s, table, notify)
-        indexes = s.execute(sa.text(
-            "SELECT i.relname FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
-            "WHERE x.indrelid = to_regclass(:t)"), {"t": table}).scalars().all()
-        s.execute(sa.text(f"ALTER TABLE {table} RENAME TO {old}"))
-        for name in indexes:
-            s.execute(sa.text(f"ALTER INDEX {name} RENAME TO {name[:57]}_plain"))
+        _rename_aside(s, table, old, "plain")
         if had_notify:
             s.execute(sa.text(f"DROP TRIGGER {notify} ON {old}"))
         s.execute(sa.text(
@@ -508,12 +514,7 @@ def revert(session_factory: sessionmaker[Session], *, tables: Tables,
         s.execute(sa.text("SET LOCAL statement_timeout = 0"))
         next_seq = _next_seq(s, table)
         had_notify = _has_trigger(s, table, notify)
-        indexes = s.execute(sa.text(
-            "SELECT i.relname FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
-            "WHERE x.indrelid = to_regclass(:t)"), {"t": table}).scalars().all()
-        s.execute(sa.text(f"ALTER TABLE {table} RENAME TO {gone}"))
-        for name in indexes:
-            s.execute(sa.text(f"ALTER INDEX {name} RENAME TO {name[:51]}_partitioned"))
+        _rename_aside(s, table, gone, "partitioned")
         tables.table(tables.outbox).create(s.connection())
         s.execute(sa.text(autovacuum.set_sql(table, autovacuum.server_version_num(s.connection()))))
         s.execute(sa.text(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {gone} ORDER BY seq"))
