@@ -465,6 +465,10 @@ def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     console.print(cons_t)
     if st.vacuum is not None:
         _print_vacuum(console, st.vacuum, st.now_ms)
+    if st.partitions is not None:  # the partitioned layout (docs/partitioning.md, "Partitions ahead")
+        h = st.partitions
+        console.print(f"partitions ahead: {h.ahead:.2f} ({h.rows} rows before a write fails for want of a partition; "
+                      f"the prune keeps --ahead of them)")
 
 
 def _print_vacuum(console: Console, v: ops_stats.VacuumStats, now_ms: int) -> None:

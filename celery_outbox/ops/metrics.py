@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import counters
 from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.ops import stats as ops_stats
+from celery_outbox.ops.partitions import Headroom
 from celery_outbox.schema import Tables
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,25 @@ def _vacuum_families() -> dict[str, GaugeMetricFamily]:
                                       "Postgres: when the table was last vacuumed, kind=auto (autovacuum) or manual "
                                       "(0: never since the statistics were reset)", labels=["table", "kind"]),
     }
+
+
+def _partition_families() -> dict[str, GaugeMetricFamily]:
+    """The partitioned layout only (docs/partitioning.md, "Partitions ahead"): absent on the plain table."""
+    return {
+        "rows": GaugeMetricFamily("outbox_partition_headroom_rows",
+                                  "Partitioned outbox: rows the table takes before a write fails for want of a "
+                                  "partition (the next seq to the top of the last partition)"),
+        "ahead": GaugeMetricFamily("outbox_partitions_ahead",
+                                   "Partitioned outbox: that headroom in partitions of the newest one's size; the "
+                                   "prune keeps it at --ahead, so it falls only when no prune runs"),
+    }
+
+
+def _partition_metrics(h: Headroom) -> Iterator[Metric]:
+    fam = _partition_families()
+    fam["rows"].add_metric([], h.rows)
+    fam["ahead"].add_metric([], h.ahead)
+    yield from fam.values()
 
 
 def _vacuum_metrics(v: ops_stats.VacuumStats) -> Iterator[Metric]:
@@ -164,6 +184,7 @@ class OutboxCollector(Collector):
         # Names only: registering must not touch the database or the broker.
         yield from _families().values()
         yield from _vacuum_families().values()
+        yield from _partition_families().values()
         if self._queue_probe is not None:
             yield from _queue_families().values()
 
@@ -233,6 +254,8 @@ class OutboxCollector(Collector):
         yield from fam.values()
         if st.vacuum is not None:
             yield from _vacuum_metrics(st.vacuum)
+        if st.partitions is not None:
+            yield from _partition_metrics(st.partitions)
         yield from self._collect_queues()
 
 

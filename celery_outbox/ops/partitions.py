@@ -384,6 +384,36 @@ def ensure_partitions(session_factory: sessionmaker[Session], *, tables: Tables,
     return tuple(created)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Headroom:
+    """How many more rows the outbox table takes before a write fails for want of a partition (there is no
+    DEFAULT partition: "Partitions ahead" in docs/partitioning.md). ``ahead`` is that in partitions of the
+    newest partition's size, the figure the prune keeps at ``--ahead``: it falls only when no prune runs."""
+
+    rows: int
+    partition_size: int
+
+    @property
+    def ahead(self) -> float:
+        return self.rows / self.partition_size if self.partition_size > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "partition_size": self.partition_size, "ahead": round(self.ahead, 3)}
+
+
+def headroom(session: Session, *, tables: Tables) -> Headroom | None:
+    """The partitioned layout's headroom (None on the plain layout or SQLite). Catalog reads and the
+    sequence's own row: cheap enough for every metrics scrape."""
+    if not is_partitioned(session, tables=tables):
+        return None
+    ranges = [p for p in list_partitions(session, tables=tables) if not p.default and p.upper is not None]
+    if not ranges:
+        return Headroom(rows=0, partition_size=0)
+    top = ranges[-1]
+    size = top.upper - top.lower if top.lower is not None and top.upper is not None else 0
+    return Headroom(rows=max(0, int(top.upper or 0) - _next_seq(session, _table(tables))), partition_size=max(0, size))
+
+
 def _state(session: Session, part: Partition, next_seq: int, *, rows: int | None = None) -> PartitionState:
     """Index reads only (ix_pending, ix_dead, ix_published of the partition), plus a row count (a scan)
     unless ``rows`` is given: the re-check under the lock must not scan."""

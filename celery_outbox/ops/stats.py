@@ -18,6 +18,9 @@ from sqlalchemy.orm import Session
 
 from celery_outbox import counters as relay_counters
 from celery_outbox.clock import Clock
+from celery_outbox.errors import ConfigError
+from celery_outbox.ops import partitions
+from celery_outbox.ops.partitions import Headroom
 from celery_outbox.relay import reconcile
 from celery_outbox.schema import Tables
 
@@ -132,6 +135,8 @@ class Stats:
     counters: dict[str, dict[str, int]] = field(default_factory=dict)  # consumer -> name -> value
     # Postgres only (None on SQLite, which has no vacuum): what holds back vacuum, and the dead tuples.
     vacuum: VacuumStats | None = None
+    # The partitioned layout only (docs/partitioning.md): rows the table takes before a write fails.
+    partitions: Headroom | None = None
 
     @property
     def reconciled(self) -> dict[str, int]:
@@ -165,6 +170,7 @@ class Stats:
             "reconciled": self.reconciled,
             "counters": {c: dict(v) for c, v in self.counters.items()},
             "vacuum": None if self.vacuum is None else self.vacuum.to_dict(),
+            "partitions": None if self.partitions is None else self.partitions.to_dict(),
         }
 
 
@@ -213,9 +219,16 @@ FROM pg_prepared_xacts WHERE database = current_database()
 """
 _SLOTS_SQL = ("SELECT slot_name, active, age(xmin), age(catalog_xmin) FROM pg_replication_slots "
               "WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL ORDER BY slot_name")
-_TABLES_SQL = ("SELECT relname, n_dead_tup, n_live_tup, (extract(epoch FROM last_autovacuum) * 1000)::bigint, "
-               "(extract(epoch FROM last_vacuum) * 1000)::bigint FROM pg_stat_user_tables "
-               "WHERE relid IN (to_regclass(:outbox), to_regclass(:inbox))")
+# Summed over each table's partition tree: a partitioned outbox (docs/partitioning.md) keeps its tuples in its
+# partitions, and its own row in pg_stat_user_tables reads 0 (pg_partition_tree lists nothing for a plain table).
+_TABLES_SQL = """
+SELECT r.name, sum(s.n_dead_tup), sum(s.n_live_tup), (extract(epoch FROM max(s.last_autovacuum)) * 1000)::bigint,
+       (extract(epoch FROM max(s.last_vacuum)) * 1000)::bigint
+FROM (VALUES (:outbox_name, to_regclass(:outbox)), (:inbox_name, to_regclass(:inbox))) AS r(name, root)
+CROSS JOIN LATERAL (SELECT r.root AS relid UNION SELECT relid FROM pg_partition_tree(r.root)) AS t
+JOIN pg_stat_user_tables s ON s.relid = t.relid
+GROUP BY r.name
+"""
 
 
 def vacuum_stats(session: Session, *, tables: Tables) -> VacuumStats | None:
@@ -232,6 +245,19 @@ def vacuum_stats(session: Session, *, tables: Tables) -> VacuumStats | None:
         return None
 
 
+def partition_headroom(session: Session, *, tables: Tables) -> Headroom | None:
+    """The partitioned layout's headroom (None on the plain layout, on SQLite, or when the catalog cannot be
+    read: logged, the rest of the stats still can), in a savepoint."""
+    if session.get_bind().dialect.name != "postgresql":
+        return None
+    try:
+        with session.begin_nested():
+            return partitions.headroom(session, tables=tables)
+    except (exc.DBAPIError, ConfigError) as e:
+        log.warning("stats: cannot read the outbox table's partitions: %s", getattr(e, "orig", None) or e)
+        return None
+
+
 def _vacuum_stats(session: Session, *, tables: Tables) -> VacuumStats:
     holders = session.execute(sa.text(_HOLDERS_SQL)).all()
     oldest = max(holders, key=lambda h: h.xids or 0, default=None)
@@ -243,8 +269,8 @@ def _vacuum_stats(session: Session, *, tables: Tables) -> VacuumStats:
                          catalog_xmin_age_xids=None if c is None else int(c))
              for name, active, x, c in session.execute(sa.text(_SLOTS_SQL))]
     names = [tables.table(tables.outbox).name, tables.table(tables.inbox).name]
-    found = {str(r[0]): r for r in session.execute(sa.text(_TABLES_SQL),
-                                                    {"outbox": f'"{names[0]}"', "inbox": f'"{names[1]}"'})}
+    found = {str(r[0]): r for r in session.execute(sa.text(_TABLES_SQL), {
+        "outbox": f'"{names[0]}"', "inbox": f'"{names[1]}"', "outbox_name": names[0], "inbox_name": names[1]})}
     stats = [TableVacuumStats(table=n, dead_tuples=int(found[n][1]), live_tuples=int(found[n][2]),
                               last_autovacuum_ms=None if found[n][3] is None else int(found[n][3]),
                               last_vacuum_ms=None if found[n][4] is None else int(found[n][4]))
@@ -322,4 +348,5 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
         dead_letters=groups, inbox=inbox, duplicates_absorbed=duplicates,
         counters=counters,
         vacuum=vacuum_stats(session, tables=tables),
+        partitions=partition_headroom(session, tables=tables),
     )

@@ -23,11 +23,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 
-from celery_outbox import counters
+from celery_outbox import counters, migrate
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.ops import partitions
 from celery_outbox.ops import stats as ops_stats
 from celery_outbox.ops.metrics import OutboxCollector, QueueDepth, make_registry, render
 from celery_outbox.schema import Tables
 from celery_outbox.testing import ManualClock
+from tests.conftest import scratch_database
 from tests.ops_seed import T0, consumer_dead_letter, counter, inbox_rows, outbox_row
 from tests.services import IN_CI
 
@@ -36,6 +39,7 @@ DASHBOARD = ROOT / "ops" / "grafana" / "outbox-dashboard.json"
 RULES = ROOT / "ops" / "prometheus" / "outbox-alerts.yml"
 RULE_TESTS = ROOT / "ops" / "prometheus" / "outbox-alerts.test.yml"
 
+PARTITION_FAMILIES = ("outbox_partition_headroom_rows", "outbox_partitions_ahead")
 TARGET_LABELS = frozenset({"instance", "job"})  # Prometheus adds these to every scraped series
 GRAFANA_BUILTINS = {"__rate_interval": "5m", "__interval": "1m", "__range": "1h"}
 PROMQL_KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
@@ -45,7 +49,8 @@ PROMQL_KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "g
 # --- what the library exports -------------------------------------------------------------------------
 
 
-def exported_metrics(sessions: sessionmaker[Session], tables: Tables) -> dict[str, frozenset[str]]:
+def exported_metrics(sessions: sessionmaker[Session], tables: Tables, *,
+                     partitioned: bool = False) -> dict[str, frozenset[str]]:
     """Sample name -> label names, from one scrape of a database holding a row of every kind."""
     with sessions() as s:
         outbox_row(s, tables=tables, created_at_ms=T0)  # pending
@@ -75,17 +80,36 @@ def exported_metrics(sessions: sessionmaker[Session], tables: Tables) -> dict[st
                                                  queue_probe=queue_probe).describe()}
     if sessions.kw["bind"].dialect.name != "postgresql":  # the vacuum families are Postgres-only
         described = {n for n in described if not n.startswith(("outbox_db_", "outbox_table_"))}
+    if not partitioned:  # the partition families only on the partitioned layout (docs/partitioning.md)
+        described = {n for n in described if not n.startswith(PARTITION_FAMILIES)}
     assert described <= families, f"the seed left families without a sample: {sorted(described - families)}"
     return {name: frozenset(labels) for name, labels in exported.items()}
+
+
+def partitioned_metrics(tables: Tables) -> dict[str, frozenset[str]]:
+    """One scrape of a database of its own whose outbox table is partitioned (docs/partitioning.md)."""
+    with scratch_database("outbox_dash") as url:
+        migrate.upgrade(url)
+        engine = make_engine(url)
+        try:
+            sessions = make_session_factory(engine)
+            partitions.convert(sessions, tables=tables, size=1000, ahead=2)
+            return exported_metrics(sessions, tables, partitioned=True)
+        finally:
+            engine.dispose()
 
 
 @pytest.fixture
 def exported(sqlite_sessions: sessionmaker[Session], pg_sessions: sessionmaker[Session],
              tables: Tables) -> dict[str, frozenset[str]]:
-    """SQLite's scrape and Postgres's: the vacuum metrics are Postgres-only (absent on SQLite, not zero)."""
+    """SQLite's scrape, Postgres's and a partitioned outbox's: the vacuum metrics are Postgres-only (absent on
+    SQLite, not zero), the partition metrics only on the partitioned layout."""
     lite, pg = exported_metrics(sqlite_sessions, tables), exported_metrics(pg_sessions, tables)
     assert set(lite) <= set(pg) and not any(name.startswith(("outbox_db_", "outbox_table_")) for name in lite)
-    return {name: pg[name] | lite.get(name, frozenset()) for name in pg}
+    assert not any(name.startswith(PARTITION_FAMILIES) for name in pg)
+    part = partitioned_metrics(tables)
+    assert set(pg) <= set(part)
+    return {name: part[name] | pg.get(name, frozenset()) | lite.get(name, frozenset()) for name in part}
 
 
 # --- PromQL, read just enough to name what it selects -------------------------------------------------

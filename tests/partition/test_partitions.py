@@ -20,6 +20,8 @@ from celery_outbox.clock import ManualClock
 from celery_outbox.db import is_unique_violation, make_engine, make_session_factory
 from celery_outbox.errors import ConfigError, DatabaseError
 from celery_outbox.ops import partitions, retention
+from celery_outbox.ops import stats as ops_stats
+from celery_outbox.ops.metrics import make_registry, render
 from celery_outbox.relay.dispatch import dispatch_batch
 from celery_outbox.schema import Tables
 from celery_outbox.testing.memory import InMemoryPublisher
@@ -251,6 +253,13 @@ def run(url: str, tmp_path: Path, *args: str) -> Result:
     return CliRunner().invoke(cli, ["db", "partitions", *args], env=env, catch_exceptions=False)
 
 
+def run_stats(url: str, tmp_path: Path) -> Result:
+    sys.modules.pop("relay.app", None)
+    env = {"OUTBOX_DATABASE_URL": url, "OUTBOX_HOME": str(tmp_path), "OUTBOX_NAMESPACE": "partition-test",
+           "OUTBOX_BROKER_URL": "memory://"}
+    return CliRunner().invoke(cli, ["stats"], env=env, catch_exceptions=False, terminal_width=200)
+
+
 @pytest.mark.parametrize("args", [
     ("convert", "--size", "5"),
     ("convert", "--size", "\u0661\u0660\u0660\u0660"),
@@ -327,3 +336,59 @@ def test_every_partition_and_a_reverted_table_keep_the_hot_table_autovacuum_sett
     # And a revert's new plain table carries them too
     partitions.revert(sessions, tables=tables)
     assert "autovacuum_vacuum_threshold=5000" in (reloptions(sessions)[TABLE] or [])
+
+
+def test_stats_and_metrics_read_the_partitions_dead_tuples_and_the_headroom_left(
+        url: str, sessions: sessionmaker[Session], tables: Tables, clock: ManualClock, tmp_path: Path) -> None:
+    # Given a converted table with 2 partitions ahead of its next row
+    insert(sessions, 100, published_at=1, tag="old")
+    partitions.convert(sessions, tables=tables, size=SIZE, ahead=2)
+    with sessions() as s:
+        top = max(p.upper for p in partitions.list_partitions(s, tables=tables) if p.upper is not None)
+    # When 600 rows are written and 400 of them deleted row by row (dead tuples in the partitions, none in the
+    # parent, which keeps no rows), the statistics flushed
+    insert(sessions, 600, published_at=1, tag="new")
+    with sessions() as s:
+        next_seq = int(s.execute(sa.text(f"SELECT max(seq) FROM {TABLE}")).scalar_one()) + 1
+        deleted = len(s.execute(sa.text(f"DELETE FROM {TABLE} WHERE seq > :lo RETURNING seq"),
+                                {"lo": next_seq - 401}).all())
+        s.commit()
+        s.execute(sa.text("SELECT pg_stat_force_next_flush()"))
+        s.commit()
+    assert deleted == 400
+    # Then stats report the dead tuples summed over the partitions, and how many rows fit before writes fail
+    with sessions() as s:
+        st = ops_stats.collect(s, tables=tables, clock=clock)
+    assert st.vacuum is not None
+    [outbox] = [t for t in st.vacuum.tables if t.table == TABLE]
+    assert outbox.dead_tuples >= deleted
+    assert st.partitions == partitions.Headroom(rows=top - next_seq, partition_size=SIZE)
+    assert st.partitions.ahead == pytest.approx((top - next_seq) / SIZE)
+    assert st.to_dict()["partitions"]["rows"] == top - next_seq
+    # and so does the metrics scrape (the gauges the alerts OutboxPartitionsRunningOut/Exhausted read)
+    text = render(make_registry(tables=tables, session_factory=sessions, clock=clock)).decode()
+    assert f"outbox_partition_headroom_rows {float(top - next_seq)}" in text
+    # and `outbox stats` prints it
+    result = run_stats(url, tmp_path)
+    assert result.exit_code == 0, result.output
+    assert f"partitions ahead: {(top - next_seq) / SIZE:.2f} ({top - next_seq} rows" in result.output
+
+
+def test_the_plain_table_reports_no_headroom_and_its_own_dead_tuples(
+        url: str, sessions: sessionmaker[Session], tables: Tables, clock: ManualClock) -> None:
+    # Given the plain table with 50 rows deleted
+    insert(sessions, 80, published_at=1, tag="plain")
+    with sessions() as s:
+        s.execute(sa.text(f"DELETE FROM {TABLE} WHERE seq <= 50"))
+        s.commit()
+        s.execute(sa.text("SELECT pg_stat_force_next_flush()"))
+        s.commit()
+    # When stats are read, Then there is no partition figure and the dead tuples are the table's own
+    with sessions() as s:
+        st = ops_stats.collect(s, tables=tables, clock=clock)
+    assert st.partitions is None and st.to_dict()["partitions"] is None
+    assert st.vacuum is not None
+    [outbox] = [t for t in st.vacuum.tables if t.table == TABLE]
+    assert outbox.dead_tuples >= 50
+    assert "outbox_partitions_ahead" not in render(make_registry(tables=tables, session_factory=sessions,
+                                                                 clock=clock)).decode()
