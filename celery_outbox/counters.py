@@ -24,6 +24,11 @@ PUBLISH_FAILURES = "publish_failures"
 BROKER_UNAVAILABLE = "broker_unavailable"
 DEAD_LETTERED = "dead_lettered"
 INBOX_PRUNED = "inbox_pruned"
+# The reconciler's (relay/reconcile.py), in the RELAY scope: messages it sent again because they never arrived.
+RECONCILED = "reconciled"  # every message sent again, all kinds
+RECONCILED_EVENTS = "reconciled_events"  # (event, consumer) pairs
+RECONCILED_TASKS = "reconciled_tasks"  # @outbox.task messages
+RECONCILED_PLAIN_TASKS = "reconciled_plain_tasks"  # plain task messages
 
 
 def stage_increment(session: Session, scope: str, name: str, by: int = 1, *, tables: Tables) -> None:

@@ -11,8 +11,8 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
+from celery_outbox import layout
 from celery_outbox.db import make_engine
-from celery_outbox.ops import partitions
 from celery_outbox.schema import DEFAULT_PREFIX, define_tables
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -78,9 +78,9 @@ def check(url: str, *, prefix: str = DEFAULT_PREFIX) -> list[str]:
                 "include_object": lambda obj, name, type_, reflected, other: (
                     (obj.name if type_ == "table" else getattr(getattr(obj, "table", None), "name", name)) in ours),
             })
-            partitioned = partitions.is_partitioned(conn, tables=tables)  # docs/partitioning.md
+            partitioned = layout.is_partitioned(conn, tables=tables)  # docs/partitioning.md
             for diff in compare_metadata(ctx, tables.metadata):
-                if not (partitioned and partitions.expected_difference(diff, tables=tables)):
+                if not (partitioned and layout.expected_difference(diff, tables=tables)):
                     problems.append(f"schema differs: {diff}")
     finally:
         engine.dispose()

@@ -11,16 +11,47 @@ faults, and it is left ``None`` where the run does not observe it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from chaos.harness import ChaosReport
+from chaos.invariants import InvariantReport
 
 UNATTRIBUTED = "not attributable to one fault"
 TOTAL = "all faults"
 SUMMED = ("lost", "duplicate_deliveries", "duplicate_effects")  # the columns that add up to the total
+
+
+class FinishedRun(Protocol):
+    """What the figures read of a run (chaos/harness.py's ``ChaosReport``), so this module stays below it."""
+
+    @property
+    def invariants(self) -> InvariantReport | None: ...
+    @property
+    def kills(self) -> Counter[str]: ...
+    @property
+    def relay_mode(self) -> str: ...
+    @property
+    def taken_and_lost(self) -> Sequence[Any]: ...
+    @property
+    def take_rounds(self) -> int: ...
+    @property
+    def take_how(self) -> str: ...
+    @property
+    def beat_kills(self) -> int: ...
+    @property
+    def outage(self) -> str: ...
+    @property
+    def outage_s(self) -> float: ...
+    @property
+    def outage_peak_pending(self) -> int: ...
+    @property
+    def duplicates_injected(self) -> int: ...
+    @property
+    def db_freeze_s(self) -> float: ...
+    @property
+    def db_freeze_connections(self) -> int: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +74,7 @@ def _kill_row(fault: str, times: int, what: str) -> FaultFigures:
                               "duplicates are in the unattributable row")
 
 
-def fault_figures(r: ChaosReport) -> list[FaultFigures]:
+def fault_figures(r: FinishedRun) -> list[FaultFigures]:
     """The per-fault table of a finished run (``r.invariants`` set), its last two rows the unattributable
     remainder and the totals."""
     assert r.invariants is not None

@@ -44,6 +44,7 @@ from celery_outbox import autovacuum
 from celery_outbox.clock import Clock
 from celery_outbox.db import is_postgres, wrap_driver_errors
 from celery_outbox.errors import ConfigError, ValidationError
+from celery_outbox.layout import is_partitioned
 from celery_outbox.schema import DEAD_SQL, PENDING_SQL, Tables
 
 log = logging.getLogger(__name__)
@@ -140,31 +141,6 @@ def _session(session_factory: sessionmaker[Session], what: str) -> Iterator[Sess
     with session_factory() as session, wrap_driver_errors(what):
         _require_postgres(session)
         yield session
-
-
-def is_partitioned(session: Session | sa.Connection, *, tables: Tables) -> bool:
-    """True when the outbox table is a partitioned table (Postgres only; False on SQLite)."""
-    if not is_postgres(session):
-        return False
-    kind = session.execute(sa.text("SELECT relkind FROM pg_class WHERE oid = to_regclass(:t)"),
-                           {"t": _table(tables)}).scalar()
-    return kind == "p"
-
-
-def expected_difference(diff: Any, *, tables: Tables) -> bool:
-    """True for the two differences ``outbox db check`` sees on this layout by design: the parent holds
-    neither the unique ``message_id`` constraint nor ``ux_<prefix>dedup`` (each partition does)."""
-    if not isinstance(diff, tuple) or len(diff) < 2:
-        return False
-    kind, obj = diff[0], diff[1]
-    table = getattr(getattr(obj, "table", None), "name", None)
-    if table != _table(tables):
-        return False
-    if kind == "add_index":
-        return bool(getattr(obj, "name", None) == f"ux_{tables.prefix}dedup")
-    if kind == "add_constraint" and isinstance(obj, sa.UniqueConstraint):
-        return [c.name for c in obj.columns] == ["message_id"]
-    return False
 
 
 def _parse(name: str, bound: str) -> Partition:

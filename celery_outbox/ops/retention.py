@@ -27,7 +27,7 @@ from typing import Literal
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from celery_outbox import counters
+from celery_outbox import counters, layout
 from celery_outbox.clock import Clock
 from celery_outbox.db import is_postgres, wrap_driver_errors
 from celery_outbox.errors import DatabaseError, ValidationError
@@ -166,7 +166,7 @@ def _drain(session_factory: sessionmaker[Session], build: Callable[..., sa.Execu
 
 def _partitioned(session_factory: sessionmaker[Session], *, tables: Tables) -> bool:
     with session_factory() as session, wrap_driver_errors("reading the outbox layout"):
-        return partitions.is_partitioned(session, tables=tables)
+        return layout.is_partitioned(session, tables=tables)
 
 
 def _drop_partitions(session_factory: sessionmaker[Session], published_older_than_ms: int, *, tables: Tables,

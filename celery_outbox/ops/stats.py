@@ -21,15 +21,14 @@ from celery_outbox.clock import Clock
 from celery_outbox.errors import ConfigError
 from celery_outbox.ops import partitions
 from celery_outbox.ops.partitions import Headroom
-from celery_outbox.relay import reconcile
 from celery_outbox.schema import Tables
 
 log = logging.getLogger(__name__)
 
 DUPLICATES = "duplicates"  # tables.counters.name the inbox increments per duplicate absorbed
 # The reconciler's counters, by kind (relay/reconcile.py).
-RECONCILED_KINDS = {"events": reconcile.RECONCILED_EVENTS, "tasks": reconcile.RECONCILED_TASKS,
-                    "plain_tasks": reconcile.RECONCILED_PLAIN_TASKS}
+RECONCILED_KINDS = {"events": relay_counters.RECONCILED_EVENTS, "tasks": relay_counters.RECONCILED_TASKS,
+                    "plain_tasks": relay_counters.RECONCILED_PLAIN_TASKS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +141,7 @@ class Stats:
     def reconciled(self) -> dict[str, int]:
         """Messages the reconciler published again since the database began: total and per kind."""
         relay = self.counters.get(relay_counters.RELAY, {})
-        out = {"total": relay.get(reconcile.RECONCILED, 0)}
+        out = {"total": relay.get(relay_counters.RECONCILED, 0)}
         out.update({kind: relay.get(name, 0) for kind, name in RECONCILED_KINDS.items()})
         return out
 

@@ -57,11 +57,8 @@ WATERMARK = "reconciled_through_ms"
 WATERMARK_SEQ = "reconciled_through_seq"  # with the ms: a keyset, so rows sharing one ms are never skipped
 PLAIN_WATERMARK = "reconciled_plain_through_ms"
 PLAIN_WATERMARK_SEQ = "reconciled_plain_through_seq"
-RECONCILED = "reconciled"  # every message sent again, all kinds
-RECONCILED_EVENTS = "reconciled_events"  # (event, consumer) pairs
-RECONCILED_TASKS = "reconciled_tasks"  # @outbox.task messages
-RECONCILED_PLAIN_TASKS = "reconciled_plain_tasks"  # plain task messages
-KINDS = {"event": RECONCILED_EVENTS, "task": RECONCILED_TASKS, "plain_task": RECONCILED_PLAIN_TASKS}
+KINDS = {"event": counters.RECONCILED_EVENTS, "task": counters.RECONCILED_TASKS,
+         "plain_task": counters.RECONCILED_PLAIN_TASKS}
 _ALL = 2**63 - 1
 
 
@@ -283,7 +280,7 @@ def _run_window(session: Session, publisher: Publisher, window: _Window, upto: i
         per_kind = {kind: sum(1 for s in plan.resent if s.kind == kind) for kind in KINDS}
         with wrap_driver_errors("advancing the reconcile watermark"):
             _set_watermark(session, window, next_mark, tables=tables)
-            counters.stage_increment(session, counters.RELAY, RECONCILED, len(plan.messages), tables=tables)
+            counters.stage_increment(session, counters.RELAY, counters.RECONCILED, len(plan.messages), tables=tables)
             for kind, n in per_kind.items():
                 counters.stage_increment(session, counters.RELAY, KINDS[kind], n, tables=tables)
             session.commit()

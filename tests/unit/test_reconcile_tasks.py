@@ -20,11 +20,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import counters
 from celery_outbox.celery.receipts import Receipts
 from celery_outbox.clock import ManualClock
+from celery_outbox.counters import RECONCILED_PLAIN_TASKS, RECONCILED_TASKS
 from celery_outbox.inbox import receipts
 from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.ops import metrics, stats
 from celery_outbox.relay.dispatch import dispatch_batch
-from celery_outbox.relay.reconcile import RECONCILED_PLAIN_TASKS, RECONCILED_TASKS, ReconcileResult, reconcile
+from celery_outbox.relay.reconcile import ReconcileResult, reconcile
 from celery_outbox.schema import Tables
 from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings

@@ -19,7 +19,7 @@ Task runs, so it loads on Django 5.2 too.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery_outbox.celery.config import consumer_time_limits
 from celery_outbox.celery.consumer_tasks import deliver_or_retry, finish
@@ -30,9 +30,16 @@ from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.messages import Envelope
 from celery_outbox.policy import RetryPolicy
+from celery_outbox.runtime import Context
 
-if TYPE_CHECKING:
-    from celery_outbox.contrib.django.outbox import DjangoOutbox
+
+class RunnerHost(Context, Protocol):
+    """What the runner needs of its ``DjangoOutbox`` (a protocol: that module imports this one)."""
+
+    @property
+    def app(self) -> Any: ...
+    @property
+    def using(self) -> str: ...
 
 RUNNER = "django_tasks.run"  # not under celery_outbox.: the capture leaves the library's own tasks alone
 """The Celery task name of every Django Task run (its args: the Task's module path, args, kwargs)."""
@@ -62,7 +69,7 @@ def call_task(module_path: str, args: list[Any], kwargs: dict[str, Any], *, task
     return normalize_json(task.call(TaskContext(task_result=result), *args, **kwargs))
 
 
-def define(outbox: DjangoOutbox) -> Any:
+def define(outbox: RunnerHost) -> Any:
     """Register ``RUNNER`` on ``outbox.app``; the task."""
     app = outbox.app
     if RUNNER in app._tasks:
