@@ -36,6 +36,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -61,6 +62,8 @@ _BODY_LEVELS = 2
 # The envelope travels as an escaped JSON string after the first Celery retry, which can nearly
 # double its size; the envelope itself is held to ``max_message_bytes`` by ``deliver``.
 _BODY_SLACK_BYTES = 64 * 1024
+# A UUID already in the spelling ``str(uuid.UUID(...))`` gives: kept as it is, not parsed again.
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 # What the pool decodes: compact JSON, as ``json.dumps(payload, separators=(",", ":"))`` writes it.
 _PAYLOAD_ENCODER = json.JSONEncoder(separators=(",", ":"))
 # A body exactly as the relay writes it (``messages.celery_task_messages``: compact, keys sorted) is
@@ -279,6 +282,8 @@ def mapping_attr(message: Any, name: str) -> Mapping[str, Any]:
 
 def stable_task_id(value: Any, raw: bytes) -> str:
     """The message's task id when it is a UUID; else one derived from the body (stable on redelivery)."""
+    if isinstance(value, str) and _CANONICAL_UUID.fullmatch(value):
+        return value  # what str(uuid.UUID(value)) would give (the relay's ids are canonical)
     if isinstance(value, str) and len(value) <= 64:
         try:
             return str(uuid.UUID(value))

@@ -27,9 +27,16 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import Outbox, Settings
 from celery_outbox.celery import strategy
 from celery_outbox.celery.gate import Gate
-from celery_outbox.celery.strategy import CanonicalMessage, canonical_message
+from celery_outbox.celery.strategy import CanonicalMessage, canonical_message, stable_task_id
 from celery_outbox.errors import OutboxError
-from celery_outbox.messages import MalformedDelivery, celery_task_message, decode_json, encode_json, task_name
+from celery_outbox.messages import (
+    TASK_ID_NAMESPACE,
+    MalformedDelivery,
+    celery_task_message,
+    decode_json,
+    encode_json,
+    task_name,
+)
 from consumers.testing import order_placed_envelope
 
 TASK = task_name("fuzz")
@@ -151,3 +158,23 @@ def test_the_gate_gives_the_pool_the_raw_body_which_decodes_as_the_re_encoded_on
     before = json.dumps(checked.payload, separators=(",", ":"))
     assert pool_loads(checked.body, checked.content_type, checked.content_encoding, accept={"application/json"}) == \
         pool_loads(before, checked.content_type, checked.content_encoding, accept={"application/json"})
+
+
+def parsed_task_id(value: Any, raw: bytes) -> str:
+    """The task id as the strategy derived it by parsing every id (before canonical ids were kept as they are)."""
+    if isinstance(value, str) and len(value) <= 64:
+        try:
+            return str(uuid.UUID(value))
+        except ValueError:
+            pass
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, "raw:" + raw.hex()))
+
+
+@given(value=st.one_of(st.uuids().map(str), st.uuids().map(lambda u: str(u).upper()), st.uuids().map(lambda u: u.hex),
+                       st.uuids().map(lambda u: "{" + str(u) + "}"), st.uuids().map(lambda u: f"urn:uuid:{u}"),
+                       st.uuids().map(lambda u: str(u) + "\n"), nasty_text, st.integers(), st.none()),
+       raw=st.binary(max_size=20))
+def test_a_task_id_is_the_one_parsing_it_gives(value: Any, raw: bytes) -> None:
+    # Given any task id header (canonical, another UUID spelling, or not a UUID) and any body
+    # Then the strategy's task id is the one parsing it as a UUID gives (else derived from the body)
+    assert stable_task_id(value, raw) == parsed_task_id(value, raw)
