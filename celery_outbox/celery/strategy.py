@@ -69,6 +69,14 @@ _PAYLOAD_ENCODER = json.JSONEncoder(separators=(",", ":"))
 # A body exactly as the relay writes it (``messages.celery_task_messages``: compact, keys sorted) is
 # ``[[`` + the envelope's JSON text + this tail; ``_relay_envelope`` reads the envelope text out of it.
 _RELAY_HEAD = b"[[{"
+# A JSON number reads as an infinite float (which the full path's re-encode refuses) only when it has an
+# exponent of three significant digits or more, or 210+ integer digits; a body where this matches, even
+# inside a string, takes the full path.
+_MAYBE_INFINITE = re.compile(rb"[eE][+-]?0*[1-9][0-9]{2}|[0-9]{200}")
+# The full path's re-encode is at most 4.5x the text it read (``1e15`` -> ``1000000000000000.0``; a
+# two-byte character -> ``\u00e9``); a body this much under ``max_message_bytes`` fits the pool's size
+# check either way, so the text it hands over cannot change that verdict. Larger bodies take the full path.
+_MAX_REENCODE_GROWTH = 8
 _RELAY_TAIL = "],{}," + encode_json(EMBED) + "]"
 
 
@@ -238,9 +246,11 @@ def _relay_envelope(raw: bytes, settings: Settings) -> str | None:
     ``[[`` + T + ``],{},{embed}]`` is the triple ``[[envelope], {}, no callbacks]`` exactly when T is one
     JSON value (JSON values delimit themselves), and its depth is the body's less the two outer levels:
     decoding T alone checks what decoding the body would, and T itself is the argument the pool reads,
-    with no re-encode. Anything else (not this frame, not UTF-8, T not JSON or too deep) is None: the
-    full decode of ``_envelope_text`` then decides, with its own error."""
-    if not raw.startswith(_RELAY_HEAD):
+    with no re-encode. Anything else (not this frame, not UTF-8, T not JSON or too deep, a number that
+    may read as infinite, a body near the size limit) is None: the full decode of ``_envelope_text`` then
+    decides, with its own error."""
+    if len(raw) * _MAX_REENCODE_GROWTH > settings.max_message_bytes or not raw.startswith(_RELAY_HEAD) \
+            or _MAYBE_INFINITE.search(raw):
         return None
     try:
         text = raw.decode("utf-8")

@@ -33,6 +33,7 @@ from celery_outbox.messages import (
     TASK_ID_NAMESPACE,
     MalformedDelivery,
     celery_task_message,
+    check_size,
     decode_json,
     encode_json,
     task_name,
@@ -81,6 +82,11 @@ def framed_bodies() -> st.SearchStrategy[bytes]:
         st.integers(1, 40).map(lambda n: '{"k":' + "[" * n + "]" * n + "}"),
         st.just('{"a":1}],{},{"b":2'),  # a frame inside the frame
         st.just('{"a":1} '), st.just("{}"), st.just("{"),
+        # numbers JSON reads as an infinite float (which no encoder writes back)
+        st.sampled_from(['{"a":1e400}', '{"a":-1E+0309}', '{"a":' + "9" * 320 + ".5}", '{"a":1e99,"b":"e400"}']),
+        # near the size limit, with text its re-encoding makes longer (\u escapes, 1e15 -> 1000000000000000.0)
+        st.integers(1000, 9000).map(lambda n: '{"a":"' + "é" * n + '"}'),
+        st.integers(100, 2000).map(lambda n: '{"a":[' + ",".join(["1e15"] * n) + "]}"),
     )
     text = inner.map(lambda t: "[[" + t + TAIL if t.startswith("{") else "[[{" + t + TAIL)
     return text.map(lambda t: t.encode("utf-8", "surrogatepass"))
@@ -115,9 +121,19 @@ def test_a_framed_body_gives_the_pool_the_same_envelope_as_the_full_decode(body:
         # And a body the full path finds malformed is malformed with the same reason and raw bytes
         assert fast_arg == full_arg
     else:
-        # And a well-formed one hands the pool the same envelope value
+        # And a well-formed one hands the pool the same envelope value, which fits the size limit or not alike
         assert decode_json(fast_arg, max_depth=SETTINGS.max_json_depth) == decode_json(
             full_arg, max_depth=SETTINGS.max_json_depth)
+        assert fits(fast_arg) is fits(full_arg)
+
+
+def fits(arg: str) -> bool:
+    """The pool's size verdict on a delivered envelope text (``delivery._parse``)."""
+    try:
+        check_size(arg, limit=SETTINGS.max_message_bytes)
+    except OutboxError:
+        return False
+    return True
 
 
 # -- the gate -------------------------------------------------------------------------------------------
