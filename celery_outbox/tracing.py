@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -214,7 +214,7 @@ class RelaySpans:
         """``make`` the batch's messages from ``rows`` whose headers carry their relay span's context;
         a row that this makes unpublishable (too large) is built again without it."""
         if self._api is None or not self._spans:
-            return make(list(rows))
+            return make(rows if isinstance(rows, list) else list(rows))
         traced = [self._traced(i, row) for i, row in enumerate(rows)]
         built = make(traced)
         worse = [i for i in built.unpublishable if traced[i] is not rows[i]]
@@ -331,16 +331,25 @@ class ConsumerSpan:
 NO_CONSUMER_SPAN = ConsumerSpan()
 
 
-@contextmanager
+_NOT_CONSUMING: AbstractContextManager[ConsumerSpan] = nullcontext(NO_CONSUMER_SPAN)  # reusable: holds no state
+
+
 def consuming(*, consumer: str, destination: str, message_id: str, event_type: Any,
-              headers: Mapping[str, Any]) -> Iterator[ConsumerSpan]:
-    """The delivery's CONSUMER span, current inside the block (``NO_CONSUMER_SPAN`` when off)."""
+              headers: Mapping[str, Any]) -> AbstractContextManager[ConsumerSpan]:
+    """The delivery's CONSUMER span, current inside the block (``NO_CONSUMER_SPAN`` when off: one check)."""
     api = _api()
     tracer = _tracer(api) if api is not None else None
     if api is None or tracer is None:
-        yield NO_CONSUMER_SPAN
-        return
-    worker = _WORKER.get()
+        return _NOT_CONSUMING
+    return _consuming(api, tracer, consumer=consumer, destination=destination, message_id=message_id,
+                      event_type=event_type, headers=headers)
+
+
+@contextmanager
+def _consuming(api: _Api, tracer: Tracer, *, consumer: str, destination: str, message_id: str, event_type: Any,
+               headers: Mapping[str, Any]) -> Iterator[ConsumerSpan]:
+    request = _WORKER.get()
+    worker = _worker_message(api, request) if request is not None else None
     if worker is not None:
         destination = worker.destination or destination
     try:
@@ -383,33 +392,53 @@ class _WorkerMessage:
     headers: Mapping[str, Any]
 
 
-_WORKER: ContextVar[_WorkerMessage | None] = ContextVar("celery_outbox_worker_message", default=None)
+# The Celery request of the task running in this context (``worker_message``); read only by a span.
+_WORKER: ContextVar[Any] = ContextVar("celery_outbox_worker_message", default=None)
 
 
-@contextmanager
-def worker_message(request: Any) -> Iterator[None]:
+class _WorkerBlock:
+    """``worker_message``'s block: only remembers the request (no generator, nothing read from it)."""
+
+    __slots__ = ("_request", "_token")
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+
+    def __enter__(self) -> None:
+        self._token = _WORKER.set(self._request)
+
+    def __exit__(self, *exc: object) -> None:
+        _WORKER.reset(self._token)
+
+
+def worker_message(request: Any) -> AbstractContextManager[None]:
     """Inside this block a delivery's span names the queue Celery's ``request`` came from (its routing
-    key: every outbox queue is bound under its own name) and may continue the trace in its headers."""
-    info = getattr(request, "delivery_info", None) or {}
-    destination = _text(info.get("routing_key")) if isinstance(info, Mapping) else None
-    headers: dict[str, str] = {}
-    api = _api()
-    if api is not None:
-        try:
-            given = getattr(request, "headers", None)  # an eager run's headers; a worker's are attributes
-            given = given if isinstance(given, Mapping) else {}
-            for name in api.propagate.get_global_textmap().fields:
-                value = getattr(request, name, None)
-                value = value if value is not None else given.get(name)
-                if isinstance(value, str) and len(value) <= HEADER_MAX_CHARS:
-                    headers[name] = value
-        except Exception:
-            log.debug("could not read the trace context of a task request", exc_info=True)
-    token = _WORKER.set(_WorkerMessage(destination=destination or None, headers=headers))
+    key: every outbox queue is bound under its own name) and may continue the trace in its headers.
+
+    The request is read when a delivery's span starts (``consuming``), so without a tracer this block
+    reads nothing and costs one context variable set and reset."""
+    return _WorkerBlock(request)
+
+
+def _worker_message(api: _Api, request: Any) -> _WorkerMessage:
+    """What a span reads of the running task's Celery ``request``: its queue and its trace context."""
     try:
-        yield
-    finally:
-        _WORKER.reset(token)
+        info = getattr(request, "delivery_info", None) or {}
+        destination = _text(info.get("routing_key")) if isinstance(info, Mapping) else None
+    except Exception:
+        destination = None
+    headers: dict[str, str] = {}
+    try:
+        given = getattr(request, "headers", None)  # an eager run's headers; a worker's are attributes
+        given = given if isinstance(given, Mapping) else {}
+        for name in api.propagate.get_global_textmap().fields:
+            value = getattr(request, name, None)
+            value = value if value is not None else given.get(name)
+            if isinstance(value, str) and len(value) <= HEADER_MAX_CHARS:
+                headers[name] = value
+    except Exception:
+        log.debug("could not read the trace context of a task request", exc_info=True)
+    return _WorkerMessage(destination=destination or None, headers=headers)
 
 
 # -- tracer providers ----------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ fills ``consumer.strategies``, on every connection restart too) and
 * wraps each task's strategy: the raw body is checked (``task_rules.decode_body``) and the message
   against the one rule table enqueue applies too (``task_rules.check_call``) *before* Celery
   unpacks anything; a message that passes reaches Celery's own strategy rebuilt from the checked
-  values (ids normalised, the arguments as decoded, never kombu's JSON type hooks);
+  values (headers with ids normalised, the arguments as decoded here, never through kombu's JSON type
+  hooks) and its raw body for the pool (the same text, so not encoded again);
 * replaces the consumer's ``on_unknown_task``, ``on_unknown_message``, ``on_invalid_task`` and
   ``on_decode_error`` (Celery's would log the message and drop it), the task consumer's too.
 
@@ -177,14 +178,17 @@ class Gate:
         headers = message.headers
         if not isinstance(headers, Mapping) or headers.get("task") != name:
             raise MalformedMessageError("the task header does not name this task")
-        decoded = decode_body(raw_bytes(message), content_type=getattr(message, "content_type", None),
+        raw = raw_bytes(message)
+        decoded = decode_body(raw, content_type=getattr(message, "content_type", None),
                               content_encoding=getattr(message, "content_encoding", None),
                               max_bytes=body_limit(self.settings), max_depth=self.settings.max_json_depth)
         call = check_call(headers, decoded, rules=rules)
         properties = dict(mapping_attr(message, "properties"))
         if properties.get("correlation_id") == headers.get("id"):
             properties["correlation_id"] = call.task_id
-        return CanonicalMessage(message, headers=call.headers, payload=call.body,
+        # The body the pool decodes is the raw one: strict UTF-8 JSON that decodes to ``call.body`` (the
+        # checks change no argument), so re-encoding it would only repeat the same text's value.
+        return CanonicalMessage(message, headers=call.headers, payload=call.body, body=raw,
                                 delivery_info=dict(mapping_attr(message, "delivery_info")), properties=properties)
 
     def check_poison(self, message: Any, body: Any, name: str, rules: TaskRules) -> CanonicalMessage:

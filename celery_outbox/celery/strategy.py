@@ -18,6 +18,8 @@ our task name, a UUID task id, no expiry, no callbacks, no foreign time limit, a
 the consumer's backoff, the consumer's own queue, and as the single argument the envelope as JSON
 *text* (decoded later by ``Envelope.from_dict`` with the same depth bound; kombu's JSON type hooks,
 which turn ``{"__type__": ..., "__value__": ...}`` objects into bytes or datetimes, never see it).
+A body framed exactly as the relay writes it hands over its envelope text as it came (decoded once
+here to check it, never encoded again: ``_relay_envelope``); the pool decodes it once more.
 
 A message that fails any check is not rejected or dropped: its single argument becomes a
 ``messages.MalformedDelivery`` (raw bytes kept, the reason, sanitised broker headers), and the
@@ -34,6 +36,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -59,6 +62,22 @@ _BODY_LEVELS = 2
 # The envelope travels as an escaped JSON string after the first Celery retry, which can nearly
 # double its size; the envelope itself is held to ``max_message_bytes`` by ``deliver``.
 _BODY_SLACK_BYTES = 64 * 1024
+# A UUID already in the spelling ``str(uuid.UUID(...))`` gives: kept as it is, not parsed again.
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+# What the pool decodes: compact JSON, as ``json.dumps(payload, separators=(",", ":"))`` writes it.
+_PAYLOAD_ENCODER = json.JSONEncoder(separators=(",", ":"))
+# A body exactly as the relay writes it (``messages.celery_task_messages``: compact, keys sorted) is
+# ``[[`` + the envelope's JSON text + this tail; ``_relay_envelope`` reads the envelope text out of it.
+_RELAY_HEAD = b"[[{"
+# A JSON number reads as an infinite float (which the full path's re-encode refuses) only when it has an
+# exponent of three significant digits or more, or 210+ integer digits; a body where this matches, even
+# inside a string, takes the full path.
+_MAYBE_INFINITE = re.compile(rb"[eE][+-]?0*[1-9][0-9]{2}|[0-9]{200}")
+# The full path's re-encode is at most 4.5x the text it read (``1e15`` -> ``1000000000000000.0``; a
+# two-byte character -> ``\u00e9``); a body this much under ``max_message_bytes`` fits the pool's size
+# check either way, so the text it hands over cannot change that verdict. Larger bodies take the full path.
+_MAX_REENCODE_GROWTH = 8
+_RELAY_TAIL = "],{}," + encode_json(EMBED) + "]"
 
 
 def body_limit(settings: Settings) -> int:
@@ -105,11 +124,13 @@ class CanonicalMessage:
     content_encoding = "utf-8"
 
     def __init__(self, original: Any, *, headers: dict[str, Any], payload: list[Any],
-                 delivery_info: dict[str, Any], properties: dict[str, Any]) -> None:
+                 delivery_info: dict[str, Any], properties: dict[str, Any], body: str | bytes | None = None) -> None:
         self._original = original
         self.headers = headers
         self.payload = payload
-        self.body = json.dumps(payload, separators=(",", ":"))
+        # ``body``: the JSON text of ``payload`` when the caller has it already (the gate passes the raw
+        # body it decoded ``payload`` from: the pool decodes the same value, no re-encode here).
+        self.body = _PAYLOAD_ENCODER.encode(payload) if body is None else body
         self.delivery_info = delivery_info
         self.properties = properties
 
@@ -202,6 +223,9 @@ def _envelope_text(message: Any, raw: bytes, headers: Any, *, task_name: str, se
         raise Bad(f"content encoding must be utf-8, got {storable_text(repr(encoding), limit=120)}")
     if len(raw) > body_limit(settings):
         raise Bad(f"message body is {len(raw)} bytes, over the limit of {body_limit(settings)} bytes")
+    relayed = _relay_envelope(raw, settings)
+    if relayed is not None:
+        return relayed
     body = decode_json(raw, max_depth=settings.max_json_depth + _BODY_LEVELS, what="message body")
     if not (isinstance(body, list) and len(body) == 3):
         raise Bad("message body must be the protocol 2 triple [args, kwargs, embed]")
@@ -214,6 +238,32 @@ def _envelope_text(message: Any, raw: bytes, headers: Any, *, task_name: str, se
         raise Bad("embed must carry no callbacks, errbacks, chain or chord")
     envelope = args[0]
     return envelope if isinstance(envelope, str) else encode_json(envelope, what="envelope")
+
+
+def _relay_envelope(raw: bytes, settings: Settings) -> str | None:
+    """The envelope's JSON text of a body framed exactly as the relay writes it, else None.
+
+    ``[[`` + T + ``],{},{embed}]`` is the triple ``[[envelope], {}, no callbacks]`` exactly when T is one
+    JSON value (JSON values delimit themselves), and its depth is the body's less the two outer levels:
+    decoding T alone checks what decoding the body would, and T itself is the argument the pool reads,
+    with no re-encode. Anything else (not this frame, not UTF-8, T not JSON or too deep, a number that
+    may read as infinite, a body near the size limit) is None: the full decode of ``_envelope_text`` then
+    decides, with its own error."""
+    if len(raw) * _MAX_REENCODE_GROWTH > settings.max_message_bytes or not raw.startswith(_RELAY_HEAD) \
+            or _MAYBE_INFINITE.search(raw):
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if not text.endswith(_RELAY_TAIL):
+        return None
+    inner = text[2 : len(text) - len(_RELAY_TAIL)]
+    try:
+        decode_json(inner, max_depth=settings.max_json_depth, what="envelope")
+    except OutboxError:
+        return None
+    return inner
 
 
 def malformed_text(message: Any, raw: bytes, headers: Any, tid: str, error: str, settings: Settings) -> str:
@@ -242,6 +292,8 @@ def mapping_attr(message: Any, name: str) -> Mapping[str, Any]:
 
 def stable_task_id(value: Any, raw: bytes) -> str:
     """The message's task id when it is a UUID; else one derived from the body (stable on redelivery)."""
+    if isinstance(value, str) and _CANONICAL_UUID.fullmatch(value):
+        return value  # what str(uuid.UUID(value)) would give (the relay's ids are canonical)
     if isinstance(value, str) and len(value) <= 64:
         try:
             return str(uuid.UUID(value))

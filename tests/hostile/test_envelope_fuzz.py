@@ -116,6 +116,8 @@ def raw_messages(draw: st.DrawFn) -> FakeMessage:
     env = draw(envelopes())
     body = draw(st.one_of(
         st.just(dumps([[env], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}])),
+        st.just(json.dumps([[env], {}, {"callbacks": None, "chain": None, "chord": None, "errbacks": None}],
+                           separators=(",", ":")).encode()),  # the relay's exact frame (strategy._relay_envelope)
         st.just(dumps([[env], {}, {}])),
         st.just(dumps([[json.dumps(env)], {}, None])),
         any_field.map(dumps),

@@ -364,6 +364,24 @@ def test_without_a_tracer_provider_nothing_is_traced(tiny: Outbox) -> None:
         assert span is tracing.NO_CONSUMER_SPAN
 
 
+def test_without_a_tracer_provider_a_worker_delivery_reads_nothing_of_its_request() -> None:
+    # Given no SDK tracer provider, and a Celery request that records every attribute read of it
+    assert not tracing.enabled()
+    read: list[str] = []
+
+    class Request:
+        def __getattr__(self, name: str) -> Any:
+            read.append(name)
+            return None
+
+    # When a delivery runs inside the worker's block for that request
+    with tracing.worker_message(Request()), tracing.consuming(
+            consumer="c", destination="d", message_id="m", event_type="t", headers={}) as span:
+        assert span is tracing.NO_CONSUMER_SPAN
+    # Then nothing of the request was read (the cost without a tracer is the one check)
+    assert read == []
+
+
 ABSENT = r"""
 import sys
 sys.modules["opentelemetry"] = None  # any "import opentelemetry..." now raises ImportError
