@@ -131,12 +131,14 @@ def delivery_key(body: Any, request_id: str | None, raw: str | RawBody) -> uuid.
 
 
 def _parse(spec: ConsumerSpec, body: Any, mapping: Mapping[str, Any] | None, raw: RawBody, settings: Settings,
-           malformed: MalformedDelivery | None) -> Envelope:
+           malformed: MalformedDelivery | None, gated: bool, wrapper_levels: int) -> Envelope:
     if malformed is not None:
         raise MalformedMessageError(malformed.error)
-    check_size(raw.value, limit=settings.max_message_bytes, what=f"message for {spec.name}")
+    if not gated:  # a gated body's size was checked on its raw bytes (``deliver``); encoding it again costs a dump
+        check_size(raw.value, limit=settings.max_message_bytes, what=f"message for {spec.name}")
     # The body was decoded once already (``_as_mapping``, same depth bound): validate that, do not decode again.
-    envelope = Envelope.from_dict(mapping if mapping is not None else body, max_depth=settings.max_json_depth)
+    envelope = Envelope.from_dict(mapping if mapping is not None else body,
+                                  max_depth=settings.max_json_depth + wrapper_levels)
     if not spec.accepts(envelope.type):
         raise UnknownEventTypeError(
             f"consumer {spec.name!r} does not handle event type {storable_text(repr(envelope.type), limit=220)} "
@@ -162,13 +164,21 @@ def _as_mapping(body: Any, malformed: MalformedDelivery | None, max_depth: int) 
 
 def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, tables: Tables, request_id: str | None,
             settings: Settings, clock: Clock, crash_points: CrashSite | None = None,
-            first_delivery: bool = False, redelivered: bool = False) -> Delivery:
+            first_delivery: bool = False, redelivered: bool = False, policy: Backoff | None = None,
+            gated: bool = False, wrapper_levels: int = 0) -> Delivery:
     """Handle one delivery of ``body`` for ``spec``: count it, run the inbox, decide retry/dead letter.
 
     ``first_delivery`` (no retry so far, no broker redelivery) takes the fast path: nothing is
     counted up front and the happy path costs the effect's one commit; the delivery is counted if it
     fails, and if its worker dies instead the redelivery arrives ``redelivered`` and is counted for
     both. Any other delivery is counted at its start, which bounds a message that kills its worker.
+
+    ``policy``: ``spec.policy`` already resolved (the Celery tasks resolve it once, at definition).
+    An idempotent task's body is an envelope it built around its arguments (celery/idempotent_task.py):
+    ``wrapper_levels`` is how deep that envelope nests them, so an argument is held to the depth
+    bound on its own, as ``delay()`` and the worker's gate hold it (celery_outbox/task_rules.py);
+    ``gated``: the raw message already passed that gate in this worker (size and depth), so its size is
+    not checked again by encoding the envelope.
     """
     malformed = MalformedDelivery.decode(body) if isinstance(body, str) else None
     raw = RawBody(body, malformed)
@@ -182,12 +192,14 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
             result = _deliver(sessions, spec, body, tables=tables, settings=settings, clock=clock,
                               crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
                               malformed=malformed, mapping=mapping, raw=raw, key=key, btype=btype, bheaders=bheaders,
-                              reconnect=True)
+                              policy=policy or spec.policy.resolve(settings), gated=gated,
+                              wrapper_levels=wrapper_levels, reconnect=True)
         except _Reconnect:  # the pooled connection was dead (db.pre_ping_after_idle): once more on a new one
             result = _deliver(sessions, spec, body, tables=tables, settings=settings, clock=clock,
                               crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
                               malformed=malformed, mapping=mapping, raw=raw, key=key, btype=btype, bheaders=bheaders,
-                              reconnect=False)
+                              policy=policy or spec.policy.resolve(settings), gated=gated,
+                              wrapper_levels=wrapper_levels, reconnect=False)
         span.record(result.outcome.value, deliveries=result.deliveries, error=result.error,
                     failed=result.outcome in (Outcome.RETRY, Outcome.DEAD_LETTERED))
     return result
@@ -200,7 +212,8 @@ class _Reconnect(Exception):
 def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, tables: Tables, settings: Settings,
              clock: Clock, crash_points: CrashSite | None, first_delivery: bool, redelivered: bool,
              malformed: MalformedDelivery | None, mapping: Mapping[str, Any] | None, raw: RawBody, key: uuid.UUID,
-             btype: str | None, bheaders: Mapping[str, Any], reconnect: bool) -> Delivery:
+             btype: str | None, bheaders: Mapping[str, Any], policy: Backoff, gated: bool, wrapper_levels: int,
+             reconnect: bool) -> Delivery:
     """``reconnect``: a first delivery whose connection was lost (the engine pings only connections idle
     longer than ``Settings.db_pre_ping_idle_ms``, db.py) raises ``_Reconnect`` before anything is
     counted: the caller runs it once more, on a new connection. Its transaction died with the
@@ -208,7 +221,6 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
     The second time it is a failure like any other, so a message that breaks its connection every time
     is still counted. A count that loses its connection (``attempts.begin``: its commit may have
     landed) is a redelivery, uncounted, as when the database is down."""
-    policy = spec.policy.resolve(settings)
     name, limit = spec.name, policy.max_deliveries
     if malformed is not None:
         bheaders = {"broker_headers": malformed.headers, "content_type": malformed.content_type,
@@ -239,7 +251,7 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
                 return _worker_lost(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders,
                                     clock=clock, limit=limit)
         try:
-            envelope = _parse(spec, body, mapping, raw, settings, malformed)
+            envelope = _parse(spec, body, mapping, raw, settings, malformed, gated, wrapper_levels)
             # An ordered consumer's delivery also dead-letters parked messages past the timeout (inbox/handle.py).
             outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=crash_points,
                                   park_timeout_ms=settings.consumer_park_timeout_ms if spec.ordering else None)

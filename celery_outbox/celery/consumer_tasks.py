@@ -75,15 +75,19 @@ class DeadLettered(Reject):
 
 
 def deliver_or_retry(task: Any, ctx: Context, spec: ConsumerSpec, body: Any, *, request_id: str | None,
-                     settings: Settings, policy: Backoff) -> Delivery:
+                     settings: Settings, policy: Backoff, wrapper_levels: int = 0) -> Delivery:
     """``deliver`` for the running task's request; a delivery that must be redelivered raises Celery's
-    retry with the policy's countdown instead of returning. Shared by consumer and idempotent tasks."""
+    retry with the policy's countdown instead of returning. Shared by consumer and idempotent tasks
+    (``wrapper_levels``: see ``delivery.deliver``; a worker's message passed the gate, an eager call did not)."""
     try:
-        info = task.request.delivery_info or {}
-        with tracing.worker_message(task.request):  # the span names the real queue (celery_outbox/tracing.py)
+        request = task.request
+        info = request.delivery_info or {}
+        with tracing.worker_message(request):  # the span names the real queue (celery_outbox/tracing.py)
             result = deliver(ctx.sessions(), spec, body, tables=ctx.tables, request_id=request_id,
                              settings=settings, clock=ctx.clock, crash_points=ctx.crash_points,
-                             first_delivery=not task.request.retries, redelivered=bool(info.get("redelivered")))
+                             first_delivery=not request.retries, redelivered=bool(info.get("redelivered")),
+                             policy=policy, gated=wrapper_levels > 0 and not request.is_eager,
+                             wrapper_levels=wrapper_levels)
     except Exception as e:  # never let a failure escape: acks_late would ack (and drop) the message
         result = Delivery(outcome=Outcome.RETRY, deliveries=0,
                           error=storable_text(f"{e.__class__.__name__}: {e}", limit=2000),

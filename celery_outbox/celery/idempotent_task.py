@@ -68,6 +68,10 @@ RESERVED_OPTIONS = frozenset({
 """``@app.task`` options an idempotent task sets itself: passing one is a ``ConfigError``."""
 
 
+ARGUMENT_LEVELS = 3
+"""How deep ``envelope_for`` nests an argument: envelope -> payload -> args list / kwargs object -> the argument."""
+
+
 def envelope_for(name: str, task_id: str, args: Any, kwargs: Any) -> dict[str, Any]:
     """The envelope one run of task ``name`` is delivered as (and dead-lettered as)."""
     return {
@@ -164,7 +168,8 @@ def define(app: Celery, ctx: Context, fn: TaskFunction, *, name: str, policy: Re
             returned.append(_run_guarded(fn, session, args, kwargs))
 
         result = deliver_or_retry(self, ctx, replace(base_spec, handler=handler), envelope,
-                                  request_id=envelope["message_id"], settings=settings, policy=backoff)
+                                  request_id=envelope["message_id"], settings=settings, policy=backoff,
+                                  wrapper_levels=ARGUMENT_LEVELS)
         if result.outcome is Outcome.PROCESSED:
             return returned[0] if returned else None
         return finish(self, app, key, envelope, result, settings.max_json_depth)

@@ -1,9 +1,11 @@
-"""Deliveries per (message, consumer), counted in the database at the START of each delivery.
+"""Deliveries per (message, consumer), counted in the database: a retry or a broker redelivery is
+counted at its START, a first delivery only if it fails (delivery.py), so the happy path writes nothing here.
 
 Celery's ``request.retries`` only counts ``self.retry``; a worker killed mid-task (OOM, SIGKILL) is
 redelivered with the same count, and a message that kills its worker would loop for ever. Counting
 before the work bounds every kind of redelivery, which is what makes ``task_reject_on_worker_lost``
-safe here.
+safe here (a first delivery killed in its work comes back flagged ``redelivered`` and is counted
+for both).
 """
 
 from __future__ import annotations
@@ -29,12 +31,10 @@ def begin(session: Session, *, tables: Tables, key: uuid.UUID, consumer: str, no
         "message_id": key, "consumer": consumer, "deliveries": 1 + uncounted, "first_failed_at_ms": now_ms,
         "last_failed_at_ms": now_ms, "last_error": "",
     }, keys=("message_id", "consumer"), update={"deliveries": tables.attempts.deliveries + 1})
+    # ONE statement: the upsert returns the row it wrote (an ORM upsert with RETURNING, Postgres and
+    # SQLite >= 3.35), then the count commits before any work, so a worker killed in the work still counted.
     with wrap_driver_errors(f"counting a delivery for {consumer}"):
-        session.execute(stmt)
-        session.commit()
-        row = session.execute(sa.select(tables.attempts).where(
-            tables.attempts.message_id == key, tables.attempts.consumer == consumer,
-        ).execution_options(populate_existing=True)).scalar_one()
+        row = session.scalars(stmt.returning(tables.attempts), execution_options={"populate_existing": True}).one()
         session.commit()
     return row
 

@@ -209,6 +209,41 @@ def test_a_task_id_that_is_not_a_uuid_is_guarded_too(tasks: ia.TaskApp, any_sess
     assert effects(any_sessions, ia.RECORD) == 1
 
 
+def _nested(depth: int) -> Any:
+    value: Any = 0
+    for _ in range(depth - 1):
+        value = [value]
+    return [value]
+
+
+def test_an_argument_nested_to_the_limit_runs_one_level_deeper_is_dead_lettered(
+        tasks: ia.TaskApp, any_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given a task and an argument nested exactly to OUTBOX_MAX_JSON_DEPTH: delay() and the worker's gate
+    # accept it (tests/unit/test_task_rules.py, "an argument nested exactly to the limit")
+    limit = tasks.settings.max_json_depth
+
+    @tasks.outbox.task(name="tests.deep", max_retries=0)
+    def deep(session: Session, value: Any, *, named: Any = None) -> str:
+        return "ran"
+
+    # When it runs eagerly (no gate) and as a worker runs it (after the gate), positionally and by keyword
+    assert run(deep, _nested(limit), task_id=str(uuid.uuid4())) == "ran"
+    assert run(deep, 0, named=_nested(limit), task_id=str(uuid.uuid4())) == "ran"
+    task_id = str(uuid.uuid4())
+    deep.push_request(id=task_id, args=[_nested(limit)], kwargs={}, retries=0, is_eager=False, delivery_info={})
+    try:
+        assert deep.run(_nested(limit)) == "ran"
+    finally:
+        deep.pop_request()
+    # Then it ran each time (the envelope around it adds levels that are not the caller's), and one level
+    # deeper is refused as delay() refuses it: dead-lettered, never run
+    assert run(deep, _nested(limit + 1), task_id=str(uuid.uuid4())) == "dead_lettered"
+    assert count(any_sessions, tables.inbox) == 3
+    with any_sessions() as s:
+        errors = [r.last_error for r in s.scalars(sa.select(tables.dead_letters))]
+    assert len(errors) == 1 and "nested deeper than" in errors[0]
+
+
 def test_fails_twice_then_succeeds_one_effect(tasks: ia.TaskApp, any_sessions: sessionmaker[Session],
                                               tables: Tables) -> None:
     # Given a task whose downstream fails on its first two calls, after it wrote its effect

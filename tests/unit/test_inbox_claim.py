@@ -308,3 +308,25 @@ def test_every_postgres_driver_tells_a_first_delivery_from_a_duplicate(pg_url: s
                             .where(Shipment.order_id == f"o-{driver}")) == 1
     finally:
         engine.dispose()
+
+
+def test_a_counted_delivery_is_one_upsert_and_its_commit_before_the_work(any_sessions: sessionmaker[Session],
+                                                                         tables: Tables) -> None:
+    from celery_outbox.inbox import attempts
+
+    mid = order_placed_envelope("o-1").message_id
+    # Given a message whose worker died once without a row (``uncounted``)
+    with any_sessions() as s, recorded(any_sessions) as seen:
+        # When its redelivery is counted, and then a later one
+        first = attempts.begin(s, tables=tables, key=mid, consumer="shipping", now_ms=5, uncounted=1)
+        assert (first.deliveries, first.first_failed_at_ms, first.last_error) == (2, 5, "")
+        second = attempts.begin(s, tables=tables, key=mid, consumer="shipping", now_ms=9)
+        assert second.deliveries == 3
+    # Then each count is ONE statement (the upsert returns the row) and a commit, no read after it
+    counted = [k for k in seen if k == "COMMIT" or k.startswith("INSERT")]
+    assert len(seen) == 4 and len(counted) == 4 and seen[1] == seen[3] == "COMMIT"
+    assert all("RETURNING" in k.upper() for k in (seen[0], seen[2]))
+    # And the count is committed: another session reads it
+    with any_sessions() as s:
+        assert s.execute(sa.select(tables.attempts.deliveries).where(
+            tables.attempts.message_id == mid)).scalar_one() == 3
