@@ -6,7 +6,8 @@ pool process), piece by piece, in microseconds of CPU per message:
 * ``gate``: ``Gate.check`` for a plain ``@app.task`` message captured through the outbox (the rule table
   of ``task_rules`` over the raw body);
 * ``receipts``: the ``task_received`` handler of ``celery/receipts.py`` for a message without an eta
-  (what every message costs there);
+  (what every message costs there: the receipt kept pending, the ack wrapped; the batch written
+  before the ack is not in it);
 * ``events_confirmed`` / ``events_unconfirmed``: the three task events a worker sends per task
   (received, started, succeeded), published through a real broker with and without publisher confirms
   (``celery/events.py``, ``UnconfirmedTaskEvents``), CPU and wall time per message (the parent waits
@@ -98,7 +99,8 @@ def main() -> None:
     gate = Gate(outbox)
     rules = gate.rules_for(plain)
     receipts = Receipts(outbox)
-    request = SimpleNamespace(eta=None, task=plain, request_dict=plain_message.headers, id=tid)
+    request = SimpleNamespace(eta=None, task=plain, request_dict=plain_message.headers, id=tid,
+                              _on_ack=lambda *a: None, _on_reject=lambda *a: None)
     consumer_task = task_name("shipping")
 
     def strategy() -> None:

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from celery import signals
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import counters
@@ -146,25 +145,6 @@ def test_with_the_plain_window_off_a_lost_plain_task_is_never_sent_again(
     clock.advance(10 * PLAIN_AFTER)
     result = run(built, sqlite_sessions, clock, pub, tables, plain_after=0)
     assert (result.republished, result.plain_watermark_ms) == (0, None) and pub.published == []
-
-
-def test_the_worker_records_a_receipt_for_a_plain_outbox_task_only(
-        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
-    # Given the receipt handlers of this outbox connected (a worker's boot step does it)
-    handlers = Receipts(built.outbox)
-    signals.task_prerun.connect(handlers.on_prerun, weak=False, dispatch_uid="test-receipts")
-    try:
-        # When a plain task runs with the header the outbox puts on it, one without it, and an @outbox.task
-        marked, unmarked, idem = (str(uuid.uuid4()) for _ in range(3))
-        built.plain.apply(args=["a"], task_id=marked, headers={receipts.RECEIPT_HEADER: 1})
-        built.plain.apply(args=["b"], task_id=unmarked)
-        built.record.apply(args=["c"], task_id=idem, headers={receipts.RECEIPT_HEADER: 1})
-    finally:
-        signals.task_prerun.disconnect(dispatch_uid="test-receipts")
-    # Then only the plain outbox task has a receipt (the @outbox.task has its inbox row instead)
-    with sqlite_sessions() as s:
-        got = {str(t) for t in s.scalars(sa.select(tables.receipts.task_id))}
-    assert got == {marked}
 
 
 def test_a_receipt_the_database_refuses_is_logged_and_the_task_still_runs(

@@ -1,0 +1,238 @@
+"""A plain outbox task's receipt is written by the worker's main process, in batches, and always before its
+message is acked or rejected (celery_outbox/celery/receipts.py).
+
+Real Celery ``Request`` objects (the worker's own class, as its strategy builds them) for messages of
+tests/tasks/idempotent_app.py's tasks, SQLite, a manual clock; the ack and reject callbacks stand in
+for the broker and look at the database at the moment they are called.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery.worker.request import Request
+from kombu.message import Message
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox.celery.receipts import Receipts
+from celery_outbox.clock import ManualClock
+from celery_outbox.inbox import receipts
+from celery_outbox.schema import Tables
+from celeryconfig import Settings
+from tests.tasks import idempotent_app as ia
+
+
+@pytest.fixture
+def built(tmp_home: Path, sqlite_url: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+          tables: Tables, namespace: str) -> ia.TaskApp:
+    settings = Settings(home=tmp_home, database_url=sqlite_url, namespace=namespace, broker_url="memory://",
+                        routes={})
+    app = ia.build(settings, session_factory=sqlite_sessions, clock=clock)
+    app.outbox._tables = tables
+    return app
+
+
+class Timer:
+    """The consumer's timer: what was scheduled, run when the test says."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, Callable[[], Any]]] = []
+
+    def call_after(self, secs: float, fun: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
+        self.calls.append((secs, fun))
+
+    def fire(self) -> None:
+        calls, self.calls = self.calls, []
+        for _, fun in calls:
+            fun()
+
+
+class Consumer:
+    def __init__(self) -> None:
+        self.timer = Timer()
+
+
+def stored(sessions: sessionmaker[Session], tables: Tables) -> set[str]:
+    with sessions() as s:
+        return {str(t) for t in s.scalars(sa.select(tables.receipts.task_id))}
+
+
+def request(task: Any, *, receipt: bool = True, eta: dt.datetime | None = None,
+            on_ack: Callable[..., Any] | None = None, on_reject: Callable[..., Any] | None = None) -> Any:
+    """The worker's Request for one message of ``task``, as Celery's strategy builds it."""
+    task_id = str(uuid.uuid4())
+    msg = task.app.amqp.as_task_v2(task_id, task.name, args=["k"], kwargs={}, eta=eta)
+    headers = {**msg.headers, **({receipts.RECEIPT_HEADER: 1} if receipt else {})}
+    message = Message(body=json.dumps(list(msg.body)).encode(), headers=headers, properties=dict(msg.properties),
+                      content_type="application/json", content_encoding="utf-8", delivery_info={})
+    return Request(message, app=task.app, task=task, on_ack=on_ack or (lambda *a: None),
+                   on_reject=on_reject or (lambda *a: None))
+
+
+def test_a_receipt_waits_in_memory_and_is_written_before_its_message_is_acked(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given a worker's receipt handlers and a plain outbox task's message whose ack looks at the database
+    handlers, consumer = Receipts(built.outbox), Consumer()
+    seen_at_ack: list[set[str]] = []
+    req = request(built.plain, on_ack=lambda *a: seen_at_ack.append(stored(sqlite_sessions, tables)))
+    # When the worker receives it
+    handlers.on_received(sender=consumer, request=req)
+    # Then nothing is written yet (the broker still holds the message unacked), and a flush is scheduled
+    assert stored(sqlite_sessions, tables) == set() and handlers.pending == 1
+    assert [secs for secs, _ in consumer.timer.calls] == [handlers.flush_after_s]
+    # When the task is acked
+    req.acknowledge()
+    # Then its receipt was in the database before the ack went out
+    assert seen_at_ack == [{req.id}] and handlers.pending == 0
+
+
+def test_a_rejected_message_has_its_receipt_written_first(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given a received plain outbox task whose reject looks at the database
+    handlers = Receipts(built.outbox)
+    seen: list[set[str]] = []
+    req = request(built.plain, on_reject=lambda *a: seen.append(stored(sqlite_sessions, tables)))
+    handlers.on_received(sender=Consumer(), request=req)
+    # When the worker rejects it (a Reject, a lost pool process)
+    req.reject(requeue=False)
+    # Then its receipt was written before
+    assert seen == [{req.id}]
+
+
+def test_receipts_received_together_are_written_in_one_batch_by_the_first_ack(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given three plain outbox tasks received while none has finished (-c 3)
+    batches: list[int] = []
+    real = receipts.record_many
+
+    def counted(session: Session, rows: Any, **kwargs: Any) -> int:
+        batches.append(len(rows))
+        return real(session, rows, **kwargs)
+
+    monkeypatch.setattr(receipts, "record_many", counted)
+    handlers = Receipts(built.outbox)
+    reqs = [request(built.plain) for _ in range(3)]
+    for req in reqs:
+        handlers.on_received(sender=Consumer(), request=req)
+    # When they are acked one after the other
+    reqs[1].acknowledge()
+    # Then the first ack wrote all three receipts in one batch, and the other acks wrote nothing
+    assert stored(sqlite_sessions, tables) == {r.id for r in reqs}
+    reqs[0].acknowledge()
+    reqs[2].acknowledge()
+    assert batches == [3]
+
+
+def test_a_full_batch_is_written_without_waiting_for_an_ack(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given handlers that write at most two receipts at a time
+    handlers = Receipts(built.outbox, max_batch=2)
+    reqs = [request(built.plain) for _ in range(2)]
+    # When two are received
+    for req in reqs:
+        handlers.on_received(sender=Consumer(), request=req)
+    # Then both are written
+    assert stored(sqlite_sessions, tables) == {r.id for r in reqs} and handlers.pending == 0
+
+
+def test_a_task_that_runs_long_gets_its_receipt_from_the_timer_before_it_ends(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given a plain outbox task received and still running (no ack for longer than the reconciler waits)
+    handlers, consumer = Receipts(built.outbox), Consumer()
+    req = request(built.plain)
+    handlers.on_received(sender=consumer, request=req)
+    assert stored(sqlite_sessions, tables) == set()
+    # When the consumer's timer fires
+    consumer.timer.fire()
+    # Then its receipt is written, and the next receipt schedules the timer again
+    assert stored(sqlite_sessions, tables) == {req.id}
+    handlers.on_received(sender=consumer, request=request(built.plain))
+    assert len(consumer.timer.calls) == 1
+
+
+def test_an_eta_task_and_a_revoked_one_are_recorded_at_once(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given a plain outbox task with an eta (the worker holds it unacked until then) and one revoked
+    handlers = Receipts(built.outbox)
+    later = request(built.plain, eta=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1))
+    revoked = request(built.plain)
+    # When the worker receives the first and revokes the second
+    handlers.on_received(sender=Consumer(), request=later)
+    handlers.on_revoked(sender=built.plain, request=revoked._context)
+    # Then both receipts are written now, with no ack
+    assert stored(sqlite_sessions, tables) == {later.id, revoked.id}
+
+
+def test_only_a_plain_task_captured_by_the_outbox_gets_a_receipt(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given the receipt handlers of this outbox
+    handlers = Receipts(built.outbox)
+    # When a plain task with the outbox's header, one without it, and an @outbox.task with it are received and acked
+    reqs = [request(built.plain), request(built.plain, receipt=False), request(built.record)]
+    for req in reqs:
+        handlers.on_received(sender=Consumer(), request=req)
+        req.acknowledge()
+    # Then only the first has a receipt (the @outbox.task has its inbox row instead)
+    assert stored(sqlite_sessions, tables) == {reqs[0].id}
+
+
+def test_with_the_database_away_the_ack_goes_ahead_and_the_receipt_is_written_once_it_is_back(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given a received plain outbox task, and the database gone
+    class Broken:
+        def __call__(self) -> Any:
+            raise sa.exc.OperationalError("connect", {}, Exception("database unreachable"))
+
+    outbox = built.outbox
+    handlers = Receipts(outbox, retry_after_s=0.0)
+    acked: list[str] = []
+    req = request(built.plain, on_ack=lambda *a: acked.append("ack"))
+    handlers.on_received(sender=Consumer(), request=req)
+    real = outbox.sessions
+    outbox.sessions = Broken()  # type: ignore[assignment]
+    try:
+        # When the task is acked
+        req.acknowledge()
+    finally:
+        outbox.sessions = real
+    # Then the ack went out anyway, the failure is logged, and the receipt is still pending
+    assert acked == ["ack"] and "could not record the receipt" in caplog.text and handlers.pending == 1
+    # And the next flush, with the database back, writes it
+    assert handlers.flush() is True
+    assert stored(sqlite_sessions, tables) == {req.id}
+
+
+def test_after_a_failed_batch_the_next_ones_wait_for_the_backoff(built: ia.TaskApp) -> None:
+    # Given handlers whose last batch failed (a database that does not answer)
+    class Broken:
+        calls = 0
+
+        def __call__(self) -> Any:
+            Broken.calls += 1
+            raise sa.exc.OperationalError("connect", {}, Exception("timed out"))
+
+    outbox = built.outbox
+    handlers = Receipts(outbox, retry_after_s=3600.0)
+    real = outbox.sessions
+    outbox.sessions = Broken()  # type: ignore[assignment]
+    try:
+        assert handlers.record(str(uuid.uuid4())) is False
+        tried = Broken.calls
+        # When more tasks are received and acked within the backoff
+        for _ in range(3):
+            req = request(built.plain)
+            handlers.on_received(sender=Consumer(), request=req)
+            req.acknowledge()
+        # Then none of them waited on the database (each ack would have stalled the worker's main loop)
+        assert Broken.calls == tried and handlers.pending == 4
+    finally:
+        outbox.sessions = real
