@@ -46,8 +46,11 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     lost = [m.delivery for m in report.taken_and_lost]
     event = set(lost) - {invariants.EMAIL}  # the e-mail task and one consumer's event, in either order
     assert len(lost) == len(set(lost)) == 2 and len(event) == 1 and event <= set(report.invariants.snapshot.inbox_rows)
-    # only a re-send by the reconciler brings such a message back (the run loses only single copies)
-    assert report.invariants.snapshot.reconciled_tasks >= 1 and report.invariants.snapshot.reconciled_events >= 1
+    # and the reconciler re-sent what had no other copy. Not per kind: a lost message of which the broker held a
+    # second copy (a relay SIGKILLed between publish and mark publishes its batch again; a publish whose confirm
+    # the broker outage cut is sent again) comes back through that copy first, and the reconciler, finding its
+    # inbox row, rightly sends nothing; a run where one of the two had such a copy is green.
+    assert report.invariants.snapshot.reconciled_tasks + report.invariants.snapshot.reconciled_events >= 1
     assert report.invariants.snapshot.effects[invariants.EMAIL] == report.invariants.snapshot.committed_orders
     assert report.beat_kills == report.beat_kills_planned == (2 if relay == "beat" else 0)
     rows = {row.failure: row for row in report.matrix}
