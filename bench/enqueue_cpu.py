@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--broker", default=BROKER)
     parser.add_argument("--profile", choices=("outbox", "plain", "capture"), default=None)
     parser.add_argument("--confirms", action="store_true", help="plain .delay() with publisher confirms")
+    parser.add_argument("--sampler", choices=("cprofile", "pyinstrument"), default="cprofile",
+                        help="--profile's profiler: cProfile (deterministic, inflates many small calls) or pyinstrument")
     args = parser.parse_args()
     with fresh_database("outbox_bench_enqcpu") as url:
         from celeryconfig import Settings, celery_config
@@ -119,7 +121,16 @@ def main() -> None:
                 fn()
             per_stmt[name] = statements["n"] / 100
 
-        if args.profile:  # CPU-time deterministic profile of one mode (cProfile's own overhead inflates it)
+        if args.profile and args.sampler == "pyinstrument":  # a sampling profile: less distorted by call counts
+            from pyinstrument import Profiler
+
+            sampler = Profiler(interval=0.0005)
+            sampler.start()
+            for _ in range(args.calls):
+                modes[args.profile]()
+            sampler.stop()
+            print(sampler.output_text(unicode=False, color=False, show_all=bool(os.environ.get("BENCH_SHOW_ALL"))))
+        elif args.profile:  # CPU-time deterministic profile of one mode (cProfile's own overhead inflates it)
             import cProfile
             import pstats
 
