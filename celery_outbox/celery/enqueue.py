@@ -619,13 +619,20 @@ class SendTask:
         chosen = kwargs.get("task_id") if "task_id" in kwargs else (
             args[self._TASK_ID_POSITION] if len(args) > self._TASK_ID_POSITION else None)
         if len(args) <= self._TASK_ID_POSITION + 1 and not any(kwargs.get(k) for k in self._PRODUCER_ARGS) \
-                and _producer_free(self.app.backend):
+                and self._backend_producer_free():
             kwargs["producer"] = self.capture_producer()
         token = self.chosen.set(bool(chosen))
         try:
             return self.send_task(*args, **kwargs)
         finally:
             self.chosen.reset(token)
+
+    def _backend_producer_free(self) -> bool:
+        try:
+            backend = self.app.backend
+        except Exception:  # a result backend that cannot be built fails where it failed before: in Celery's send
+            return False
+        return _producer_free(backend)
 
     def capture_producer(self) -> CaptureProducer:
         if self._producer is None:  # the app's broker connection object, never connected by the capture
