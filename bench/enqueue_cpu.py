@@ -53,6 +53,12 @@ def main() -> None:
     parser.add_argument("--broker", default=BROKER)
     parser.add_argument("--profile", choices=("outbox", "plain", "capture"), default=None)
     parser.add_argument("--confirms", action="store_true", help="plain .delay() with publisher confirms")
+    parser.add_argument("--capture", action="store_true",
+                        help="also time the capture alone (capture: ten .delay() per rolled-back transaction, per "
+                             "delay; capture_pooled: the same with a producer taken from Celery's pool around "
+                             "each send, what the capture cost before it stopped taking one)")
+    parser.add_argument("--sampler", choices=("cprofile", "pyinstrument"), default="cprofile",
+                        help="--profile's profiler: cProfile (deterministic, inflates many small calls) or pyinstrument")
     args = parser.parse_args()
     with fresh_database("outbox_bench_enqcpu") as url:
         from celeryconfig import Settings, celery_config
@@ -106,9 +112,20 @@ def main() -> None:
                     noop.delay("x", 1)
                 s.rollback()
 
+        def capture_pooled() -> None:
+            """``capture`` with a pooled producer given to each send, as Celery's ``send_task`` takes one."""
+            with sessions() as s, outbox.transaction(s):
+                s.connection()
+                for _ in range(10):
+                    with outbox.app.producer_or_acquire() as producer:
+                        noop.apply_async(("x", 1), producer=producer)
+                s.rollback()
+
         modes: dict[str, Callable[[], None]] = {"plain": plain, "outbox": through_outbox}
-        if args.profile == "capture":
+        if args.profile == "capture" or args.capture:
             modes["capture"] = capture
+        if args.capture:
+            modes["capture_pooled"] = capture_pooled
         for fn in modes.values():  # warm up connections and caches
             for _ in range(200):
                 fn()
@@ -119,7 +136,16 @@ def main() -> None:
                 fn()
             per_stmt[name] = statements["n"] / 100
 
-        if args.profile:  # CPU-time deterministic profile of one mode (cProfile's own overhead inflates it)
+        if args.profile and args.sampler == "pyinstrument":  # a sampling profile: less distorted by call counts
+            from pyinstrument import Profiler
+
+            sampler = Profiler(interval=0.0005)
+            sampler.start()
+            for _ in range(args.calls):
+                modes[args.profile]()
+            sampler.stop()
+            print(sampler.output_text(unicode=False, color=False, show_all=bool(os.environ.get("BENCH_SHOW_ALL"))))
+        elif args.profile:  # CPU-time deterministic profile of one mode (cProfile's own overhead inflates it)
             import cProfile
             import pstats
 
@@ -168,6 +194,10 @@ def main() -> None:
         }
         ratio = result["client_cpu_ms_per_task"]["outbox"] / result["client_cpu_ms_per_task"]["plain"]
         result["ratio_cpu_outbox_to_plain"] = round(ratio, 3)
+        for m in ("capture", "capture_pooled"):  # ten delays per transaction: per delay
+            if m in modes:
+                result[f"{m}_cpu_ms_per_delay"] = round(result["client_cpu_ms_per_task"][m] / 10, 4)
+                print(f"{m}: client CPU {result[f'{m}_cpu_ms_per_delay']:.4f} ms per captured delay()")
         for m in modes:
             print(f"{m:7s} client CPU {result['client_cpu_ms_per_task'][m]:.3f} ms/task  wall "
                   f"{result['wall_ms_per_task'][m]:.3f} ms/task  statements/tx {per_stmt[m]:.1f}")

@@ -93,7 +93,7 @@ def main() -> None:
                                    .scalar() or 0)
         r["outbox_rss_mb"] = round(worker_rss(env, queue, logs / "w1.log", a.settle) / 2**20, 1)
         print(f"outbox ({r['outbox_rows']} held rows): {r['outbox_rss_mb']} MB")
-        with publishing_directly():
+        with publishing_directly(mark.app):
             for _ in range(a.direct):
                 mark.apply_async(("direct", 0), countdown=3600)
         client = redis.Redis.from_url(REDIS_URL)

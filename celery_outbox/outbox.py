@@ -206,7 +206,8 @@ class Outbox:
             session = session()
         if not isinstance(session, Session):
             raise TypeError(f"outbox.transaction() needs a SQLAlchemy Session, got {type(session).__name__}")
-        with task_capture.bind(self, task_capture.SessionWriter(session, self.tables)):
+        capture = self._enqueue_interceptor
+        with capture.bind(capture.session_writer(session)):
             yield session
 
     def enqueue(self, session: Session, signature: Any, *, dedup_key: str | None = None,
@@ -227,7 +228,7 @@ class Outbox:
                                   "chain or a group; nothing was written")
         headers = {**(options.pop("headers", None) or {}), dedup.KEY_HEADER: dedup_key,
                    dedup.ON_CONFLICT_HEADER: on_conflict}
-        with self.transaction(session), task_capture.recording_dedup() as done:
+        with self.transaction(session), self._enqueue_interceptor.recording_dedup() as done:
             result = signature.apply_async(headers=headers, **options)
         if len(done) != 1:  # pragma: no cover - the capture writes the one task it was given
             raise ConfigError(f"outbox.enqueue(dedup_key=...): expected one write with the key, saw {len(done)}")

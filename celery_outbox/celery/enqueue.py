@@ -25,7 +25,7 @@ Where the row goes, in order:
 Never captured, always sent as Celery sends them: the library's own tasks (``celery_outbox.*``, the
 consumer tasks), Celery's built-ins (``celery.*``), names in ``Settings.enqueue_exclude``, a retry a
 running worker task sends of itself (``Task.retry``: the failed attempt's transaction rolls back, the
-retry must still go), anything inside ``publishing_directly()``, and, outside a bound transaction,
+retry must still go), anything the app sends inside ``publishing_directly(app)``, and, outside a bound transaction,
 anything sent from inside a running worker task (chain steps, callbacks) or by ``celery beat``.
 
 Refused with a clear error, inside the caller's transaction and before anything is written: arguments
@@ -48,6 +48,9 @@ A task with a dedup key (``apply_async(headers={"outbox_dedup_key": K, "outbox_d
 "keep" | "replace"})``, or ``outbox.enqueue(..., dedup_key=K)``) is written so that at most one pending
 row holds K (celery_outbox/dedup.py); the two headers never reach the message.
 
+The capture's state (the bound sessions, ``publishing_directly``, whether the process runs beat) is its
+``Outbox``'s own, on the ``Interceptor``: two Outboxes in one process share none of it (no module-level state).
+
 The reused-id check costs one indexed lookup, and only for an id the caller chose (``task_id=...``,
 or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never collide.
 """
@@ -55,16 +58,19 @@ or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never c
 from __future__ import annotations
 
 import logging
-import threading
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import sqlalchemy as sa
 from celery import signals
+from celery.backends.base import Backend
+from celery.backends.redis import RedisBackend
 from celery.utils.time import maybe_make_aware
 from kombu import Exchange, Queue
 from sqlalchemy import exc as sa_exc
@@ -87,7 +93,7 @@ from celery_outbox.task_rules import TaskRules, check_call
 from celery_outbox.workers import VERSION_HEADER
 
 OWN_PREFIXES = ("celery.", "celery_outbox.")
-DELIVERY_MODES = {"persistent": 2, "transient": 1, 1: 1, 2: 2}
+DELIVERY_MODES: Mapping[Any, int] = MappingProxyType({"persistent": 2, "transient": 1, 1: 1, 2: 2})
 # What kombu's Producer.publish takes as arguments rather than message properties.
 log = logging.getLogger(__name__)
 _PUBLISH_ARGS = frozenset({"exchange", "routing_key", "serializer", "compression", "retry", "retry_policy",
@@ -135,16 +141,17 @@ class SessionWriter:
     bookkeeping of the session's pending objects. On the connection, not ``session.execute``: no
     autoflush of the caller's pending objects (they are flushed when the caller says so)."""
 
-    def __init__(self, session: Session, tables: Tables) -> None:
+    def __init__(self, session: Session, tables: Tables, *, insert: sa.Insert | None = None) -> None:
         self.session = session
         self.tables = tables
+        self.insert = insert if insert is not None else sa.insert(tables.table(tables.outbox))
 
     def _connection(self) -> sa.Connection:
         return self.session.connection(bind_arguments={"mapper": self.tables.outbox})
 
     def write(self, values: dict[str, Any]) -> None:
         try:
-            self._connection().execute(sa.insert(self.tables.table(self.tables.outbox)), values)
+            self._connection().execute(self.insert, values)
         except sa_exc.IntegrityError:  # a chosen task id another transaction wrote between the check and now
             raise _reused_id(values) from None
         except sa_exc.DBAPIError as e:
@@ -163,12 +170,12 @@ class OwnTransactionWriter:
     short transaction of its own on the outbox's engine. Durable (the relay sends it after a crash or a
     broker outage), never atomic with what the caller wrote before (docs/tasks.md, "Transactional enqueue")."""
 
-    def __init__(self, outbox: Any) -> None:
+    def __init__(self, outbox: Any, *, insert: sa.Insert | None = None) -> None:
         self.outbox = outbox
+        self.insert = insert if insert is not None else sa.insert(outbox.tables.table(outbox.tables.outbox))
 
     def write(self, values: dict[str, Any]) -> None:
-        self._commit(values, lambda session: session.connection().execute(
-            sa.insert(self.outbox.tables.table(self.outbox.tables.outbox)), values))
+        self._commit(values, lambda session: session.connection().execute(self.insert, values))
 
     def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated:
         done: list[dedup.Deduplicated] = []
@@ -196,68 +203,38 @@ class OwnTransactionWriter:
                                 f"{e.__class__.__name__}") from e
 
 
-# (outbox, writer) pairs bound by ``Outbox.transaction``, innermost last.
-_BOUND: ContextVar[tuple[tuple[object, Writer], ...]] = ContextVar("celery_outbox_bound", default=())
-_DIRECT: ContextVar[bool] = ContextVar("celery_outbox_direct", default=False)
-# True while ``app.send_task`` runs with a task id its caller passed (``ChosenIds``).
-_CHOSEN: ContextVar[bool] = ContextVar("celery_outbox_chosen_id", default=False)
-# What the writes with a dedup key did, while ``recording_dedup`` runs (``Outbox.enqueue`` reads it).
-_DEDUPED: ContextVar[list[dedup.Deduplicated] | None] = ContextVar("celery_outbox_deduped", default=None)
-# Ambient transactions (Django's atomic()): each returns a writer for ``outbox`` or None.
-AMBIENT: list[Callable[[Any], Writer | None]] = []
-_process = {"beat": False}
-_beat_hook = threading.Lock()
+# Ambient transactions the capture asks when no session is bound, as (module, function) pairs: the
+# function returns a writer for an outbox, or None. A module is asked once something imported it
+# (``celery_outbox.contrib.django`` imports its own, and Django imports that for INSTALLED_APPS), so the
+# capture imports no framework and keeps no registry of its own (no module-level mutable state).
+AMBIENT_PROVIDERS = (("celery_outbox.contrib.django.enqueue", "atomic_writer"),)
 
 
-def register_ambient(provider: Callable[[Any], Writer | None]) -> None:
-    """Add an ambient-transaction provider (a contrib calls this once, on import)."""
-    if provider not in AMBIENT:
-        AMBIENT.append(provider)
-
-
-@contextmanager
-def bind(outbox: object, writer: Writer) -> Iterator[None]:
-    token = _BOUND.set((*_BOUND.get(), (outbox, writer)))
-    try:
-        yield
-    finally:
-        _BOUND.reset(token)
-
-
-@contextmanager
-def publishing_directly() -> Iterator[None]:
-    """Inside this block every task message goes straight to the broker (replays, tooling)."""
-    token = _DIRECT.set(True)
-    try:
-        yield
-    finally:
-        _DIRECT.reset(token)
-
-
-@contextmanager
-def recording_dedup() -> Iterator[list[dedup.Deduplicated]]:
-    """Collect what each write with a dedup key did inside this block."""
-    found: list[dedup.Deduplicated] = []
-    token = _DEDUPED.set(found)
-    try:
-        yield found
-    finally:
-        _DEDUPED.reset(token)
-
-
-def _bound_writer(outbox: object) -> Writer | None:
-    for owner, writer in reversed(_BOUND.get()):
-        if owner is outbox:
-            return writer
-    for provider in AMBIENT:
-        found = provider(outbox)
+def _ambient_writer(outbox: object) -> Writer | None:
+    for module_name, function in AMBIENT_PROVIDERS:
+        provider = getattr(sys.modules.get(module_name), function, None)
+        found = provider(outbox) if provider is not None else None
         if found is not None:
-            return found
+            return found  # type: ignore[no-any-return]
     return None
 
 
-def _on_beat_init(sender: Any = None, **kwargs: Any) -> None:
-    _process["beat"] = True
+def interceptor_of(app: Any) -> Interceptor | None:
+    """The capture an ``Outbox`` installed on Celery app ``app`` (``install``), or None."""
+    current = app.amqp.__dict__.get("send_task_message")
+    return current if isinstance(current, Interceptor) else None
+
+
+@contextmanager
+def publishing_directly(app: Any) -> Iterator[None]:
+    """Inside this block every task message ``app`` sends goes straight to the broker (replays, tooling);
+    another app's Outbox still captures its own."""
+    interceptor = interceptor_of(app)
+    if interceptor is None:  # no Outbox on this app: it publishes directly anyway
+        yield
+        return
+    with interceptor.publishing_directly():
+        yield
 
 
 class _Recorder:
@@ -279,13 +256,95 @@ class _Recorder:
         pass
 
 
-class Interceptor:
-    """``app.amqp.send_task_message`` of one ``Outbox``'s app (``install``)."""
+class CaptureProducer:
+    """What ``app.send_task`` is given as its producer (``SendTask``) while a send may be captured: the
+    capture never talks to the broker, so no producer is taken from the pool for it (nor a connection),
+    and a send the capture lets through takes one then (``Interceptor.publish``). ``connection`` is the
+    app's broker connection object, never connected here: Celery's sender reads it to wrap broker errors
+    and for its retry policy, as it reads a pooled producer's."""
 
-    def __init__(self, outbox: Any, amqp: Any) -> None:
+    channel = None
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.__connection__ = connection
+
+
+class Interceptor:
+    """``app.amqp.send_task_message`` of one ``Outbox``'s app (``install``), and the capture's state, all of
+    it this outbox's own: the sessions bound by ``Outbox.transaction`` (a context variable: each thread and
+    asyncio task sees its own), ``publishing_directly``, the dedup record of ``Outbox.enqueue``, and whether
+    this process runs ``celery beat``. Two Outboxes (two apps) in one process share none of it."""
+
+    def __init__(self, outbox: Any, amqp: Any, send_task: SendTask) -> None:
         self.outbox = outbox
         self.amqp = amqp
+        self.send_task = send_task
         self._original: Callable[..., Any] | None = None
+        self._insert: tuple[Tables, sa.Insert] | None = None
+        # The writers bound by ``Outbox.transaction``, innermost last.
+        self.bound: ContextVar[tuple[Writer, ...]] = ContextVar("celery_outbox_bound", default=())
+        self.direct: ContextVar[bool] = ContextVar("celery_outbox_direct", default=False)
+        # What the writes with a dedup key did, while ``recording_dedup`` runs (``Outbox.enqueue`` reads it).
+        self.deduped: ContextVar[list[dedup.Deduplicated] | None] = ContextVar("celery_outbox_deduped", default=None)
+        self.in_beat = False  # set by ``beat_init`` in a ``celery beat`` process (``on_beat_init``)
+
+    def on_beat_init(self, sender: Any = None, **kwargs: Any) -> None:
+        """This process runs ``celery beat``: its ticks of outbox periodic tasks are rows (celery/beat.py)."""
+        self.in_beat = True
+
+    @contextmanager
+    def bind(self, writer: Writer) -> Iterator[None]:
+        """Inside this block this outbox's captured tasks go to ``writer`` (``Outbox.transaction``)."""
+        token = self.bound.set((*self.bound.get(), writer))
+        try:
+            yield
+        finally:
+            self.bound.reset(token)
+
+    @contextmanager
+    def publishing_directly(self) -> Iterator[None]:
+        """Inside this block every task message of this outbox's app goes straight to the broker."""
+        token = self.direct.set(True)
+        try:
+            yield
+        finally:
+            self.direct.reset(token)
+
+    @contextmanager
+    def recording_dedup(self) -> Iterator[list[dedup.Deduplicated]]:
+        """Collect what each write with a dedup key did inside this block."""
+        found: list[dedup.Deduplicated] = []
+        token = self.deduped.set(found)
+        try:
+            yield found
+        finally:
+            self.deduped.reset(token)
+
+    def bound_writer(self) -> Writer | None:
+        """The innermost writer bound by ``Outbox.transaction``, else an ambient transaction's, else None."""
+        bound = self.bound.get()
+        return bound[-1] if bound else _ambient_writer(self.outbox)
+
+    def insert_statement(self) -> sa.Insert:
+        """The one ``INSERT`` of this outbox's table, built once: a new statement per ``delay()`` costs its
+        construction and its cache key each time (bench/enqueue_cpu.py)."""
+        tables = self.outbox.tables
+        if self._insert is None or self._insert[0] is not tables:
+            self._insert = (tables, sa.insert(tables.table(tables.outbox)))
+        return self._insert[1]
+
+    def session_writer(self, session: Session) -> SessionWriter:
+        """A writer of this outbox's rows on ``session`` (``Outbox.transaction``)."""
+        return SessionWriter(session, self.outbox.tables, insert=self.insert_statement())
+
+    def publish(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
+        """Celery's own sender, as plain Celery runs it: with a pooled producer when ``app.send_task`` was
+        given the capture's stand-in (``CaptureProducer``), taken from the pool as Celery takes it."""
+        if not isinstance(producer, CaptureProducer):
+            return self.original(producer, name, message, **options)
+        with self.outbox.app.producer_or_acquire(None) as pooled, pooled.connection._reraise_as_library_errors():
+            return self.original(pooled, name, message, **options)
 
     @property
     def original(self) -> Callable[..., Any]:
@@ -296,27 +355,27 @@ class Interceptor:
 
     def __call__(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
         headers = message[0]
-        if _process["beat"] and not _DIRECT.get():
+        if self.in_beat and not self.direct.get():
             tick = beat.tick_of({**headers, **(options.get("headers") or {})}, self.outbox.clock.now_ms())
             if tick is not None:
                 return self.write_tick(producer, name, message, options, tick)
         if not self.captures(name, headers):
-            return self.original(producer, name, message, **options)
-        writer = _bound_writer(self.outbox)
+            return self.publish(producer, name, message, **options)
+        writer = self.bound_writer()
         if writer is None:
             mode = self.outbox.settings.enqueue_outside_transaction
-            if mode == "publish" or _process["beat"] or self.outbox.app.current_worker_task is not None:
-                return self.original(producer, name, message, **options)
+            if mode == "publish" or self.in_beat or self.outbox.app.current_worker_task is not None:
+                return self.publish(producer, name, message, **options)
             if mode == "raise":
                 raise TransactionRequiredError(
                     f"task {name!r} was sent outside a transaction: wrap the work in `with outbox.transaction("
                     "session):` (or Django's transaction.atomic()), use outbox.enqueue(session, signature), or set "
                     "OUTBOX_ENQUEUE_OUTSIDE_TRANSACTION=own_transaction (a row committed at once on its own) or "
                     "publish (sent directly: lost if the process dies); nothing was sent")
-            writer = OwnTransactionWriter(self.outbox)
+            writer = OwnTransactionWriter(self.outbox, insert=self.insert_statement())
         options, key = self.dedup_options(name, options)
         values = self.row_values(producer, name, message, options)
-        if _CHOSEN.get() and writer.holds(values["message_id"]):
+        if self.send_task.chosen.get() and writer.holds(values["message_id"]):
             raise _reused_id(values)
         if key is None:
             writer.write(values)
@@ -326,7 +385,7 @@ class Interceptor:
                               f"({type(writer).__name__}) cannot keep unique; nothing was written")
         values["headers"][dedup.KEY_HEADER] = key[0]
         done = writer.write_unique(values, key[0], key[1])
-        recorded = _DEDUPED.get()
+        recorded = self.deduped.get()
         if recorded is not None:
             recorded.append(done)
         return None
@@ -345,7 +404,7 @@ class Interceptor:
         options = {**options, "headers": {k: v for k, v in (options.get("headers") or {}).items() if k not in drop}}
         values = self.row_values(producer, name, (task_headers, properties, body, sent_event), options)
         values["headers"][beat.TICK_HEADER] = tick.key
-        writer = OwnTransactionWriter(self.outbox)
+        writer = OwnTransactionWriter(self.outbox, insert=self.insert_statement())
         if writer.holds(values["message_id"]):
             log.info("beat tick %s already in the outbox (task %s): not written again", tick.key, tick.task_id)
             return None
@@ -371,7 +430,7 @@ class Interceptor:
         return {**options, "headers": rest}, key
 
     def captures(self, name: str, headers: Mapping[str, Any]) -> bool:
-        if _DIRECT.get() or name.startswith(OWN_PREFIXES) or name in self.outbox.settings.enqueue_exclude:
+        if self.direct.get() or name.startswith(OWN_PREFIXES) or name in self.outbox.settings.enqueue_exclude:
             return False
         if is_consumer_task(self.outbox, name):
             return False
@@ -535,25 +594,58 @@ def _is_json(value: Any) -> bool:
     return True
 
 
-class ChosenIds:
-    """``app.send_task`` noting whether its caller chose the task id (only those can be reused).
+class SendTask:
+    """``app.send_task`` of an Outbox's app: notes whether its caller chose the task id (only those can be
+    reused: ``chosen``), and gives Celery the capture's stand-in producer (``CaptureProducer``) instead of
+    letting it take one from the pool for a message the capture may keep.
 
     ``Task.apply_async`` passes ``task_id`` by keyword, None unless the caller (or a canvas Celery
-    froze) set one; ``send_task`` then makes a fresh uuid4."""
+    froze) set one; ``send_task`` then makes a fresh uuid4. The stand-in is given only when the caller
+    passed no producer or connection and the result backend's ``on_task_call`` (which Celery runs with the
+    producer before the send) does not use the producer: Celery's base backend and Redis's; the RPC backend
+    declares its reply queue on it, so with it Celery takes a pooled producer as before."""
 
     _TASK_ID_POSITION = 5  # send_task(name, args, kwargs, countdown, eta, task_id, ...)
+    _PRODUCER_ARGS = ("producer", "connection", "publisher")
 
-    def __init__(self, send_task: Callable[..., Any]) -> None:
+    def __init__(self, app: Any, send_task: Callable[..., Any]) -> None:
+        self.app = app
         self.send_task = send_task
+        # True while ``app.send_task`` runs with a task id its caller passed.
+        self.chosen: ContextVar[bool] = ContextVar("celery_outbox_chosen_id", default=False)
+        self._producer: CaptureProducer | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         chosen = kwargs.get("task_id") if "task_id" in kwargs else (
             args[self._TASK_ID_POSITION] if len(args) > self._TASK_ID_POSITION else None)
-        token = _CHOSEN.set(bool(chosen))
+        if len(args) <= self._TASK_ID_POSITION + 1 and not any(kwargs.get(k) for k in self._PRODUCER_ARGS) \
+                and self._backend_producer_free():
+            kwargs["producer"] = self.capture_producer()
+        token = self.chosen.set(bool(chosen))
         try:
             return self.send_task(*args, **kwargs)
         finally:
-            _CHOSEN.reset(token)
+            self.chosen.reset(token)
+
+    def _backend_producer_free(self) -> bool:
+        try:
+            backend = self.app.backend
+        except Exception:  # a result backend that cannot be built fails where it failed before: in Celery's send
+            return False
+        return _producer_free(backend)
+
+    def capture_producer(self) -> CaptureProducer:
+        if self._producer is None:  # the app's broker connection object, never connected by the capture
+            self._producer = CaptureProducer(self.app.connection_for_write())
+        return self._producer
+
+
+def _producer_free(backend: Any) -> bool:
+    """True when ``backend.on_task_call`` does not use the producer it is given (``SendTask``)."""
+    return getattr(type(backend), "on_task_call", None) in _PRODUCER_FREE_CALLS
+
+
+_PRODUCER_FREE_CALLS = frozenset({Backend.on_task_call, RedisBackend.on_task_call})
 
 
 def install(outbox: Any) -> Interceptor:
@@ -564,11 +656,12 @@ def install(outbox: Any) -> Interceptor:
         if current.outbox is outbox:
             return current
         raise ConfigError("this Celery app already has an Outbox: build one Outbox per Celery app")
-    interceptor = Interceptor(outbox, amqp)
-    amqp.send_task_message = interceptor  # an instance attribute over Celery's cached property
     app = outbox.app
-    if not isinstance(app.__dict__.get("send_task"), ChosenIds):
-        app.send_task = ChosenIds(app.send_task)  # an instance attribute over Celery's method
-    with _beat_hook:
-        signals.beat_init.connect(_on_beat_init, weak=False, dispatch_uid="celery_outbox.enqueue.beat")
+    send_task = app.__dict__.get("send_task")
+    if not isinstance(send_task, SendTask):
+        send_task = app.send_task = SendTask(app, app.send_task)  # an instance attribute over Celery's method
+    interceptor = Interceptor(outbox, amqp, send_task)
+    amqp.send_task_message = interceptor  # an instance attribute over Celery's cached property
+    # Held weakly by the signal: connected as long as this outbox's app keeps its interceptor.
+    signals.beat_init.connect(interceptor.on_beat_init)
     return interceptor

@@ -35,7 +35,7 @@ class ReplaySender:
     def __call__(self, consumer: str, envelope: dict[str, Any]) -> None:
         if is_task_key(consumer):
             task, tid, args, kwargs = self.check_task(consumer, envelope)
-            with _publish_errors(f"task {task.name}"), publishing_directly():  # never into the outbox
+            with _publish_errors(f"task {task.name}"), publishing_directly(self.app):  # never into the outbox
                 task.apply_async(args=args, kwargs=kwargs, task_id=tid)
             return
         check_consumer(consumer, self.consumers)

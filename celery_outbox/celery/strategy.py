@@ -39,6 +39,7 @@ import logging
 import re
 import uuid
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from celery.exceptions import InvalidTaskError
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 STRATEGY = "celery_outbox.celery.strategy:guarded"
 CONTENT_TYPE = "application/json"
 CONTENT_ENCODINGS = ("utf-8", "utf8")
-EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+EMBED: Mapping[str, None] = MappingProxyType({"callbacks": None, "errbacks": None, "chain": None, "chord": None})
 MAX_RETRIES_HEADER = 1_000_000
 # The envelope sits two levels down in the protocol-2 body ([[envelope], {}, {}]).
 _BODY_LEVELS = 2

@@ -17,7 +17,7 @@ from celery.schedules import crontab
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import ConfigError, ManualClock, Tables
-from celery_outbox.celery import beat, enqueue
+from celery_outbox.celery import beat
 from celery_outbox.testing import drain
 from tests.tasks.test_enqueue import TaskApp
 
@@ -29,8 +29,8 @@ EVERY_S = 10
 def tasks(any_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables,
           monkeypatch: pytest.MonkeyPatch) -> TaskApp:
     clock.set(T0_MS)
-    monkeypatch.setitem(enqueue._process, "beat", True)
     t = TaskApp(any_sessions, clock, tables, f"beat-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setattr(t.outbox._enqueue_interceptor, "in_beat", True)
     t.outbox.periodic("mail-every-10s", "enq.mail", EVERY_S, args=("ops@example.com",))
     return t
 
@@ -69,7 +69,7 @@ def test_outside_beat_and_for_plain_entries_nothing_changes(tasks: TaskApp, monk
     tasks.mail.apply_async(("a@example.com",))
     assert tasks.rows() == [] and len(tasks.broker_messages()) == 1
     # Given the outbox entry's message outside beat (a person calling it), Then it is an ordinary task row
-    monkeypatch.setitem(enqueue._process, "beat", False)
+    monkeypatch.setattr(tasks.outbox._enqueue_interceptor, "in_beat", False)
     with tasks.sessions.begin() as s, tasks.outbox.transaction(s):
         fire(tasks)
     [row] = tasks.rows()

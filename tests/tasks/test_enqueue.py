@@ -314,11 +314,11 @@ def test_the_in_memory_publisher_can_reject_a_task_like_an_event(tasks: TaskApp)
 
 
 @pytest.fixture(autouse=True)
-def _no_leftover_binding() -> Iterator[None]:
+def _no_leftover_binding(request: pytest.FixtureRequest) -> Iterator[None]:
+    built = request.getfixturevalue("tasks") if "tasks" in request.fixturenames else None
     yield
-    from celery_outbox.celery import enqueue
-
-    assert enqueue._BOUND.get() == ()
+    if built is not None:
+        assert built.outbox._enqueue_interceptor.bound.get() == ()
 
 
 def test_a_scoped_session_binds_its_current_session(tasks: TaskApp) -> None:

@@ -75,7 +75,7 @@ def test_redis_a_countdown_longer_than_the_visibility_timeout_runs_once_when_hel
         countdown_s = 3 * VISIBILITY_S
         with t.sessions.begin() as s, t.outbox.transaction(s):
             held = t.remind.apply_async(("held",), countdown=countdown_s)
-        with publishing_directly():
+        with publishing_directly(t.remind.app):
             direct = t.remind.apply_async(("direct",), countdown=countdown_s)
         with t.sessions() as s:
             [row] = s.execute(sa.select(t.outbox.tables.outbox)).scalars().all()

@@ -100,7 +100,7 @@ class Env:
 
     def send(self, task: object, *args: object, task_id: str, copies: int = 1) -> None:
         """Publish the task message ``copies`` times, same task id (a relay duplicate, a redelivery)."""
-        with publishing_directly():
+        with publishing_directly(task.app):  # type: ignore[attr-defined]
             for _ in range(copies):
                 task.apply_async(args=list(args), task_id=task_id)  # type: ignore[attr-defined]
 

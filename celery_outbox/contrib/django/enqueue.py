@@ -1,6 +1,7 @@
 """Transactional enqueue on Django: inside ``transaction.atomic()``, ``task.delay()`` writes an outbox row.
 
-Registered on import of ``celery_outbox.contrib.django`` (which Django imports for ``INSTALLED_APPS``):
+Asked once ``celery_outbox.contrib.django`` is imported (Django imports it for ``INSTALLED_APPS``;
+``celery.enqueue.AMBIENT_PROVIDERS`` names this module):
 when an ``Outbox``'s Celery app sends a task and no SQLAlchemy session is bound
 (``outbox.transaction``), the capture (``celery_outbox.celery.enqueue``) asks this provider; if the
 Django connection the outbox models write to is inside an ``atomic()`` block (ATOMIC_REQUESTS
@@ -32,7 +33,6 @@ from django.db import DatabaseError as DjangoDatabaseError
 from django.db import router, transaction
 
 from celery_outbox import dedup
-from celery_outbox.celery import enqueue
 from celery_outbox.errors import ConfigError, DatabaseError, ValidationError
 
 OWN_TRANSACTION = "own_transaction"
@@ -136,9 +136,7 @@ def atomic_writer(outbox: Any) -> DjangoWriter | None:
 
     # A plain ``Outbox`` (its own engine) in a Django process commits its own row through that engine.
     if not isinstance(outbox, DjangoOutbox) or outbox.settings.enqueue_outside_transaction != OWN_TRANSACTION \
-            or enqueue._process["beat"] or outbox.app.current_worker_task is not None:
+            or outbox._enqueue_interceptor.in_beat or outbox.app.current_worker_task is not None:
         return None
     return OwnAtomicWriter(connection.alias)
 
-
-enqueue.register_ambient(atomic_writer)
