@@ -36,6 +36,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import re
 import uuid
 from collections.abc import Callable, Mapping
@@ -48,7 +49,14 @@ from celery.worker.strategy import default
 from celery_outbox.errors import MalformedMessageError as Bad
 from celery_outbox.errors import OutboxError
 from celery_outbox.inbox.dead_letters import storable_headers
-from celery_outbox.messages import TASK_ID_NAMESPACE, MalformedDelivery, decode_json, encode_json, storable_text
+from celery_outbox.messages import (
+    TASK_ID_NAMESPACE,
+    MalformedDelivery,
+    decode_json,
+    encode_json,
+    json_depth_exceeds,
+    storable_text,
+)
 from celery_outbox.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -70,10 +78,6 @@ _PAYLOAD_ENCODER = json.JSONEncoder(separators=(",", ":"))
 # A body exactly as the relay writes it (``messages.celery_task_messages``: compact, keys sorted) is
 # ``[[`` + the envelope's JSON text + this tail; ``_relay_envelope`` reads the envelope text out of it.
 _RELAY_HEAD = b"[[{"
-# A JSON number reads as an infinite float (which the full path's re-encode refuses) only when it has an
-# exponent of three significant digits or more, or 210+ integer digits; a body where this matches, even
-# inside a string, takes the full path.
-_MAYBE_INFINITE = re.compile(rb"[eE][+-]?0*[1-9][0-9]{2}|[0-9]{200}")
 # The full path's re-encode is at most 4.5x the text it read (``1e15`` -> ``1000000000000000.0``; a
 # two-byte character -> ``\u00e9``); a body this much under ``max_message_bytes`` fits the pool's size
 # check either way, so the text it hands over cannot change that verdict. Larger bodies take the full path.
@@ -248,10 +252,9 @@ def _relay_envelope(raw: bytes, settings: Settings) -> str | None:
     JSON value (JSON values delimit themselves), and its depth is the body's less the two outer levels:
     decoding T alone checks what decoding the body would, and T itself is the argument the pool reads,
     with no re-encode. Anything else (not this frame, not UTF-8, T not JSON or too deep, a number that
-    may read as infinite, a body near the size limit) is None: the full decode of ``_envelope_text`` then
+    reads as infinite, a body near the size limit) is None: the full decode of ``_envelope_text`` then
     decides, with its own error."""
-    if len(raw) * _MAX_REENCODE_GROWTH > settings.max_message_bytes or not raw.startswith(_RELAY_HEAD) \
-            or _MAYBE_INFINITE.search(raw):
+    if len(raw) * _MAX_REENCODE_GROWTH > settings.max_message_bytes or not raw.startswith(_RELAY_HEAD):
         return None
     try:
         text = raw.decode("utf-8")
@@ -260,11 +263,29 @@ def _relay_envelope(raw: bytes, settings: Settings) -> str | None:
     if not text.endswith(_RELAY_TAIL):
         return None
     inner = text[2 : len(text) - len(_RELAY_TAIL)]
+    if json_depth_exceeds(inner, settings.max_json_depth):
+        return None
     try:
-        decode_json(inner, max_depth=settings.max_json_depth, what="envelope")
-    except OutboxError:
+        _ENVELOPE_DECODER.decode(inner)
+    except (ValueError, RecursionError):
         return None
     return inner
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e400: the full path's re-encode refuses it, so the full path decides
+        raise ValueError("a number out of the float range")
+    return value
+
+
+# ``messages.decode_json``'s rules (strict JSON, no NaN/Infinity; the depth is checked before), and
+# finite numbers: what it accepts is what the full path accepts, anything else takes the full path.
+_ENVELOPE_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
 def malformed_text(message: Any, raw: bytes, headers: Any, tid: str, error: str, settings: Settings) -> str:
