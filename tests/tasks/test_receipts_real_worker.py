@@ -64,7 +64,7 @@ def test_a_worker_killed_mid_run_acked_nothing_without_its_receipt_and_the_rest_
     # Given plain tasks captured by the outbox (the receipt header) and a worker running them
     worker = env.start_worker()
     ids = [str(uuid.uuid4()) for _ in range(TASKS)]
-    with publishing_directly():
+    with publishing_directly(env.built.plain.app):
         for i, tid in enumerate(ids):
             env.built.plain.apply_async(args=[f"r{i}"], task_id=tid, headers={RECEIPT_HEADER: 1})
     env.wait("ten tasks run", lambda s: min(10, ia.effect_count(s, ia.PLAIN)), 10)
