@@ -82,7 +82,7 @@ _RELAY_HEAD = b"[[{"
 # two-byte character -> ``\u00e9``); a body this much under ``max_message_bytes`` fits the pool's size
 # check either way, so the text it hands over cannot change that verdict. Larger bodies take the full path.
 _MAX_REENCODE_GROWTH = 8
-_RELAY_TAIL = "],{}," + encode_json(EMBED) + "]"
+_RELAY_TAIL = "],{}," + encode_json(dict(EMBED)) + "]"
 
 
 def body_limit(settings: Settings) -> int:

@@ -43,7 +43,7 @@ from consumers.testing import order_placed_envelope
 TASK = task_name("fuzz")
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 SETTINGS = Settings(max_json_depth=8, max_message_bytes=16 * 1024)
-TAIL = "],{}," + encode_json(strategy.EMBED) + "]"  # the relay's frame (messages.celery_task_messages)
+TAIL = "],{}," + encode_json(dict(strategy.EMBED)) + "]"  # the relay's frame (messages.celery_task_messages)
 
 nasty_char = st.sampled_from(["\x00", "\ud800", "\udfff", "é", '"', "\\", "[", "]", "{", "}", ",", ":"])
 nasty_text = st.lists(st.one_of(st.characters(), nasty_char), max_size=30).map("".join)
