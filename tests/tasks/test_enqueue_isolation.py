@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
 import pkgutil
+import re
 import threading
 import types
 import typing
@@ -24,9 +26,10 @@ from celery_outbox import ManualClock, Tables, TransactionRequiredError
 from celery_outbox.celery.enqueue import publishing_directly
 from tests.tasks.test_enqueue import TaskApp
 
-# type(annotations): what `from __future__ import annotations` binds in a module
+# type(annotations): what `from __future__ import annotations` binds in a module; a compiled pattern and
+# a JSON codec built once (the strategy's) keep nothing between calls
 IMMUTABLE = (str, bytes, int, float, bool, type(None), tuple, frozenset, uuid.UUID, types.MappingProxyType,
-             type(annotations))
+             type(annotations), re.Pattern, json.JSONDecoder, json.JSONEncoder)
 
 
 def two(sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> tuple[TaskApp, TaskApp]:
