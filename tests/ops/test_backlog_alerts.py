@@ -41,6 +41,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.workers, pyte
 REPO = Path(__file__).resolve().parents[2]
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 LIMIT_S = 15  # the --max-overdue / --max-claim-held limit these tests use
+IDLE_TIMEOUT_S = 90  # Postgres ends the stuck relay's silent transaction after this long
 
 
 class Relays:
@@ -188,23 +189,38 @@ def test_every_relay_stopped_trips_max_overdue_and_the_metric_but_backing_off_ne
 
 def stop_holding_a_claim(proc: subprocess.Popen[bytes], sessions: sessionmaker[Session], tables: Tables,
                          relays: Relays) -> int:
-    """SIGSTOP ``proc`` at an instant it holds claimed rows (retrying at other instants); returns the claim's age."""
+    """SIGSTOP ``proc`` at an instant it holds claimed rows (retrying at other instants); returns the claim's age.
+
+    A claim seen once is not enough: a mark and its COMMIT the relay sent just before it stopped can still be
+    on their way to the server, and that claim ends a moment later with nothing left held. The claim counts
+    only when it is still open, and older, after a pause.
+    """
     for _ in range(200):
         os.killpg(proc.pid, signal.SIGSTOP)
         with sessions() as s:
             held = ops_stats.claim_held_ms(s, tables=tables)
         if held is not None:
-            return held
+            time.sleep(0.5)
+            with sessions() as s:
+                later = ops_stats.claim_held_ms(s, tables=tables)
+            if later is not None and later >= held + 400:
+                return later
         os.killpg(proc.pid, signal.SIGCONT)
         time.sleep(0.02)
     pytest.fail(f"the relay was never caught holding a claim\n{relays.logs()}")
 
 
+def still_held(sessions: sessionmaker[Session], tables: Tables) -> bool:
+    with sessions() as s:
+        return ops_stats.claim_held_ms(s, tables=tables) is not None
+
+
 def test_a_relay_stopped_holding_its_claim_is_named_while_another_relay_drains(
         env: dict[str, str], pg_sessions: sessionmaker[Session], tables: Tables, relays: Relays) -> None:
     limits = (f"--max-claim-held={LIMIT_S}s", f"--max-overdue={LIMIT_S}s")
-    # Given a relay publishing a backlog one row per batch, whose silent transactions Postgres ends after 30 s
-    stuck_env = {**env, "OUTBOX_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS": "30000"}
+    # Given a relay publishing a backlog one row per batch, whose silent transactions Postgres ends after 90 s
+    # (long enough for the drain and the checks below on a loaded machine: the claim must still be held then)
+    stuck_env = {**env, "OUTBOX_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS": str(IDLE_TIMEOUT_S * 1000)}
     stuck = relays.start("relay-stuck", stuck_env, "--batch-size", "1", "--max-in-flight", "1")
     insert(pg_sessions, tables, 3000)
     wait_for(lambda: pending(pg_sessions, tables) < 3000, "the relay to start publishing", relays)
@@ -214,13 +230,16 @@ def test_a_relay_stopped_holding_its_claim_is_named_while_another_relay_drains(
     relays.start("relay-ok", env)
 
     # Then everything but the stuck relay's rows is published (the other relay skips them)
-    wait_for(lambda: 0 < pending(pg_sessions, tables) <= 2, "the healthy relay to drain the rest", relays,
-             deadline_s=180.0)
+    wait_for(lambda: pending(pg_sessions, tables) <= 2, "the healthy relay to drain the rest", relays,
+             deadline_s=IDLE_TIMEOUT_S)
+    assert still_held(pg_sessions, tables), f"the stuck claim ended before the drain did\n{relays.logs()}"
+    assert pending(pg_sessions, tables) >= 1  # the stuck relay's batch (one row; two with one in flight)
     # And once the limit has passed, both checks exit 3 and name the stuck claim
     def crossed() -> bool:
         code, data, _ = stats_cli(env, *limits)
         return code == 3 and all(t["crossed"] for t in data["thresholds"])
     wait_for(crossed, "both thresholds to be crossed", relays, deadline_s=LIMIT_S + 60)
+    assert still_held(pg_sessions, tables), f"the stuck claim ended before the checks ran\n{relays.logs()}"
     code, data, err = stats_cli(env, *limits)
     assert code == 3 and data["outbox"]["claim_held_ms"] > LIMIT_S * 1000
     assert "held its claimed rows" in err and "no relay has published it" in err
@@ -229,7 +248,8 @@ def test_a_relay_stopped_holding_its_claim_is_named_while_another_relay_drains(
 
     # When Postgres ends the stopped relay's transaction (its idle-in-transaction timeout), its rows are released:
     # the healthy relay publishes them and every figure is quiet again
-    wait_for(lambda: pending(pg_sessions, tables) == 0, "the released rows to be published", relays)
+    wait_for(lambda: pending(pg_sessions, tables) == 0, "the released rows to be published", relays,
+             deadline_s=IDLE_TIMEOUT_S + 60)
     code, data, _ = stats_cli(env, *limits)
     assert code == 0, data
     assert data["outbox"]["claim_held_ms"] is None and data["outbox"]["oldest_overdue_ms"] is None
