@@ -76,6 +76,16 @@ class Counting:
         self.texts.clear()
 
 
+def print_round_trips(title: str, out: dict[str, dict[str, Any]]) -> None:
+    """One line per path with its round trips by kind, then its statements by first words."""
+    print(title)
+    print(f"{'path':24}" + "".join(f"{k:>11}" for k in KINDS))
+    for label, row in out.items():
+        print(f"{label:24}" + "".join(f"{row[k]:11.2f}" for k in KINDS))
+        for text, c in row["per_statement"].items():
+            print(f"    {c:5.2f}  {text}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--consumer", default="shipping")
@@ -130,12 +140,8 @@ def main() -> None:
         run("outbox_duplicate", outbox_duplicate)
         run("plain_task", plain)
         engine.dispose()
-    print(f"{args.consumer}: round trips per delivery ({n} deliveries each, idle {args.idle_ms} ms before each)")
-    print(f"{'path':24}" + "".join(f"{k:>11}" for k in KINDS))
-    for label, row in out.items():
-        print(f"{label:24}" + "".join(f"{row[k]:11.2f}" for k in KINDS))
-        for text, c in row["per_statement"].items():
-            print(f"    {c:5.2f}  {text}")
+    print_round_trips(f"{args.consumer}: round trips per delivery ({n} deliveries each, idle {args.idle_ms} ms "
+                      "before each)", out)
     write_result("consumer_statements", {"consumer": args.consumer, "deliveries": n, "idle_ms": args.idle_ms,
                                          "per_delivery": out})
 

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from celery import states
 
 from bench._common import fresh_database, write_result
-from bench.consumer_statements import KINDS, Counting
+from bench.consumer_statements import KINDS, Counting, print_round_trips
 from celery_outbox.db import make_engine, make_session_factory
 from celeryconfig import Settings
 from orders import tasks as order_tasks
@@ -76,12 +76,7 @@ def main() -> None:
         run("duplicate")
         outbox.close()
         engine.dispose()
-    print(f"{order_tasks.NAME}: round trips per run ({n} runs each)")
-    print(f"{'path':24}" + "".join(f"{k:>11}" for k in KINDS))
-    for label, row in out.items():
-        print(f"{label:24}" + "".join(f"{row[k]:11.2f}" for k in KINDS))
-        for text, c in row["per_statement"].items():
-            print(f"    {c:5.2f}  {text}")
+    print_round_trips(f"{order_tasks.NAME}: round trips per run ({n} runs each)", out)
     write_result("task_statements", {"task": order_tasks.NAME, "runs": n, "per_run": out})
 
 

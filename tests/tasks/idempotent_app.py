@@ -138,6 +138,16 @@ def build(settings: Settings, *, broker_url: str | None = None, session_factory:
     return TaskApp(settings=settings, outbox=box, record=record, flaky=flaky, broken=broken, plain=plain)
 
 
+def build_in_memory(*, home: Path, database_url: str, sessions: sessionmaker[Session], clock: Clock, tables: Any,
+                    namespace: str) -> TaskApp:
+    """The task app on a test's database and frozen clock, an in-memory broker, the session's table mapping."""
+    settings = Settings(home=home, database_url=database_url, namespace=namespace, broker_url="memory://",
+                        routes={})
+    app = build(settings, session_factory=sessions, clock=clock)
+    app.outbox._tables = tables
+    return app
+
+
 _built: dict[str, TaskApp] = {}
 
 

@@ -25,17 +25,14 @@ from celery_outbox.celery.receipts import Receipts
 from celery_outbox.clock import ManualClock
 from celery_outbox.inbox import receipts
 from celery_outbox.schema import Tables
-from celeryconfig import Settings
 from tests.tasks import idempotent_app as ia
 
 
 @pytest.fixture
 def built(tmp_home: Path, sqlite_url: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
           tables: Tables, namespace: str) -> ia.TaskApp:
-    settings = Settings(home=tmp_home, database_url=sqlite_url, namespace=namespace, broker_url="memory://",
-                        routes={})
-    app = ia.build(settings, session_factory=sqlite_sessions, clock=clock)
-    app.outbox._tables = tables
+    app = ia.build_in_memory(home=tmp_home, database_url=sqlite_url, sessions=sqlite_sessions, clock=clock,
+                             tables=tables, namespace=namespace)
     return app
 
 

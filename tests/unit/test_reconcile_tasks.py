@@ -27,7 +27,6 @@ from celery_outbox.relay.dispatch import dispatch_batch
 from celery_outbox.relay.reconcile import ReconcileResult, reconcile
 from celery_outbox.schema import Tables
 from celery_outbox.testing.memory import InMemoryPublisher
-from celeryconfig import Settings
 from tests.tasks import idempotent_app as ia
 
 AFTER = 40_000
@@ -37,10 +36,8 @@ PLAIN_AFTER = 600_000
 @pytest.fixture
 def built(tmp_home: Path, sqlite_url: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
           tables: Tables, namespace: str) -> ia.TaskApp:
-    settings = Settings(home=tmp_home, database_url=sqlite_url, namespace=namespace, broker_url="memory://",
-                        routes={})
-    app = ia.build(settings, session_factory=sqlite_sessions, clock=clock)
-    app.outbox._tables = tables
+    app = ia.build_in_memory(home=tmp_home, database_url=sqlite_url, sessions=sqlite_sessions, clock=clock,
+                             tables=tables, namespace=namespace)
     ia.metadata.create_all(sqlite_sessions.kw["bind"])
     return app
 
