@@ -28,7 +28,10 @@ _MAX_CREATED_AT_MS = 2**63 - 1
 # Untrusted JSON: the nesting is measured before ``json.loads`` runs, so a document nested past the
 # interpreter's recursion limit is refused with a MalformedMessageError instead of a RecursionError
 # (which Celery turns into a dropped message). Strings are skipped by the scanner; only brackets count.
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)  # an unclosed one runs to the end: linear
+# A string is the unrolled loop ``"`` plain* (escape plain*)* : the same matches as ``"(?:[^"\\]|\\.)*`` (each
+# backslash takes the next character), without an alternation per character (2-3x faster on long text;
+# tests/unit/test_fast_paths.py compares the two). An unclosed one runs to the end: linear.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _JSON_BRACKET = re.compile(r"[\[\]{}]")
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 

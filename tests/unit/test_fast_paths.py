@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from typing import Any
 from unittest import mock
 
@@ -230,6 +231,51 @@ def test_an_argument_one_level_too_deep_is_still_refused() -> None:
     # When the gate checks it, Then the argument is walked and refused
     with pytest.raises(MalformedMessageError, match="argument 1 is nested deeper than 8 levels"):
         gate_path({"task": NAME, "id": TID}, raw, TaskRules(max_depth=MAX_DEPTH))
+
+
+# -- the depth scan of JSON text: strings skipped by an unrolled pattern ------------------------------------
+STRING_BEFORE = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)  # messages._JSON_STRING before
+
+
+def text_depth(text: str) -> int:
+    """How deep ``text`` nests outside its strings, one character at a time (a backslash escapes the next)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+scan_text = st.one_of(
+    value_text, raw_bodies().map(lambda b: b.decode("utf-8", "surrogateescape")),
+    st.lists(st.sampled_from(['"', "\\", "\\\\", '\\"', "[", "]", "{", "}", "a", "\n", "é"]), max_size=40).map("".join),
+)
+
+
+@HYPO
+@given(text=scan_text, max_depth=st.integers(0, MAX_DEPTH + 12))
+@example(text='"a\\', max_depth=0)  # an unclosed string ending in a backslash
+@example(text='["\\"[",[[', max_depth=1)
+@example(text='["\\\n[",0]', max_depth=1)  # an escaped line break (not JSON; the scan must still skip it)
+def test_the_depth_scan_skips_strings_as_before(text: str, max_depth: int) -> None:
+    # Given any text, JSON or not (unclosed strings, stray backslashes, brackets in strings)
+    # When its strings are cut out now and as before, Then what is left is the same text
+    assert messages._JSON_STRING.sub("", text) == STRING_BEFORE.sub("", text)
+    # And the depth verdict is the one a character-by-character reading gives
+    assert messages.json_depth_exceeds(text, max_depth) is (text_depth(text) > max_depth)
 
 
 # -- decode_json: one decoder built at import ----------------------------------------------------------------
