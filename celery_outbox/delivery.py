@@ -136,9 +136,12 @@ def _parse(spec: ConsumerSpec, body: Any, mapping: Mapping[str, Any] | None, raw
         raise MalformedMessageError(malformed.error)
     if not gated:  # a gated body's size was checked on its raw bytes (``deliver``); encoding it again costs a dump
         check_size(raw.value, limit=settings.max_message_bytes, what=f"message for {spec.name}")
-    # The body was decoded once already (``_as_mapping``, same depth bound): validate that, do not decode again.
+    # The body was decoded once already (``_as_mapping``, a depth bound as tight or tighter): validate that
+    # value, do not decode or walk it again. A body that came as a mapping was never measured: it is walked.
+    decoded = mapping is not None and mapping is not body
     envelope = Envelope.from_dict(mapping if mapping is not None else body,
-                                  max_depth=settings.max_json_depth + wrapper_levels)
+                                  max_depth=settings.max_json_depth + wrapper_levels,
+                                  decoded_within=settings.max_json_depth if decoded else None)
     if not spec.accepts(envelope.type):
         raise UnknownEventTypeError(
             f"consumer {spec.name!r} does not handle event type {storable_text(repr(envelope.type), limit=220)} "

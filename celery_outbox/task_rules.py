@@ -38,13 +38,21 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery_outbox.errors import MalformedMessageError as Bad
-from celery_outbox.messages import TYPE_MAX_CHARS, check_depth, decode_json, is_storable, storable_text
+from celery_outbox.messages import (
+    TYPE_MAX_CHARS,
+    check_depth,
+    decode_json,
+    is_storable,
+    json_depth_exceeds,
+    storable_text,
+)
 
 CONTENT_TYPE = "application/json"
 CONTENT_ENCODINGS = ("utf-8", "utf8")
@@ -136,10 +144,63 @@ def decode_body(raw: bytes, *, content_type: Any, content_encoding: Any, max_byt
     return decode_json(raw, max_depth=max_depth + BODY_EXTRA_DEPTH, what="message body")
 
 
+# A JSON string can hold NUL or a lone surrogate only through a \u escape: strict decoding refuses a raw
+# control character in a string, and strict UTF-8 refuses an encoded surrogate. Once every escaped
+# backslash is blanked out (``_storable_text``), every \u left is an escape, and the decoder joins a high
+# surrogate's escape with a low one's right after it into one character; the scan finds an escape of NUL,
+# a high one no low one follows, a low one no high one precedes: what can decode to an unstorable string.
+_UNSTORABLE_ESCAPE = re.compile(
+    rb"\\u0000"
+    rb"|\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]")
+# Of the brackets ``[args, kwargs, embed]`` opens, these three hold no argument's own levels: the body's
+# array, the args array and the kwargs object (``check_call`` has seen all three before it walks).
+_TRIPLE_BRACKETS = 3
+# Levels above any argument: the body's array, and the args array or the kwargs object. The embed is one
+# level down and may nest ``EMBED_EXTRA_DEPTH`` more than an argument: what bounds an argument bounds it.
+_ARGUMENT_LEVELS = 2
+
+
+def check_message(headers: Any, raw: bytes, *, content_type: Any, content_encoding: Any, max_bytes: int,
+                  rules: TaskRules) -> TaskCall:
+    """The worker's door: ``decode_body`` then ``check_call``, on the raw body as it came.
+
+    The argument walks of ``check_call`` (depth, storable text) look for what a cheap scan of the raw
+    text can rule out. An argument cannot nest deeper than the body opens arrays and objects (less the
+    three of the triple), nor deeper than the text nests (less the two levels above it; the text's
+    nesting bounds the value's: a duplicate key can only drop levels), and cannot hold NUL or a lone
+    surrogate when no escape writes one (``_storable_text``). What the scan rules out is not walked;
+    anything else is walked as before, so the verdict and the error are ``check_call``'s
+    (tests/unit/test_fast_paths.py compares them)."""
+    body = decode_body(raw, content_type=content_type, content_encoding=content_encoding, max_bytes=max_bytes,
+                       max_depth=rules.max_depth)
+    # The body decoded: ``raw`` is strict UTF-8 JSON, whose brackets outside strings the depth scan counts exactly.
+    shallow = (raw.count(b"[") + raw.count(b"{") <= rules.max_depth + _TRIPLE_BRACKETS
+               or not json_depth_exceeds(raw.decode("utf-8"), rules.max_depth + _ARGUMENT_LEVELS))
+    storable = _storable_text(raw)
+    return _check_call(headers, body, rules=rules, shallow=shallow, storable=storable)
+
+
+def _storable_text(raw: bytes) -> bool:
+    """True when no string of the JSON text ``raw`` decodes to NUL or a lone surrogate (``_UNSTORABLE_ESCAPE``).
+
+    Only said of text that decodes: a backslash outside a string is not JSON. Blanking ``\\\\`` pairs left
+    to right follows the decoder's escapes (each backslash escapes the next character); blanking (not
+    removing) them keeps an escape before them from meeting one after them."""
+    if b"\\u" not in raw:
+        return True
+    return _UNSTORABLE_ESCAPE.search(raw.replace(b"\\\\", b"..")) is None
+
+
 def check_call(headers: Any, body: Any, *, rules: TaskRules) -> TaskCall:
     """Check one task message (headers as Celery builds them, body as ``[args, kwargs, embed]``).
 
     Returns it with its ids normalised; raises ``MalformedMessageError`` naming the first rule broken."""
+    return _check_call(headers, body, rules=rules, shallow=False, storable=False)
+
+
+def _check_call(headers: Any, body: Any, *, rules: TaskRules, shallow: bool, storable: bool) -> TaskCall:
+    """``check_call``; ``shallow``/``storable``: the body's text proves no argument breaks that rule (not walked)."""
     if not isinstance(headers, Mapping):
         raise Bad(f"headers must be a mapping, got {type(headers).__name__}")
     name = check_name(headers.get("task"), captured=rules.captured)
@@ -159,15 +220,17 @@ def check_call(headers: Any, body: Any, *, rules: TaskRules) -> TaskCall:
         raise Bad(f"kwargs must be an object with text keys, got {type(kwargs).__name__}")
     if embed is not None and not isinstance(embed, Mapping):
         raise Bad(f"embed must be an object or null, got {type(embed).__name__}")
-    for i, arg in enumerate(args):
-        check_depth(arg, max_depth=rules.max_depth, what=f"argument {i + 1}")
-    for key, arg in kwargs.items():
-        check_depth(arg, max_depth=rules.max_depth, what=f"keyword argument {storable_text(key, limit=60)!r}")
-    if embed is not None:
-        check_depth(embed, max_depth=rules.max_depth + EMBED_EXTRA_DEPTH, what="embedded signatures")
+    if not shallow:
+        for i, arg in enumerate(args):
+            check_depth(arg, max_depth=rules.max_depth, what=f"argument {i + 1}")
+        for key, arg in kwargs.items():
+            check_depth(arg, max_depth=rules.max_depth, what=f"keyword argument {storable_text(key, limit=60)!r}")
+        if embed is not None:
+            check_depth(embed, max_depth=rules.max_depth + EMBED_EXTRA_DEPTH, what="embedded signatures")
     out_headers = _check_headers(headers, task_id=task_id, rules=rules)
     if rules.captured:
-        _check_storable((list(args), dict(kwargs), embed), what="arguments")
+        if not storable:
+            _check_storable((list(args), dict(kwargs), embed), what="arguments")
         _check_storable(dict(headers), what="headers")
         _check_embed(embed, rules.known)
         if rules.arity is not None:

@@ -7,7 +7,8 @@ through this gate: a consumer bootstep (``GateStep``) that runs after Celery's `
 fills ``consumer.strategies``, on every connection restart too) and
 
 * wraps each task's strategy: the raw body is checked (``task_rules.decode_body``) and the message
-  against the one rule table enqueue applies too (``task_rules.check_call``) *before* Celery
+  against the one rule table enqueue applies too (``task_rules.check_call``, through
+  ``task_rules.check_message``, which skips the walks its raw text rules out) *before* Celery
   unpacks anything; a message that passes reaches Celery's own strategy rebuilt from the checked
   values (headers with ids normalised, the arguments as decoded here, never through kombu's JSON type
   hooks) and its raw body for the pool (the same text, so not encoded again);
@@ -56,7 +57,7 @@ from celery_outbox.inbox import dead_letters
 from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.messages import TYPE_MAX_CHARS, MalformedDelivery, storable_text
 from celery_outbox.policy import RetryPolicy
-from celery_outbox.task_rules import TaskRules, canonical_task_id, check_call, decode_body
+from celery_outbox.task_rules import TaskRules, canonical_task_id, check_message
 
 log = logging.getLogger(__name__)
 
@@ -179,10 +180,10 @@ class Gate:
         if not isinstance(headers, Mapping) or headers.get("task") != name:
             raise MalformedMessageError("the task header does not name this task")
         raw = raw_bytes(message)
-        decoded = decode_body(raw, content_type=getattr(message, "content_type", None),
-                              content_encoding=getattr(message, "content_encoding", None),
-                              max_bytes=body_limit(self.settings), max_depth=self.settings.max_json_depth)
-        call = check_call(headers, decoded, rules=rules)
+        # decode_body then check_call, skipping only the argument walks the raw text proves would find nothing.
+        call = check_message(headers, raw, content_type=getattr(message, "content_type", None),
+                             content_encoding=getattr(message, "content_encoding", None),
+                             max_bytes=body_limit(self.settings), rules=rules)
         properties = dict(mapping_attr(message, "properties"))
         if properties.get("correlation_id") == headers.get("id"):
             properties["correlation_id"] = call.task_id
