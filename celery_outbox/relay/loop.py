@@ -67,7 +67,7 @@ from celery_outbox.relay.dispatch import (
     send_claimed,
 )
 from celery_outbox.relay.publisher import Publisher
-from celery_outbox.relay.queries import next_due
+from celery_outbox.relay.queries import RelayStatements, next_due
 from celery_outbox.relay.reconcile import ReconcileResult, reconcile
 from celery_outbox.relay.single_flight import single_flight, sqlite_lock_path
 from celery_outbox.schema import Tables
@@ -243,6 +243,8 @@ class RelayLoop:
         # Read once, not per claim; the worker registry is reused for a second between wake-ups (RegistryCache).
         self._hold = hold_from_settings(settings)
         self._registry_cache = RegistryCache.for_hold(self._hold) if self._hold is not None else None
+        # The claim and the mark, built once (relay/queries.py ``RelayStatements``), not per wake-up.
+        self._statements = RelayStatements.build(tables, bind.dialect) if bind is not None else None
         # Called with every finished drain (e.g. the CLI sends Celery events for its dead letters);
         # it must not raise, and if it does the error is logged: the drain is done either way.
         self.on_drain = on_drain
@@ -336,7 +338,7 @@ class RelayLoop:
             return claim_batch(session, self.clock, tables=self.tables,
                                limit=self.breaker.batch_limit(now, self.sizer.size), routes=self.routes,
                                max_message_bytes=self.settings.max_message_bytes, namespace=self.settings.namespace,
-                               hold=self._hold, registry_cache=self._registry_cache)
+                               hold=self._hold, registry_cache=self._registry_cache, statements=self._statements)
         except BaseException:
             session.close()
             raise

@@ -17,7 +17,7 @@ from celery_outbox.clock import ManualClock
 from celery_outbox.messages import TASK_KIND
 from celery_outbox.relay.dispatch import ClaimedRow, RegistryCache, claim_due, held_rows, mark_rows
 from celery_outbox.relay.loop import RelayLoop
-from celery_outbox.relay.queries import next_due
+from celery_outbox.relay.queries import due_pending, mark_published_pg, next_due
 from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
 from tests.outbox_rows import insert_pending
@@ -162,3 +162,112 @@ def test_a_fresh_read_lets_go_a_row_a_stale_registry_would_hold(
         assert s.execute(sa.select(sa.func.count()).select_from(tables.table(tables.workers))).scalar() == 0
         # When a v2 row is claimed within the TTL, Then it goes out (the database says nobody holds it)
         assert held_rows(s, [task_row(2)], now + 1, hold=hold, tables=tables, cache=cache) == {}
+
+
+def task_headers(mid: uuid.UUID) -> dict[str, object]:
+    """A valid task row's headers (the shape celery/enqueue.py writes): one message to ``QUEUE``."""
+    return {"outbox_kind": TASK_KIND, "routing_key": QUEUE, "exchange": "",
+            "task_headers": {"task": "t.send", "id": str(mid)}}
+
+
+def task_body(_i: int, _mid: uuid.UUID) -> dict[str, object]:
+    return {"body": [[], {}, None]}
+
+
+class Recorder:
+    """What the relay's engine runs: each statement's kind, and the transactions begun and ended."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.kinds: list[str] = []
+        self.clauses: list[object] = []
+        self.ends: list[str] = []
+
+    def __enter__(self) -> Recorder:
+        sa.event.listen(self.engine, "before_cursor_execute", self._sql)
+        sa.event.listen(self.engine, "before_execute", self._clause)
+        for name in ("begin", "commit", "rollback"):
+            sa.event.listen(self.engine, name, getattr(self, f"_{name}"))
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        sa.event.remove(self.engine, "before_cursor_execute", self._sql)
+        sa.event.remove(self.engine, "before_execute", self._clause)
+        for name in ("begin", "commit", "rollback"):
+            sa.event.remove(self.engine, name, getattr(self, f"_{name}"))
+
+    def _sql(self, _c: object, _cur: object, statement: str, *_: object) -> None:
+        s = " ".join(statement.split()).upper()
+        self.kinds.append("claim" if "SKIP LOCKED" in s else "mark" if s.startswith("WITH MARKED AS") else s[:60])
+
+    def _clause(self, _c: object, clause: object, *_: object) -> None:
+        self.clauses.append(clause)
+
+    def _begin(self, _c: object) -> None:
+        self.ends.append("BEGIN")
+
+    def _commit(self, _c: object) -> None:
+        self.ends.append("COMMIT")
+
+    def _rollback(self, _c: object) -> None:
+        self.ends.append("ROLLBACK")
+
+
+def test_a_wake_up_that_publishes_one_commit_runs_the_claim_and_the_mark_in_one_transaction_and_nothing_else(
+        pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock,
+        tables: Tables) -> None:
+    # Given a relay with the deploy hold on (workers register) that has run once: its leases are claimed,
+    # its registry read, and a live worker runs the task (so the registry holds nothing)
+    with pg_sessions() as s:
+        workers.register(s, worker=uuid.uuid4(), name="w@h", queues=[QUEUE], tasks={"t.send": 1},
+                         now_ms=clock.now_ms(), tables=tables)
+    loop = RelayLoop(settings=settings(tmp_path, pg_url, worker_heartbeat_ms=10_000), tables=tables,
+                     session_factory=pg_sessions, publisher=InMemoryPublisher(), clock=clock, listen=False)
+
+    def wake_up() -> None:  # what ``outbox relay`` does per wake-up, but the wait itself
+        loop.drain_once()
+        loop.periodic_jobs()
+        loop._until_due_s()
+
+    insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables, type_="t.send", headers=task_headers,
+                   payload=task_body)
+    wake_up()
+    # When a commit of events and a task row wakes it
+    insert_pending(pg_sessions, clock.now_ms(), 3, tables=tables)
+    insert_pending(pg_sessions, clock.now_ms(), 2, tables=tables, type_="t.send", headers=task_headers,
+                   payload=task_body)
+    with Recorder(pg_engine) as seen:
+        wake_up()
+    # Then it published them with BEGIN, the claim, the mark (which also counts and reads the next due
+    # time) and COMMIT: no second transaction, no registry read, no next-due query, no lease statement.
+    # A statement that comes back fails here.
+    assert seen.kinds == ["claim", "mark"]
+    assert seen.ends == ["BEGIN", "COMMIT"]
+    assert (loop.stats.published, loop._registry_cache is not None and loop._registry_cache.hits) == (6, 1)
+    loop.close()
+
+
+def test_the_relay_builds_its_claim_and_mark_once_not_per_wake_up(
+        pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock,
+        tables: Tables) -> None:
+    # Given a relay
+    loop = RelayLoop(settings=settings(tmp_path, pg_url), tables=tables, session_factory=pg_sessions,
+                     publisher=InMemoryPublisher(), clock=clock, listen=False)
+    # When two wake-ups each claim and mark a commit's rows
+    claims, marks = [], []
+    for _ in range(2):
+        insert_pending(pg_sessions, clock.now_ms(), 2, tables=tables)
+        with Recorder(pg_engine) as seen:
+            assert loop.drain_once().published == 2
+        assert seen.kinds == ["claim", "mark"]
+        claims.append(seen.clauses[0])
+        marks.append(seen.clauses[1])
+    # Then both ran the same statement objects (built once: no statement built and no cache key
+    # computed per wake-up), and they are the SQL of due_pending and mark_published_pg
+    assert claims[0] is claims[1] and marks[0] is marks[1]
+    dialect = pg_engine.dialect
+    assert str(claims[0].compile(dialect=dialect)).replace("now_ms", "p1").replace("claim_limit", "p2") == str(  # type: ignore[attr-defined]
+        due_pending(1, 2, tables=tables, skip_locked=True).compile(dialect=dialect)).replace(
+        "next_attempt_at_ms_1", "p1").replace("param_1", "p2")
+    assert str(marks[0]) == str(mark_published_pg(tables, dialect))
+    loop.close()
