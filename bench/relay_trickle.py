@@ -19,6 +19,7 @@ base, ...). Prints medians per tree and writes bench/results/<name>.json.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import random
@@ -65,7 +66,7 @@ def kind_of(sql: str) -> str:
     return "other"
 
 
-def measure(rate: float, seconds: float, seed: int, broker_url: str) -> dict[str, Any]:
+def measure(rate: float, seconds: float, seed: int, broker_url: str, profile: str = "") -> dict[str, Any]:
     """One run of the relay code importable here (the child's PYTHONPATH: its tree first)."""
     from kombu import Connection, Queue
     from sqlalchemy import event
@@ -113,7 +114,7 @@ def measure(rate: float, seconds: float, seed: int, broker_url: str) -> dict[str
             n["pre_pings"] += 1
             return bool(ping(dbapi_conn))
 
-        engine.dialect.do_ping = counted_ping  # type: ignore[method-assign]
+        engine.dialect.do_ping = counted_ping  # type: ignore[method-assign,assignment]
         routes = outbox.routes()
         consumers = tuple(dict.fromkeys(c for names in routes.values() for c in names))
         publisher = KombuPublisher(broker_url=broker_url, settings=settings, consumers=consumers)
@@ -141,7 +142,15 @@ def measure(rate: float, seconds: float, seed: int, broker_url: str) -> dict[str
                 return int(s.execute(sa.select(sa.func.count()).select_from(table)
                                      .where(table.c.published_at_ms.is_(None))).scalar_one())
 
-        runner = threading.Thread(target=loop.run, kwargs={"handle_signals": False}, name="relay", daemon=True)
+        profiler = cProfile.Profile() if profile else None
+
+        def run() -> None:
+            if profiler is None:
+                loop.run(handle_signals=False)
+            else:
+                profiler.runcall(loop.run, handle_signals=False)
+
+        runner = threading.Thread(target=run, name="relay", daemon=True)
         runner.start()
         for i in range(20):  # warm-up: connections, declarations, statement caches, the first reconcile pass
             commit(-1 - i)
@@ -149,6 +158,8 @@ def measure(rate: float, seconds: float, seed: int, broker_url: str) -> dict[str
         while pending():
             time.sleep(0.05)
         time.sleep(0.3)
+        if profiler is not None:  # only the measured part (the thread's profile restarts cleanly)
+            profiler.clear()
         tid = runner.native_id
         n = dict.fromkeys(n, 0)
         written[0] = 0
@@ -172,6 +183,8 @@ def measure(rate: float, seconds: float, seed: int, broker_url: str) -> dict[str
         stats = {k: v - stats0[k] for k, v in vars(loop.stats).items() if isinstance(v, int) and not isinstance(v, bool)}
         loop.stop()
         runner.join(10)
+        if profiler is not None:
+            profiler.dump_stats(profile)
         publisher.close()
         loop.close()
         with Connection(broker_url) as conn:
@@ -202,6 +215,29 @@ SHOWN = ("rows_per_wakeup", "round_trips_per_wakeup", "statements_per_wakeup", "
          "pg_cpu_ms_per_row")
 
 
+def profile(args: argparse.Namespace) -> None:
+    """One profiled run of this tree: where the loop thread's time goes, per wake-up (profiler overhead included)."""
+    import pstats
+
+    out = REPO / "bench" / "results" / f"{args.name}.prof"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, __file__, "--child", "--rate", str(args.rate), "--seconds", str(args.seconds),
+                           "--seed", str(args.seed), "--broker-url", args.broker_url, "--profile-to", str(out)],
+                          env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        sys.exit(proc.stderr[-3000:])
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    wakeups = max(1, got["wakeups"])
+    stats = pstats.Stats(str(out))
+    print(f"{got['wakeups']} wake-ups, {got['rows']} rows; cumulative ms per wake-up (wall, profiled):")
+    rows = [(ct, f, ln, fn) for (f, ln, fn), (_cc, _nc, _tt, ct, _callers) in stats.stats.items()  # type: ignore[attr-defined]
+            if "celery_outbox" in f]
+    for ct, f, ln, fn in sorted(rows, reverse=True)[:30]:
+        print(f"  {1000 * ct / wakeups:8.3f}  {f.split('celery_outbox/')[-1]}:{ln} {fn}")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rate", type=float, default=20.0, help="commits/s")
@@ -211,11 +247,17 @@ def main() -> None:
     parser.add_argument("--broker-url", default="amqp://guest:guest@127.0.0.1:5672//")
     parser.add_argument("--baseline-src", default="", help="a source tree run as 'base'")
     parser.add_argument("--name", default="relay_trickle", help="bench/results/<name>.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the loop's thread (this tree only, one round): bench/results/<name>.prof")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-to", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
-        print(json.dumps(measure(args.rate, args.seconds, args.seed, args.broker_url)))
+        print(json.dumps(measure(args.rate, args.seconds, args.seed, args.broker_url, args.profile_to)))
+        return
+    if args.profile:
+        profile(args)
         return
     trees = {**({"base": args.baseline_src} if args.baseline_src else {}), "this": str(REPO)}
     runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
