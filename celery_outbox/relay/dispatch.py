@@ -411,7 +411,7 @@ def _abort(session: Session, spans: tracing.RelaySpans, e: BaseException) -> Non
 def claim_batch(session: Session, clock: Clock, *, tables: Tables, limit: int,
                 routes: Mapping[str, Sequence[str]], max_message_bytes: int, namespace: str,
                 hold: DeployHold | None = None, registry_cache: RegistryCache | None = None,
-                statements: RelayStatements | None = None) -> Claimed:
+                statements: RelayStatements | None = None, read_next_due: bool = False) -> Claimed:
     """Claim up to ``limit`` due rows (earliest due first, then seq) and build their broker messages (nothing is sent).
 
     An empty claim is committed at once. On SQLite the read transaction is committed before
@@ -419,7 +419,11 @@ def claim_batch(session: Session, clock: Clock, *, tables: Tables, limit: int,
     back (releasing the claim) and propagates. With ``hold``, task rows no live worker of their queue
     runs are set aside (``Built.held``) and put back for ``hold.recheck_ms`` when the batch is marked;
     ``registry_cache`` spares the registry read while it is fresh (``RegistryCache``); ``statements``, the
-    building of the claim and the mark (``RelayStatements``, built for this session's dialect).
+    building of the claim and the mark (``RelayStatements``, built for this session's dialect). With
+    ``read_next_due`` (and ``statements``) a claim that comes back empty also reads the next due time
+    (``BatchResult.next_due_ms``) in its own transaction, before its commit: the standalone relay sleeps
+    until then without a session and a query of its own (relay/loop.py). Only valid when no batch of
+    the same relay is in flight (its rows still look pending): the loop asks for it on a drain's first claim.
     """
     result = BatchResult()
     spans = tracing.NO_RELAY_SPANS
@@ -428,6 +432,10 @@ def claim_batch(session: Session, clock: Clock, *, tables: Tables, limit: int,
         rows = claim_due(session, now, limit, tables=tables, statements=statements)
         result.claimed = len(rows)
         held = held_rows(session, rows, now, hold=hold, tables=tables, cache=registry_cache) if rows else {}
+        if not rows and read_next_due and statements is not None:
+            with wrap_driver_errors("reading the next due time"):
+                due = session.connection().execute(statements.next_due).scalar()
+            result.next_due_ms, result.next_due_read = None if due is None else int(due), True
         if not rows or not is_postgres(session):
             session.commit()  # SQLite: single relay; do not hold the write lock across broker I/O
         if not rows:

@@ -5,8 +5,10 @@
 LISTEN connection, rows whose backoff ends). Per wake-up it does no more than a batch needs (issue #24):
 a NOTIFY soon after the last drain waits ``relay_gather_ms`` for more commits before claiming, each
 claim first drops the notifications that have arrived (their rows are visible to it, so they must not
-wake the loop again), the mark reads the next due time in the same statement (Postgres), and the worker
-registry is reused for a second while it holds nothing (``dispatch.RegistryCache``).
+wake the loop again), the mark reads the next due time in the same statement (Postgres; a drain whose
+first claim comes back empty reads it in that claim's transaction), the claim and the mark are built once
+(``queries.RelayStatements``), and the worker registry is reused for a second while it holds nothing
+(``dispatch.RegistryCache``).
 The loop catches every ``Exception`` and logs it (one
 bad row or a database blip must not kill the relay, docs/design.md, rule 4); KeyboardInterrupt and other
 BaseExceptions pass.
@@ -148,7 +150,7 @@ class LoopStats:
     kick_wakeups: int = 0
     gathers: int = 0  # NOTIFY wake-ups that waited ``relay_gather_ms`` for more commits before claiming
     coalesced: int = 0  # notifications read and dropped because the claim after them sees their rows
-    due_reads: int = 0  # next-due queries before a sleep (not needed when the last mark read it)
+    due_reads: int = 0  # next-due queries before a sleep (not needed when the last mark or empty claim read it)
     broker_unavailable: int = 0
     skipped_busy: int = 0  # SQLite: another drain held the single-flight lock
     reconciles: int = 0  # reconcile passes run (``reconcile_if_due``)
@@ -327,8 +329,10 @@ class RelayLoop:
             if result.broker_unavailable or result.claimed == 0 or self.stopping:
                 break
 
-    def _claim_next(self) -> Claimed | BatchResult:
-        """Claim and build the next batch on a session of its own (the caller closes it)."""
+    def _claim_next(self, *, first: bool = False) -> Claimed | BatchResult:
+        """Claim and build the next batch on a session of its own (the caller closes it). The ``first`` claim of
+        a drain, when empty, reads the next due time in its transaction (no batch of ours is in flight then,
+        so the pending rows it sees are what the loop sleeps for): the wait needs no query of its own."""
         now = self.clock.now_ms()
         if not self.breaker.allow(now):
             return BatchResult(broker_unavailable=True, breaker_open=True, error=self.breaker.last_error)
@@ -338,7 +342,8 @@ class RelayLoop:
             return claim_batch(session, self.clock, tables=self.tables,
                                limit=self.breaker.batch_limit(now, self.sizer.size), routes=self.routes,
                                max_message_bytes=self.settings.max_message_bytes, namespace=self.settings.namespace,
-                               hold=self._hold, registry_cache=self._registry_cache, statements=self._statements)
+                               hold=self._hold, registry_cache=self._registry_cache, statements=self._statements,
+                               read_next_due=first)
         except BaseException:
             session.close()
             raise
@@ -355,7 +360,7 @@ class RelayLoop:
         after a full one: a short batch means the outbox is drained for now.
         """
         settings, crash_points = self.settings, self.crash_points
-        nxt = self._claim_next()
+        nxt = self._claim_next(first=True)
         try:
             batches = 0
             while True:
@@ -657,8 +662,8 @@ class RelayLoop:
             self.stats.listening = False
 
     def _until_due_s(self) -> float:
-        """``until_next_due_s``, from the last drain's mark when it read the next due time (Postgres: the
-        mark statement reads it, relay/queries.py), else from one query."""
+        """``until_next_due_s``, from the last drain's mark or empty first claim when it read the next due
+        time (Postgres, relay/queries.py), else from one query."""
         hint, self._due_hint = self._due_hint, None
         if hint is None:
             self.stats.due_reads += 1

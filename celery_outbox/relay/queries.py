@@ -52,7 +52,8 @@ def _due_select(now: Any, limit: Any, *, tables: Tables, skip_locked: bool) -> s
 
 @dataclass(frozen=True, kw_only=True)
 class RelayStatements:
-    """The claim and the Postgres mark, built once per relay and executed with parameters (issue #24).
+    """The claim, the Postgres mark and the next-due read, built once per relay and executed with
+    parameters (issue #24).
 
     Building a statement per wake-up (and SQLAlchemy's cache key of a new statement object) cost more
     client CPU than executing it: ``bench/relay_trickle.py``. The SQL is the same as ``due_pending``'s
@@ -62,13 +63,15 @@ class RelayStatements:
 
     claim: sa.Select[Any]
     mark: sa.TextClause | None  # None: not Postgres (the mark is built per batch there)
+    next_due: sa.Select[Any]  # ``next_due``: read in an empty claim's transaction (dispatch.claim_batch)
 
     @classmethod
     def build(cls, tables: Tables, dialect: sa.Dialect) -> RelayStatements:
         postgres = dialect.name == "postgresql"
         claim = _due_select(sa.bindparam("now_ms", type_=sa.BigInteger), sa.bindparam("claim_limit", type_=sa.Integer),
                             tables=tables, skip_locked=postgres)
-        return cls(claim=claim, mark=mark_published_pg(tables, dialect) if postgres else None)
+        return cls(claim=claim, mark=mark_published_pg(tables, dialect) if postgres else None,
+                   next_due=next_due(tables))
 
 
 def next_due(tables: Tables) -> sa.Select[Any]:

@@ -58,7 +58,7 @@ def test_the_mark_reads_the_earliest_due_time_of_the_other_pending_rows(
         assert s.execute(next_due(tables)).scalar() == now + 1_000
 
 
-def test_a_drain_sleeps_until_the_due_time_its_mark_read_and_asks_the_database_only_after_an_empty_drain(
+def test_a_drain_sleeps_until_the_due_time_its_mark_or_its_empty_claim_read_without_a_query_of_its_own(
         pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
     # Given a due row and one held for 3 s
     insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
@@ -68,9 +68,31 @@ def test_a_drain_sleeps_until_the_due_time_its_mark_read_and_asks_the_database_o
     # When the loop drains, Then it would sleep 3 s, without a query of its own
     assert loop.drain_once().published == 1
     assert (loop._until_due_s(), loop.stats.due_reads) == (3.0, 0)
-    # When a drain claims nothing (no mark), Then the wait asks the database, and the answer is the same
+    # When a drain claims nothing (no mark), Then its claim read the due time: the same answer, no query
     assert loop.drain_once().claimed == 0
-    assert (loop._until_due_s(), loop.stats.due_reads) == (3.0, 1)
+    assert (loop._until_due_s(), loop.stats.due_reads) == (3.0, 0)
+    # And with nothing pending at all, the empty claim says so: the wait is the poll interval
+    with pg_sessions() as s:
+        s.execute(sa.delete(tables.table(tables.outbox)))
+        s.commit()
+    assert loop.drain_once().claimed == 0
+    assert (loop._until_due_s(), loop.stats.due_reads) == (loop.poll_interval_s, 0)
+    loop.close()
+
+
+def test_an_empty_claim_after_a_full_batch_keeps_the_due_time_the_mark_read(
+        pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
+    # Given exactly one full batch of due rows and one row held for 3 s
+    insert_pending(pg_sessions, clock.now_ms(), 2, tables=tables)
+    schedule(pg_sessions, tables, clock.now_ms() + 3_000)
+    loop = RelayLoop(settings=settings(tmp_path, pg_url), tables=tables, session_factory=pg_sessions,
+                     publisher=InMemoryPublisher(), clock=clock, listen=False, batch_size=2)
+    # When the drain publishes the full batch and claims the next one (empty) while it is in flight
+    total = loop.drain_once()
+    assert (total.batches, total.published) == (2, 2)
+    # Then the wait is the held row's 3 s from the mark, not "due now" from the in-flight rows that
+    # the empty claim saw pending (it did not read the due time: a batch of ours was in flight)
+    assert (loop._until_due_s(), loop.stats.due_reads) == (3.0, 0)
     loop.close()
 
 
@@ -244,6 +266,27 @@ def test_a_wake_up_that_publishes_one_commit_runs_the_claim_and_the_mark_in_one_
     assert seen.kinds == ["claim", "mark"]
     assert seen.ends == ["BEGIN", "COMMIT"]
     assert (loop.stats.published, loop._registry_cache is not None and loop._registry_cache.hits) == (6, 1)
+    loop.close()
+
+
+def test_a_wake_up_that_finds_nothing_runs_the_claim_and_the_due_time_read_in_one_transaction(
+        pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock,
+        tables: Tables) -> None:
+    # Given a relay that has run once (its leases claimed) and a row held for 3 s, nothing due
+    loop = RelayLoop(settings=settings(tmp_path, pg_url), tables=tables, session_factory=pg_sessions,
+                     publisher=InMemoryPublisher(), clock=clock, listen=False)
+    loop.drain_once()
+    loop.periodic_jobs()
+    schedule(pg_sessions, tables, clock.now_ms() + 3_000)
+    # When it wakes up (a poll, a NOTIFY whose row an earlier claim took) and finds nothing
+    with Recorder(pg_engine) as seen:
+        assert loop.drain_once().claimed == 0
+        loop.periodic_jobs()
+        wait = loop._until_due_s()
+    # Then BEGIN, the claim, the next due time, COMMIT: no second session for the due time
+    assert seen.kinds[0] == "claim" and seen.kinds[1].startswith("SELECT MIN(") and len(seen.kinds) == 2
+    assert seen.ends == ["BEGIN", "COMMIT"]
+    assert wait == 3.0
     loop.close()
 
 
