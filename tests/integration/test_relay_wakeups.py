@@ -314,3 +314,35 @@ def test_the_relay_builds_its_claim_and_mark_once_not_per_wake_up(
         "next_attempt_at_ms_1", "p1").replace("param_1", "p2")
     assert str(marks[0]) == str(mark_published_pg(tables, dialect))
     loop.close()
+
+
+def test_a_reconcile_pass_that_finds_nothing_reads_and_writes_each_watermark_once(
+        pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    from celery_outbox.relay.reconcile import reconcile
+
+    def run() -> None:
+        with pg_sessions() as s:
+            reconcile(s, InMemoryPublisher(), clock, tables=tables, routes={"OrderPlaced": ("shipping",)},
+                      namespace="wk", max_message_bytes=1 << 20, older_than_ms=1_000, plain_older_than_ms=5_000)
+
+    # Given a first pass (it only sets both windows' watermarks) and a row published since, with its inbox row
+    run()
+    mid = insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)[0]
+    with pg_sessions() as s:
+        s.execute(sa.update(tables.table(tables.outbox)).values(published_at_ms=clock.now_ms()))
+        s.add(tables.inbox(message_id=mid, consumer="shipping", type="OrderPlaced", processed_at_ms=clock.now_ms()))
+        s.commit()
+    clock.advance(10_000)
+    # When the next pass runs (every few seconds, under the lease)
+    with Recorder(pg_engine) as seen:
+        run()
+    # Then per window: one read of its watermark (ms and seq), its page (the events window: the inbox,
+    # parked and dead-letter reads of its one row), one upsert of the watermark, and the commit
+    reads = [k for k in seen.kinds if "OUTBOX_COUNTERS" in k]
+    assert [k.split(" ", 1)[0] for k in reads] == ["SELECT", "INSERT", "SELECT", "INSERT"]
+    assert seen.ends == ["BEGIN", "ROLLBACK", "BEGIN", "COMMIT"] * 2
+    # And the watermarks moved: a second run over the same window checks nothing again
+    with pg_sessions() as s:
+        again = reconcile(s, InMemoryPublisher(), clock, tables=tables, routes={"OrderPlaced": ("shipping",)},
+                          namespace="wk", max_message_bytes=1 << 20, older_than_ms=1_000, plain_older_than_ms=5_000)
+    assert (again.checked, again.plain_checked, again.republished) == (0, 0, 0)
