@@ -32,7 +32,7 @@ from celery_outbox.errors import BrokerUnavailableError, MalformedMessageError, 
 from celery_outbox.messages import Envelope, TaskMessage, celery_task_messages, is_task_row, task_row_message
 from celery_outbox.relay.breaker import CircuitBreaker
 from celery_outbox.relay.publisher import Publisher, PublishReport, SendsAhead
-from celery_outbox.relay.queries import due_pending, mark_published_pg
+from celery_outbox.relay.queries import RelayStatements, due_pending, mark_published_pg
 from celery_outbox.schema import Tables
 from celery_outbox.settings import Settings
 
@@ -100,15 +100,20 @@ def backoff_ms(attempts: int, *, base_delay_ms: int, max_delay_ms: int) -> int:
     return min(max_delay_ms, delay)
 
 
-def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables) -> list[ClaimedRow]:
+def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables,
+              statements: RelayStatements | None = None) -> list[ClaimedRow]:
     """Select (and on Postgres lock, skipping rows other relays hold) up to ``limit`` due rows.
 
     Core rows (``due_pending`` selects columns), copied once into ``ClaimedRow``: no ORM identity
     map, no instance state, nothing to expire at commit (issue 14 measured ORM loading at a sixth of
-    a batch).
+    a batch). ``statements`` (built for this session's dialect) runs its prebuilt claim instead.
     """
     with wrap_driver_errors("claiming due outbox rows"):
-        result = session.execute(due_pending(now_ms, limit, tables=tables, skip_locked=is_postgres(session)))
+        result: Any
+        if statements is not None:
+            result = session.connection().execute(statements.claim, {"now_ms": now_ms, "claim_limit": limit})
+        else:
+            result = session.execute(due_pending(now_ms, limit, tables=tables, skip_locked=is_postgres(session)))
         return [
             ClaimedRow(seq=seq, message_id=message_id, type=type_, payload=payload, headers=dict(headers or {}),
                        created_at_ms=created_at_ms, attempts=attempts)
@@ -274,7 +279,7 @@ def mark_rows(session: Session, now_ms: int, *, tables: Tables, published: Seque
               failed: Mapping[int, tuple[ClaimedRow, str]], max_attempts: int, base_delay_ms: int,
               max_delay_ms: int, dead_now: Mapping[int, tuple[ClaimedRow, str]] | None = None,
               count: bool = False, held: Sequence[tuple[ClaimedRow, str]] = (), held_until_ms: int = 0,
-              ) -> Marked:
+              statements: RelayStatements | None = None) -> Marked:
     """Mark in the current transaction (the caller commits).
 
     Failed rows: one executemany UPDATE charging an attempt (backoff, dead letter at
@@ -283,7 +288,8 @@ def mark_rows(session: Session, now_ms: int, *, tables: Tables, published: Seque
     in ``held_for``, their attempts untouched (a deploy is not their failure). Published rows, last:
     ONE statement with one array parameter (Postgres, ``= ANY(:ids)``; with ``count`` the relay's
     ``published`` counter is added and the next due time read in that same statement, which sees the
-    updates above) or one ``IN`` UPDATE (SQLite, counter staged after it).
+    updates above) or one ``IN`` UPDATE (SQLite, counter staged after it). ``statements``: the prebuilt
+    Postgres mark (``RelayStatements``).
     """
     marked = n_failed = n_dead = 0
     next_due: int | None = None
@@ -330,9 +336,10 @@ def mark_rows(session: Session, now_ms: int, *, tables: Tables, published: Seque
         if published and is_postgres(session):
             ids = [r.seq for r in published]
             if count:
-                stamped, due = session.execute(
-                    mark_published_pg(tables, session.get_bind().dialect),
-                    {"now": now_ms, "ids": ids, "scope": counters.RELAY, "name": counters.PUBLISHED}).one()
+                mark = statements.mark if statements is not None and statements.mark is not None else \
+                    mark_published_pg(tables, session.get_bind().dialect)
+                stamped, due = session.connection().execute(
+                    mark, {"now": now_ms, "ids": ids, "scope": counters.RELAY, "name": counters.PUBLISHED}).one()
                 marked, next_due, due_read = int(stamped), None if due is None else int(due), True
             else:
                 res = session.execute(
@@ -379,6 +386,7 @@ class Claimed:
     result: BatchResult
     limit: int
     recheck_ms: int = 0  # held rows are due again this long after the batch is marked
+    statements: RelayStatements | None = None  # the prebuilt claim and mark (the standalone relay's)
 
 
 @dataclass(kw_only=True)
@@ -402,31 +410,42 @@ def _abort(session: Session, spans: tracing.RelaySpans, e: BaseException) -> Non
 
 def claim_batch(session: Session, clock: Clock, *, tables: Tables, limit: int,
                 routes: Mapping[str, Sequence[str]], max_message_bytes: int, namespace: str,
-                hold: DeployHold | None = None, registry_cache: RegistryCache | None = None) -> Claimed:
+                hold: DeployHold | None = None, registry_cache: RegistryCache | None = None,
+                statements: RelayStatements | None = None, read_next_due: bool = False) -> Claimed:
     """Claim up to ``limit`` due rows (earliest due first, then seq) and build their broker messages (nothing is sent).
 
     An empty claim is committed at once. On SQLite the read transaction is committed before
     returning, so the database's one write lock is never held across broker I/O. An exception rolls
     back (releasing the claim) and propagates. With ``hold``, task rows no live worker of their queue
     runs are set aside (``Built.held``) and put back for ``hold.recheck_ms`` when the batch is marked;
-    ``registry_cache`` spares the registry read while it is fresh (``RegistryCache``).
+    ``registry_cache`` spares the registry read while it is fresh (``RegistryCache``); ``statements``, the
+    building of the claim and the mark (``RelayStatements``, built for this session's dialect). With
+    ``read_next_due`` (and ``statements``) a claim that comes back empty also reads the next due time
+    (``BatchResult.next_due_ms``) in its own transaction, before its commit: the standalone relay sleeps
+    until then without a session and a query of its own (relay/loop.py). Only valid when no batch of
+    the same relay is in flight (its rows still look pending): the loop asks for it on a drain's first claim.
     """
     result = BatchResult()
     spans = tracing.NO_RELAY_SPANS
     try:
         now = clock.now_ms()
-        rows = claim_due(session, now, limit, tables=tables)
+        rows = claim_due(session, now, limit, tables=tables, statements=statements)
         result.claimed = len(rows)
         held = held_rows(session, rows, now, hold=hold, tables=tables, cache=registry_cache) if rows else {}
+        if not rows and read_next_due and statements is not None:
+            with wrap_driver_errors("reading the next due time"):
+                due = session.connection().execute(statements.next_due).scalar()
+            result.next_due_ms, result.next_due_read = None if due is None else int(due), True
         if not rows or not is_postgres(session):
             session.commit()  # SQLite: single relay; do not hold the write lock across broker I/O
         if not rows:
-            return Claimed(session=session, rows=rows, built=_EMPTY, spans=spans, result=result, limit=limit)
+            return Claimed(session=session, rows=rows, built=_EMPTY, spans=spans, result=result, limit=limit,
+                           statements=statements)
         spans = tracing.relay_spans(rows, routes=routes, namespace=namespace)  # one span per row if configured
         built = spans.build(rows, lambda rs: build_messages(rs, routes=routes, namespace=namespace,
                                                            max_message_bytes=max_message_bytes, held=held))
         return Claimed(session=session, rows=rows, built=built, spans=spans, result=result, limit=limit,
-                       recheck_ms=0 if hold is None else hold.recheck_ms)
+                       recheck_ms=0 if hold is None else hold.recheck_ms, statements=statements)
     except BaseException as e:
         _abort(session, spans, e)
         raise
@@ -499,7 +518,7 @@ def finish_batch(flight: InFlight, clock: Clock, *, tables: Tables, max_attempts
         m = mark_rows(
             session, done, tables=tables, published=published, failed=rejected_rows, dead_now=dead_now,
             max_attempts=max_attempts, base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms, count=True,
-            held=held, held_until_ms=done + claimed.recheck_ms)
+            held=held, held_until_ms=done + claimed.recheck_ms, statements=claimed.statements)
         marked, result.failed, result.dead_lettered = m.marked, m.failed, m.dead_lettered
         result.next_due_ms, result.next_due_read = m.next_due_ms, m.next_due_read
         result.held = len(held)

@@ -5,8 +5,10 @@
 LISTEN connection, rows whose backoff ends). Per wake-up it does no more than a batch needs (issue #24):
 a NOTIFY soon after the last drain waits ``relay_gather_ms`` for more commits before claiming, each
 claim first drops the notifications that have arrived (their rows are visible to it, so they must not
-wake the loop again), the mark reads the next due time in the same statement (Postgres), and the worker
-registry is reused for a second while it holds nothing (``dispatch.RegistryCache``).
+wake the loop again), the mark reads the next due time in the same statement (Postgres; a drain whose
+first claim comes back empty reads it in that claim's transaction), the claim and the mark are built once
+(``queries.RelayStatements``), and the worker registry is reused for a second while it holds nothing
+(``dispatch.RegistryCache``).
 The loop catches every ``Exception`` and logs it (one
 bad row or a database blip must not kill the relay, docs/design.md, rule 4); KeyboardInterrupt and other
 BaseExceptions pass.
@@ -67,7 +69,7 @@ from celery_outbox.relay.dispatch import (
     send_claimed,
 )
 from celery_outbox.relay.publisher import Publisher
-from celery_outbox.relay.queries import next_due
+from celery_outbox.relay.queries import RelayStatements, next_due
 from celery_outbox.relay.reconcile import ReconcileResult, reconcile
 from celery_outbox.relay.single_flight import single_flight, sqlite_lock_path
 from celery_outbox.schema import Tables
@@ -148,7 +150,7 @@ class LoopStats:
     kick_wakeups: int = 0
     gathers: int = 0  # NOTIFY wake-ups that waited ``relay_gather_ms`` for more commits before claiming
     coalesced: int = 0  # notifications read and dropped because the claim after them sees their rows
-    due_reads: int = 0  # next-due queries before a sleep (not needed when the last mark read it)
+    due_reads: int = 0  # next-due queries before a sleep (not needed when the last mark or empty claim read it)
     broker_unavailable: int = 0
     skipped_busy: int = 0  # SQLite: another drain held the single-flight lock
     reconciles: int = 0  # reconcile passes run (``reconcile_if_due``)
@@ -243,6 +245,8 @@ class RelayLoop:
         # Read once, not per claim; the worker registry is reused for a second between wake-ups (RegistryCache).
         self._hold = hold_from_settings(settings)
         self._registry_cache = RegistryCache.for_hold(self._hold) if self._hold is not None else None
+        # The claim and the mark, built once (relay/queries.py ``RelayStatements``), not per wake-up.
+        self._statements = RelayStatements.build(tables, bind.dialect) if bind is not None else None
         # Called with every finished drain (e.g. the CLI sends Celery events for its dead letters);
         # it must not raise, and if it does the error is logged: the drain is done either way.
         self.on_drain = on_drain
@@ -325,8 +329,10 @@ class RelayLoop:
             if result.broker_unavailable or result.claimed == 0 or self.stopping:
                 break
 
-    def _claim_next(self) -> Claimed | BatchResult:
-        """Claim and build the next batch on a session of its own (the caller closes it)."""
+    def _claim_next(self, *, first: bool = False) -> Claimed | BatchResult:
+        """Claim and build the next batch on a session of its own (the caller closes it). The ``first`` claim of
+        a drain, when empty, reads the next due time in its transaction (no batch of ours is in flight then,
+        so the pending rows it sees are what the loop sleeps for): the wait needs no query of its own."""
         now = self.clock.now_ms()
         if not self.breaker.allow(now):
             return BatchResult(broker_unavailable=True, breaker_open=True, error=self.breaker.last_error)
@@ -336,7 +342,8 @@ class RelayLoop:
             return claim_batch(session, self.clock, tables=self.tables,
                                limit=self.breaker.batch_limit(now, self.sizer.size), routes=self.routes,
                                max_message_bytes=self.settings.max_message_bytes, namespace=self.settings.namespace,
-                               hold=self._hold, registry_cache=self._registry_cache)
+                               hold=self._hold, registry_cache=self._registry_cache, statements=self._statements,
+                               read_next_due=first)
         except BaseException:
             session.close()
             raise
@@ -353,7 +360,7 @@ class RelayLoop:
         after a full one: a short batch means the outbox is drained for now.
         """
         settings, crash_points = self.settings, self.crash_points
-        nxt = self._claim_next()
+        nxt = self._claim_next(first=True)
         try:
             batches = 0
             while True:
@@ -655,8 +662,8 @@ class RelayLoop:
             self.stats.listening = False
 
     def _until_due_s(self) -> float:
-        """``until_next_due_s``, from the last drain's mark when it read the next due time (Postgres: the
-        mark statement reads it, relay/queries.py), else from one query."""
+        """``until_next_due_s``, from the last drain's mark or empty first claim when it read the next due
+        time (Postgres, relay/queries.py), else from one query."""
         hint, self._due_hint = self._due_hint, None
         if hint is None:
             self.stats.due_reads += 1

@@ -4,6 +4,7 @@ batch, counts it and reads the next due time in one statement."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -29,13 +30,17 @@ def due_pending(now_ms: int, limit: int, *, tables: Tables, skip_locked: bool = 
     ``skip_locked`` (Postgres) concurrent relays, and the pipelined relay's next batch, claim
     disjoint rows.
     """
+    return _due_select(now_ms, limit, tables=tables, skip_locked=skip_locked)
+
+
+def _due_select(now: Any, limit: Any, *, tables: Tables, skip_locked: bool) -> sa.Select[Any]:
     outbox = tables.table(tables.outbox)
     stmt = (
         sa.select(*(outbox.c[name] for name in CLAIM_COLUMNS))
         .where(
             outbox.c.published_at_ms.is_(None),
             outbox.c.dead_lettered_at_ms.is_(None),
-            outbox.c.next_attempt_at_ms <= now_ms,
+            outbox.c.next_attempt_at_ms <= now,
         )
         .order_by(outbox.c.next_attempt_at_ms, outbox.c.seq)
         .limit(limit)
@@ -43,6 +48,30 @@ def due_pending(now_ms: int, limit: int, *, tables: Tables, skip_locked: bool = 
     if skip_locked:
         stmt = stmt.with_for_update(skip_locked=True)
     return stmt
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayStatements:
+    """The claim, the Postgres mark and the next-due read, built once per relay and executed with
+    parameters (issue #24).
+
+    Building a statement per wake-up (and SQLAlchemy's cache key of a new statement object) cost more
+    client CPU than executing it: ``bench/relay_trickle.py``. The SQL is the same as ``due_pending``'s
+    and ``mark_published_pg``'s (``claim`` takes ``now_ms`` and ``claim_limit``), so the claim keeps its
+    order, its index and ``SKIP LOCKED`` exactly.
+    """
+
+    claim: sa.Select[Any]
+    mark: sa.TextClause | None  # None: not Postgres (the mark is built per batch there)
+    next_due: sa.Select[Any]  # ``next_due``: read in an empty claim's transaction (dispatch.claim_batch)
+
+    @classmethod
+    def build(cls, tables: Tables, dialect: sa.Dialect) -> RelayStatements:
+        postgres = dialect.name == "postgresql"
+        claim = _due_select(sa.bindparam("now_ms", type_=sa.BigInteger), sa.bindparam("claim_limit", type_=sa.Integer),
+                            tables=tables, skip_locked=postgres)
+        return cls(claim=claim, mark=mark_published_pg(tables, dialect) if postgres else None,
+                   next_due=next_due(tables))
 
 
 def next_due(tables: Tables) -> sa.Select[Any]:

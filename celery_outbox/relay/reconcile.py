@@ -50,6 +50,7 @@ from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.messages import Envelope, TaskMessage, celery_task_messages, is_task_row, task_row_message
 from celery_outbox.relay.publisher import Publisher
 from celery_outbox.schema import Tables
+from celery_outbox.sql import insert_for
 
 log = logging.getLogger("celery_outbox.relay.reconcile")
 
@@ -103,32 +104,25 @@ class _Window:
     older_than_ms: int
 
 
-def _counter(session: Session, name: str, *, tables: Tables) -> int | None:
-    value = session.execute(sa.select(tables.counters.value).where(
-        tables.counters.consumer == counters.RELAY, tables.counters.name == name)).scalar_one_or_none()
-    return None if value is None else int(value)
-
-
 def _watermark(session: Session, window: _Window, *, tables: Tables) -> tuple[int, int] | None:
-    """(published_at_ms, seq) checked through; a watermark without its seq covers that whole ms."""
-    ms = _counter(session, window.mark_ms, tables=tables)
+    """(published_at_ms, seq) checked through; a watermark without its seq covers that whole ms.
+    Both counters in one read (a pass runs every few seconds, found something or not)."""
+    c = tables.counters
+    found = {name: int(value) for name, value in session.execute(
+        sa.select(c.name, c.value).where(c.consumer == counters.RELAY, c.name.in_((window.mark_ms, window.mark_seq))))}
+    ms = found.get(window.mark_ms)
     if ms is None:
         return None
-    seq = _counter(session, window.mark_seq, tables=tables)
-    return ms, _ALL if seq is None else seq
-
-
-def _put(session: Session, name: str, value: int, *, tables: Tables) -> None:
-    row = session.get(tables.counters, (counters.RELAY, name))
-    if row is None:
-        session.add(tables.counters(consumer=counters.RELAY, name=name, value=value))
-    else:
-        row.value = value
+    return ms, found.get(window.mark_seq, _ALL)
 
 
 def _set_watermark(session: Session, window: _Window, value: tuple[int, int], *, tables: Tables) -> None:
-    _put(session, window.mark_ms, value[0], tables=tables)
-    _put(session, window.mark_seq, value[1], tables=tables)
+    """Both counters in one upsert (the caller commits)."""
+    stmt = insert_for(session, tables.counters).values(
+        [{"consumer": counters.RELAY, "name": window.mark_ms, "value": value[0]},
+         {"consumer": counters.RELAY, "name": window.mark_seq, "value": value[1]}])
+    session.execute(stmt.on_conflict_do_update(index_elements=["consumer", "name"],
+                                               set_={"value": stmt.excluded.value}))
 
 
 def _forget_watermark(session: Session, window: _Window, *, tables: Tables) -> None:

@@ -17,7 +17,7 @@ from celery_outbox.clock import ManualClock
 from celery_outbox.messages import TASK_KIND
 from celery_outbox.relay.dispatch import ClaimedRow, RegistryCache, claim_due, held_rows, mark_rows
 from celery_outbox.relay.loop import RelayLoop
-from celery_outbox.relay.queries import next_due
+from celery_outbox.relay.queries import due_pending, mark_published_pg, next_due
 from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
 from tests.outbox_rows import insert_pending
@@ -58,7 +58,7 @@ def test_the_mark_reads_the_earliest_due_time_of_the_other_pending_rows(
         assert s.execute(next_due(tables)).scalar() == now + 1_000
 
 
-def test_a_drain_sleeps_until_the_due_time_its_mark_read_and_asks_the_database_only_after_an_empty_drain(
+def test_a_drain_sleeps_until_the_due_time_its_mark_or_its_empty_claim_read_without_a_query_of_its_own(
         pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
     # Given a due row and one held for 3 s
     insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
@@ -68,9 +68,31 @@ def test_a_drain_sleeps_until_the_due_time_its_mark_read_and_asks_the_database_o
     # When the loop drains, Then it would sleep 3 s, without a query of its own
     assert loop.drain_once().published == 1
     assert (loop._until_due_s(), loop.stats.due_reads) == (3.0, 0)
-    # When a drain claims nothing (no mark), Then the wait asks the database, and the answer is the same
+    # When a drain claims nothing (no mark), Then its claim read the due time: the same answer, no query
     assert loop.drain_once().claimed == 0
-    assert (loop._until_due_s(), loop.stats.due_reads) == (3.0, 1)
+    assert (loop._until_due_s(), loop.stats.due_reads) == (3.0, 0)
+    # And with nothing pending at all, the empty claim says so: the wait is the poll interval
+    with pg_sessions() as s:
+        s.execute(sa.delete(tables.table(tables.outbox)))
+        s.commit()
+    assert loop.drain_once().claimed == 0
+    assert (loop._until_due_s(), loop.stats.due_reads) == (loop.poll_interval_s, 0)
+    loop.close()
+
+
+def test_an_empty_claim_after_a_full_batch_keeps_the_due_time_the_mark_read(
+        pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
+    # Given exactly one full batch of due rows and one row held for 3 s
+    insert_pending(pg_sessions, clock.now_ms(), 2, tables=tables)
+    schedule(pg_sessions, tables, clock.now_ms() + 3_000)
+    loop = RelayLoop(settings=settings(tmp_path, pg_url), tables=tables, session_factory=pg_sessions,
+                     publisher=InMemoryPublisher(), clock=clock, listen=False, batch_size=2)
+    # When the drain publishes the full batch and claims the next one (empty) while it is in flight
+    total = loop.drain_once()
+    assert (total.batches, total.published) == (2, 2)
+    # Then the wait is the held row's 3 s from the mark, not "due now" from the in-flight rows that
+    # the empty claim saw pending (it did not read the due time: a batch of ours was in flight)
+    assert (loop._until_due_s(), loop.stats.due_reads) == (3.0, 0)
     loop.close()
 
 
@@ -162,3 +184,165 @@ def test_a_fresh_read_lets_go_a_row_a_stale_registry_would_hold(
         assert s.execute(sa.select(sa.func.count()).select_from(tables.table(tables.workers))).scalar() == 0
         # When a v2 row is claimed within the TTL, Then it goes out (the database says nobody holds it)
         assert held_rows(s, [task_row(2)], now + 1, hold=hold, tables=tables, cache=cache) == {}
+
+
+def task_headers(mid: uuid.UUID) -> dict[str, object]:
+    """A valid task row's headers (the shape celery/enqueue.py writes): one message to ``QUEUE``."""
+    return {"outbox_kind": TASK_KIND, "routing_key": QUEUE, "exchange": "",
+            "task_headers": {"task": "t.send", "id": str(mid)}}
+
+
+def task_body(_i: int, _mid: uuid.UUID) -> dict[str, object]:
+    return {"body": [[], {}, None]}
+
+
+class Recorder:
+    """What the relay's engine runs: each statement's kind, and the transactions begun and ended."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.kinds: list[str] = []
+        self.clauses: list[object] = []
+        self.ends: list[str] = []
+
+    def __enter__(self) -> Recorder:
+        sa.event.listen(self.engine, "before_cursor_execute", self._sql)
+        sa.event.listen(self.engine, "before_execute", self._clause)
+        for name in ("begin", "commit", "rollback"):
+            sa.event.listen(self.engine, name, getattr(self, f"_{name}"))
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        sa.event.remove(self.engine, "before_cursor_execute", self._sql)
+        sa.event.remove(self.engine, "before_execute", self._clause)
+        for name in ("begin", "commit", "rollback"):
+            sa.event.remove(self.engine, name, getattr(self, f"_{name}"))
+
+    def _sql(self, _c: object, _cur: object, statement: str, *_: object) -> None:
+        s = " ".join(statement.split()).upper()
+        self.kinds.append("claim" if "SKIP LOCKED" in s else "mark" if s.startswith("WITH MARKED AS") else s[:60])
+
+    def _clause(self, _c: object, clause: object, *_: object) -> None:
+        self.clauses.append(clause)
+
+    def _begin(self, _c: object) -> None:
+        self.ends.append("BEGIN")
+
+    def _commit(self, _c: object) -> None:
+        self.ends.append("COMMIT")
+
+    def _rollback(self, _c: object) -> None:
+        self.ends.append("ROLLBACK")
+
+
+def test_a_wake_up_that_publishes_one_commit_runs_the_claim_and_the_mark_in_one_transaction_and_nothing_else(
+        pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock,
+        tables: Tables) -> None:
+    # Given a relay with the deploy hold on (workers register) that has run once: its leases are claimed,
+    # its registry read, and a live worker runs the task (so the registry holds nothing)
+    with pg_sessions() as s:
+        workers.register(s, worker=uuid.uuid4(), name="w@h", queues=[QUEUE], tasks={"t.send": 1},
+                         now_ms=clock.now_ms(), tables=tables)
+    loop = RelayLoop(settings=settings(tmp_path, pg_url, worker_heartbeat_ms=10_000), tables=tables,
+                     session_factory=pg_sessions, publisher=InMemoryPublisher(), clock=clock, listen=False)
+
+    def wake_up() -> None:  # what ``outbox relay`` does per wake-up, but the wait itself
+        loop.drain_once()
+        loop.periodic_jobs()
+        loop._until_due_s()
+
+    insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables, type_="t.send", headers=task_headers,
+                   payload=task_body)
+    wake_up()
+    # When a commit of events and a task row wakes it
+    insert_pending(pg_sessions, clock.now_ms(), 3, tables=tables)
+    insert_pending(pg_sessions, clock.now_ms(), 2, tables=tables, type_="t.send", headers=task_headers,
+                   payload=task_body)
+    with Recorder(pg_engine) as seen:
+        wake_up()
+    # Then it published them with BEGIN, the claim, the mark (which also counts and reads the next due
+    # time) and COMMIT: no second transaction, no registry read, no next-due query, no lease statement.
+    # A statement that comes back fails here.
+    assert seen.kinds == ["claim", "mark"]
+    assert seen.ends == ["BEGIN", "COMMIT"]
+    assert (loop.stats.published, loop._registry_cache is not None and loop._registry_cache.hits) == (6, 1)
+    loop.close()
+
+
+def test_a_wake_up_that_finds_nothing_runs_the_claim_and_the_due_time_read_in_one_transaction(
+        pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock,
+        tables: Tables) -> None:
+    # Given a relay that has run once (its leases claimed) and a row held for 3 s, nothing due
+    loop = RelayLoop(settings=settings(tmp_path, pg_url), tables=tables, session_factory=pg_sessions,
+                     publisher=InMemoryPublisher(), clock=clock, listen=False)
+    loop.drain_once()
+    loop.periodic_jobs()
+    schedule(pg_sessions, tables, clock.now_ms() + 3_000)
+    # When it wakes up (a poll, a NOTIFY whose row an earlier claim took) and finds nothing
+    with Recorder(pg_engine) as seen:
+        assert loop.drain_once().claimed == 0
+        loop.periodic_jobs()
+        wait = loop._until_due_s()
+    # Then BEGIN, the claim, the next due time, COMMIT: no second session for the due time
+    assert seen.kinds[0] == "claim" and seen.kinds[1].startswith("SELECT MIN(") and len(seen.kinds) == 2
+    assert seen.ends == ["BEGIN", "COMMIT"]
+    assert wait == 3.0
+    loop.close()
+
+
+def test_the_relay_builds_its_claim_and_mark_once_not_per_wake_up(
+        pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock,
+        tables: Tables) -> None:
+    # Given a relay
+    loop = RelayLoop(settings=settings(tmp_path, pg_url), tables=tables, session_factory=pg_sessions,
+                     publisher=InMemoryPublisher(), clock=clock, listen=False)
+    # When two wake-ups each claim and mark a commit's rows
+    claims, marks = [], []
+    for _ in range(2):
+        insert_pending(pg_sessions, clock.now_ms(), 2, tables=tables)
+        with Recorder(pg_engine) as seen:
+            assert loop.drain_once().published == 2
+        assert seen.kinds == ["claim", "mark"]
+        claims.append(seen.clauses[0])
+        marks.append(seen.clauses[1])
+    # Then both ran the same statement objects (built once: no statement built and no cache key
+    # computed per wake-up), and they are the SQL of due_pending and mark_published_pg
+    assert claims[0] is claims[1] and marks[0] is marks[1]
+    dialect = pg_engine.dialect
+    assert str(claims[0].compile(dialect=dialect)).replace("now_ms", "p1").replace("claim_limit", "p2") == str(  # type: ignore[attr-defined]
+        due_pending(1, 2, tables=tables, skip_locked=True).compile(dialect=dialect)).replace(
+        "next_attempt_at_ms_1", "p1").replace("param_1", "p2")
+    assert str(marks[0]) == str(mark_published_pg(tables, dialect))
+    loop.close()
+
+
+def test_a_reconcile_pass_that_finds_nothing_reads_and_writes_each_watermark_once(
+        pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    from celery_outbox.relay.reconcile import reconcile
+
+    def run() -> None:
+        with pg_sessions() as s:
+            reconcile(s, InMemoryPublisher(), clock, tables=tables, routes={"OrderPlaced": ("shipping",)},
+                      namespace="wk", max_message_bytes=1 << 20, older_than_ms=1_000, plain_older_than_ms=5_000)
+
+    # Given a first pass (it only sets both windows' watermarks) and a row published since, with its inbox row
+    run()
+    mid = insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)[0]
+    with pg_sessions() as s:
+        s.execute(sa.update(tables.table(tables.outbox)).values(published_at_ms=clock.now_ms()))
+        s.add(tables.inbox(message_id=mid, consumer="shipping", type="OrderPlaced", processed_at_ms=clock.now_ms()))
+        s.commit()
+    clock.advance(10_000)
+    # When the next pass runs (every few seconds, under the lease)
+    with Recorder(pg_engine) as seen:
+        run()
+    # Then per window: one read of its watermark (ms and seq), its page (the events window: the inbox,
+    # parked and dead-letter reads of its one row), one upsert of the watermark, and the commit
+    reads = [k for k in seen.kinds if "OUTBOX_COUNTERS" in k]
+    assert [k.split(" ", 1)[0] for k in reads] == ["SELECT", "INSERT", "SELECT", "INSERT"]
+    assert seen.ends == ["BEGIN", "ROLLBACK", "BEGIN", "COMMIT"] * 2
+    # And the watermarks moved: a second run over the same window checks nothing again
+    with pg_sessions() as s:
+        again = reconcile(s, InMemoryPublisher(), clock, tables=tables, routes={"OrderPlaced": ("shipping",)},
+                          namespace="wk", max_message_bytes=1 << 20, older_than_ms=1_000, plain_older_than_ms=5_000)
+    assert (again.checked, again.plain_checked, again.republished) == (0, 0, 0)
