@@ -413,8 +413,8 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     # moment, so the most duplicates a relay crash can cause (relay/adaptive.py).
     "relay_max_in_flight_rows": IntRule(1, 10_000),
     "relay_poll_interval_s": FloatRule(0.01, 86_400.0),
-    # After a NOTIFY wakes the standalone relay, how long it gathers further commits before claiming
-    # (relay/loop.py): one claim / publish / mark for several commits instead of one each.
+    # After a NOTIFY wakes the standalone relay, how long it gathers further commits before claiming, while
+    # they come faster than one per window (relay/loop.py): one claim / publish / mark for several commits.
     "relay_gather_ms": IntRule(0, 1_000, zero="0 = off: claim at once"),
     "relay_max_attempts": IntRule(1, 1_000),  # the attempts column is a 32-bit integer
     "relay_base_delay_ms": IntRule(1, DAY_MS),
@@ -585,7 +585,8 @@ class Settings:
     relay_batch_size: int = 100
     relay_max_in_flight_rows: int = 1_000
     relay_poll_interval_s: float = 1.0
-    relay_gather_ms: int = 0  # off: it buys relay CPU with latency (figures in docs/settings.md)
+    # Gathers only while commits come faster than one per window, so a trickle pays no latency (docs/settings.md).
+    relay_gather_ms: int = 5
     relay_max_attempts: int = 10
     relay_base_delay_ms: int = 1_000
     relay_max_delay_ms: int = 300_000

@@ -3,7 +3,8 @@
 ``outbox relay`` runs this. A row inserted into the outbox fires the ``outbox_pending`` NOTIFY
 (trigger of migration 0001), which wakes the loop at once; polling is the fallback (SQLite, a lost
 LISTEN connection, rows whose backoff ends). Per wake-up it does no more than a batch needs (issue #24):
-a NOTIFY soon after the last drain waits ``relay_gather_ms`` for more commits before claiming, each
+a NOTIFY waits ``relay_gather_ms`` for more commits before claiming while commits come faster than one
+per window (``adaptive.CommitRate``: at a trickle it claims at once), each
 claim first drops the notifications that have arrived (their rows are visible to it, so they must not
 wake the loop again), the mark reads the next due time in the same statement (Postgres; a drain whose
 first claim comes back empty reads it in that claim's transaction), the claim and the mark are built once
@@ -54,7 +55,7 @@ from celery_outbox.db import ConnectionTracker
 from celery_outbox.ops.retention import PruneReport
 from celery_outbox.ops.schedule import PRUNE_EVERY_MS, scheduled_prune
 from celery_outbox.relay import lease
-from celery_outbox.relay.adaptive import AdaptiveBatch
+from celery_outbox.relay.adaptive import AdaptiveBatch, CommitRate
 from celery_outbox.relay.breaker import CircuitBreaker
 from celery_outbox.relay.dispatch import (
     BatchResult,
@@ -81,10 +82,9 @@ STALL_MARGIN_S = 2.0  # added to the longest healthy step (``stall_bound_s``)
 STOP_GRACE_S = 0.4  # after SIGTERM: how long the current batch may finish before its connections are shut down
 STOP_GIVE_UP_S = 0.7  # after SIGTERM: when ``run`` returns even if the loop's thread is still blocked
 _TICK_S = 0.05  # how often the watchdog looks
-# A NOTIFY gathers (``relay_gather_ms``) only when it comes within this many windows of the last drain's
-# end: commits arrive often enough that the window will collect more; a wake-up after a quiet spell
-# (one commit now and then) claims at once and pays no latency for nothing.
-GATHER_QUIET = 4
+# A NOTIFY gathers (``relay_gather_ms``) only while the commit rate, decayed over this horizon, expects
+# another commit within the window (relay/adaptive.py ``CommitRate``).
+GATHER_RATE_HORIZON_S = 1.0
 
 
 def stall_bound_s(settings: Settings, *, poll_interval_s: float | None = None) -> float:
@@ -236,10 +236,10 @@ class RelayLoop:
         self._lock_path = sqlite_lock_path(bind.url.render_as_string(hide_password=False) if bind is not None else "")
         self.poll_interval_s = poll_interval_s or settings.relay_poll_interval_s
         self.listen = listen
-        # After a NOTIFY that comes soon after the last drain (within GATHER_QUIET x the window), wait
-        # the window for more commits, so one claim, publish and mark serve several (``_gather``).
+        # After a NOTIFY, while commits come faster than one per window, wait the window for more, so one
+        # claim, publish and mark serve several (``_gather``); the rate counts every notification read.
         self.gather_s = settings.relay_gather_ms / 1000
-        self._drained_at = 0.0  # monotonic end of the last drain
+        self.commit_rate = CommitRate(horizon_s=GATHER_RATE_HORIZON_S)
         self._due_hint: DrainResult | None = None  # the last drain, when its mark read the next due time
         self.max_batches_per_drain = max_batches_per_drain
         # Read once, not per claim; the worker registry is reused for a second between wake-ups (RegistryCache).
@@ -299,7 +299,6 @@ class RelayLoop:
                 self._drain_pipelined(total)
             else:
                 self._drain_sequential(total)
-        self._drained_at = time.monotonic()
         if total.next_due_read:
             self._due_hint = total
         self.stats.drains += 1
@@ -679,17 +678,30 @@ class RelayLoop:
         if self._listener is None:
             return
         try:
-            self.stats.coalesced += self._listener.consume()
+            n = self._listener.consume()
         except Exception as e:  # the LISTEN connection is broken: poll until it is back (``_ensure_listener``)
             log.warning("reading outbox notifications failed; polling until LISTEN works again: %s", e)
             self._close_listener()
+            return
+        self.stats.coalesced += n
+        if n:
+            self.commit_rate.add(n, at=time.monotonic())
+
+    def _consume_wakeup(self) -> int:
+        """The notifications that woke the wait: read, dropped and counted into the commit rate."""
+        assert self._listener is not None
+        n = self._listener.consume()
+        if n:
+            self.commit_rate.add(n, at=time.monotonic())
+        return n
 
     def _gather(self) -> None:
         """After a NOTIFY: wait ``relay_gather_ms`` for more commits before the drain claims (one claim,
-        publish, confirm wait and mark for all of them), when it came soon after the last drain (see
-        ``GATHER_QUIET``). A stop or a kick ends the wait at once; the notifications it collected are
-        dropped by the claim (``_coalesce_notifies``)."""
-        if self.gather_s <= 0 or self.stopping or time.monotonic() - self._drained_at > GATHER_QUIET * self.gather_s:
+        publish, confirm wait and mark for all of them), while the commit rate expects another within
+        the window (``adaptive.CommitRate``). A stop or a kick ends the wait at once; the notifications
+        it collected are dropped by the claim (``_coalesce_notifies``)."""
+        if (self.gather_s <= 0 or self.stopping
+                or not self.commit_rate.expects_more(self.gather_s, at=time.monotonic())):
             return
         self.stats.gathers += 1
         select.select([self._wake_r], [], [], self.gather_s)
@@ -711,6 +723,6 @@ class RelayLoop:
                 while os.read(self._wake_r, 512):
                     pass
             self.stats.kick_wakeups += 1
-        if self._listener is not None and self._listener in ready and self._listener.consume():
+        if self._listener is not None and self._listener in ready and self._consume_wakeup():
             self.stats.notify_wakeups += 1
             self._gather()

@@ -1,10 +1,12 @@
 """What the standalone relay does per wake-up on Postgres (issue #24): the mark reads the next due time,
-a claim swallows the notifications of the rows it takes, a NOTIFY soon after a drain gathers more commits,
+a claim swallows the notifications of the rows it takes, a NOTIFY gathers more commits while they come
+faster than one per window,
 and the worker registry is reused between wake-ups only when it holds nothing."""
 
 from __future__ import annotations
 
 import select
+import time
 import uuid
 from pathlib import Path
 
@@ -118,22 +120,30 @@ def test_the_notification_of_a_commit_the_claim_took_does_not_wake_the_loop_agai
     loop.close()
 
 
-def test_a_notify_soon_after_a_drain_gathers_and_one_after_a_quiet_spell_does_not(
+def test_a_notify_gathers_while_commits_come_faster_than_the_window_and_not_at_a_trickle(
         pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
     loop = RelayLoop(settings=settings(tmp_path, pg_url, relay_gather_ms=250, relay_poll_interval_s=30.0),
                      tables=tables, session_factory=pg_sessions, publisher=InMemoryPublisher(), clock=clock)
     loop._ensure_listener()
-    # Given a drain that just ended, When a commit's NOTIFY wakes the loop, Then it gathers before claiming
-    loop.drain_once()
+    # Given a loop that has seen no commit (a trickle), When one commit's NOTIFY wakes it,
+    # Then it claims at once: one commit per second expects none within 250 ms
     insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
     loop._wait()
-    assert (loop.stats.notify_wakeups, loop.stats.gathers) == (1, 1)
-    # Given a drain 10 s ago (a quiet spell), When a NOTIFY wakes it, Then it claims at once
-    loop.drain_once()
-    loop._drained_at -= 10.0
+    assert (loop.stats.notify_wakeups, loop.stats.gathers) == (1, 0)
+    assert loop.drain_once().published == 1
+    # Given a burst of 50 commits whose notifications the claims read (_coalesce_notifies before each claim)
+    for _ in range(50):
+        insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
+    deadline = time.monotonic() + 30
+    while loop.stats.coalesced < 50 and time.monotonic() < deadline:
+        loop.drain_once()
+    assert loop.stats.coalesced >= 50, "the notifications of the burst never arrived"
+    # When the next commit's NOTIFY wakes the loop, Then it gathers before claiming: about 50 commits in
+    # the last second expect more within the window
     insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
     loop._wait()
     assert (loop.stats.notify_wakeups, loop.stats.gathers) == (2, 1)
+    assert loop.commit_rate.expects_more(0.25, at=time.monotonic())
     assert loop.drain_once().published == 1
     loop.close()
 

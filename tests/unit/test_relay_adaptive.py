@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_outbox.errors import ConfigError
-from celery_outbox.relay.adaptive import AdaptiveBatch
+from celery_outbox.relay.adaptive import AdaptiveBatch, CommitRate
 
 
 def test_full_batches_double_the_size_up_to_the_in_flight_bound() -> None:
@@ -58,3 +58,50 @@ def test_the_size_always_stays_between_the_bounds(minimum: int, extra: int, fill
         claimed = min(asked, int(asked * fraction))
         size = sizer.observe(asked=asked, claimed=claimed)
         assert minimum <= size <= minimum + extra
+
+
+def test_a_trickle_expects_no_commit_within_a_short_window() -> None:
+    # Given 20 commits a second for two seconds
+    rate = CommitRate(horizon_s=1.0)
+    for i in range(40):
+        rate.add(1, at=i / 20)
+    # Then about 20/s, which expects one more within 100 ms but not within 5 ms
+    assert 15 < rate.per_s(at=2.0) < 25
+    assert rate.expects_more(0.1, at=2.0)
+    assert not rate.expects_more(0.005, at=2.0)
+
+
+def test_a_burst_expects_more_and_is_forgotten_after_a_quiet_spell() -> None:
+    # Given 500 commits a second for a second
+    rate = CommitRate(horizon_s=1.0)
+    for i in range(500):
+        rate.add(1, at=i / 500)
+    # Then a 5 ms window expects more commits
+    assert rate.expects_more(0.005, at=1.0)
+    # And ten quiet seconds later it does not
+    assert not rate.expects_more(0.005, at=11.0)
+    assert rate.per_s(at=11.0) < 0.1
+
+
+def test_no_window_or_no_commit_never_gathers() -> None:
+    rate = CommitRate()
+    assert not rate.expects_more(10.0, at=0.0)
+    rate.add(1000, at=0.0)
+    assert not rate.expects_more(0.0, at=0.0)
+
+
+@pytest.mark.parametrize("horizon", [0.0, -1.0, float("nan"), float("inf")])
+def test_the_horizon_must_be_a_positive_number(horizon: float) -> None:
+    with pytest.raises(ConfigError, match="horizon"):
+        CommitRate(horizon_s=horizon)
+
+
+@given(st.lists(st.tuples(st.integers(0, 100), st.floats(0, 10)), max_size=50), st.floats(0, 20))
+def test_the_rate_is_never_negative_and_time_going_back_does_not_inflate_it(
+        events: list[tuple[int, float]], later: float) -> None:
+    rate = CommitRate()
+    total = 0
+    for commits, at in events:
+        rate.add(commits, at=at)
+        total += commits
+    assert 0 <= rate.per_s(at=later) <= total
