@@ -704,7 +704,15 @@ class RelayLoop:
                 or not self.commit_rate.expects_more(self.gather_s, at=time.monotonic())):
             return
         self.stats.gathers += 1
-        select.select([self._wake_r], [], [], self.gather_s)
+        if select.select([self._wake_r], [], [], self.gather_s)[0]:
+            self._take_kicks()  # the kick that ended it: the next wait must not end for it again
+
+    def _take_kicks(self) -> None:
+        """Empty the kick pipe: one kick (or several at once) wakes one wait or ends one gather."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 512):
+                pass
+        self.stats.kick_wakeups += 1
 
     def _wait(self) -> None:
         breaker_wait = self.breaker.wait_ms(self.clock.now_ms()) / 1000
@@ -718,11 +726,10 @@ class RelayLoop:
         if not ready:
             self.stats.poll_wakeups += 1
             return
-        if self._wake_r in ready:
-            with contextlib.suppress(BlockingIOError):
-                while os.read(self._wake_r, 512):
-                    pass
-            self.stats.kick_wakeups += 1
+        kicked = self._wake_r in ready
+        if kicked:
+            self._take_kicks()
         if self._listener is not None and self._listener in ready and self._consume_wakeup():
             self.stats.notify_wakeups += 1
-            self._gather()
+            if not kicked:  # a kick asks for a claim now (``_gather``)
+                self._gather()

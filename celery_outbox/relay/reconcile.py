@@ -106,10 +106,12 @@ class _Window:
 
 def _watermark(session: Session, window: _Window, *, tables: Tables) -> tuple[int, int] | None:
     """(published_at_ms, seq) checked through; a watermark without its seq covers that whole ms.
-    Both counters in one read (a pass runs every few seconds, found something or not)."""
+    Both counters in one read (a pass runs every few seconds, found something or not), locked on Postgres
+    until the caller's transaction ends: a concurrent pass waits, then reads what this one wrote."""
     c = tables.counters
     found = {name: int(value) for name, value in session.execute(
-        sa.select(c.name, c.value).where(c.consumer == counters.RELAY, c.name.in_((window.mark_ms, window.mark_seq))))}
+        sa.select(c.name, c.value).where(c.consumer == counters.RELAY, c.name.in_((window.mark_ms, window.mark_seq)))
+        .with_for_update())}
     ms = found.get(window.mark_ms)
     if ms is None:
         return None
@@ -244,7 +246,13 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
 def _run_window(session: Session, publisher: Publisher, window: _Window, upto: int, result: ReconcileResult, *,
                 tables: Tables, routes: Mapping[str, Sequence[str]], idempotent_tasks: Collection[str],
                 namespace: str, max_message_bytes: int, limit: int, max_pages: int) -> bool:
-    """Page through ``window`` up to ``upto``; False when the broker was unavailable (stop the pass)."""
+    """Page through ``window`` up to ``upto``; False when the broker was unavailable (stop the pass).
+
+    The watermark only moves forward. Two passes can disagree on ``upto`` (a clock ahead or behind on
+    another host, a pass that overran its lease): one whose window ends before the watermark does nothing,
+    and the write re-reads the watermark under its lock when the lock was let go for a publish. A watermark
+    moved back would check a span again and send its lost messages a second time while the first re-send
+    may still be queued (a plain task has no inbox to absorb it)."""
     for _ in range(max_pages):
         with wrap_driver_errors("reconciling the outbox with the inbox"):
             since = _watermark(session, window, tables=tables)
@@ -252,10 +260,14 @@ def _run_window(session: Session, publisher: Publisher, window: _Window, upto: i
                 _set_watermark(session, window, (upto, _ALL), tables=tables)
                 session.commit()
                 return True
+            if since >= (upto, _ALL):  # another pass checked past this window's end
+                session.rollback()
+                return True
             checked, next_mark, plan = _page(session, window, since, upto, tables=tables, routes=routes,
                                              idempotent_tasks=idempotent_tasks, namespace=namespace,
                                              max_message_bytes=max_message_bytes, limit=limit)
-            session.rollback()  # read-only so far; hold no locks across the publish
+            if plan.messages:
+                session.rollback()  # hold no locks across the publish
         result.pages += 1
         if window.plain:
             result.plain_checked += checked
@@ -273,7 +285,10 @@ def _run_window(session: Session, publisher: Publisher, window: _Window, upto: i
                             sent.message_id, sent.target)
         per_kind = {kind: sum(1 for s in plan.resent if s.kind == kind) for kind in KINDS}
         with wrap_driver_errors("advancing the reconcile watermark"):
-            _set_watermark(session, window, next_mark, tables=tables)
+            # Nothing sent: still in the transaction that read (and locked) ``since``, and next_mark > since.
+            current = _watermark(session, window, tables=tables) if plan.messages else since
+            if current is None or current < next_mark:
+                _set_watermark(session, window, next_mark, tables=tables)
             counters.stage_increment(session, counters.RELAY, counters.RECONCILED, len(plan.messages), tables=tables)
             for kind, n in per_kind.items():
                 counters.stage_increment(session, counters.RELAY, KINDS[kind], n, tables=tables)
