@@ -127,10 +127,12 @@ def _set_watermark(session: Session, window: _Window, value: tuple[int, int], *,
                                                set_={"value": stmt.excluded.value}))
 
 
-def _forget_watermark(session: Session, window: _Window, *, tables: Tables) -> None:
-    """A window turned off: turned on again later it starts afresh instead of re-checking its gap."""
-    session.execute(sa.delete(tables.counters).where(tables.counters.consumer == counters.RELAY,
-                                                     tables.counters.name.in_((window.mark_ms, window.mark_seq))))
+def _forget_watermark(session: Session, window: _Window, *, tables: Tables) -> bool:
+    """A window turned off: turned on again later it starts afresh instead of re-checking its gap.
+    True when there was a watermark to forget."""
+    done = session.execute(sa.delete(tables.counters).where(
+        tables.counters.consumer == counters.RELAY, tables.counters.name.in_((window.mark_ms, window.mark_seq))))
+    return bool(getattr(done, "rowcount", 0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,8 +235,12 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
         result.plain_watermark_ms = now - plain.older_than_ms
     else:
         with wrap_driver_errors("turning off the plain-task reconcile window"):
-            _forget_watermark(session, plain, tables=tables)
+            forgot = _forget_watermark(session, plain, tables=tables)
             session.commit()
+        if forgot:  # once when it is turned off; on every pass when another process still has it on
+            log.warning("plain-task reconcile is off here (OUTBOX_RELAY_RECONCILE_PLAIN_TASKS_AFTER_MS=0): its "
+                        "watermark was reset. If another relay or beat still has it on, each of its passes now "
+                        "starts afresh and lost plain tasks are never sent again: set the same value everywhere")
     for window in windows:
         if not _run_window(session, publisher, window, now - window.older_than_ms, result, tables=tables,
                            routes=routes, idempotent_tasks=frozenset(idempotent_tasks), namespace=namespace,

@@ -144,6 +144,27 @@ def test_with_the_plain_window_off_a_lost_plain_task_is_never_sent_again(
     assert (result.republished, result.plain_watermark_ms) == (0, None) and pub.published == []
 
 
+def test_a_process_with_the_plain_window_off_beside_one_with_it_on_is_logged_every_time(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given a pass with the plain-task window on (it leaves a watermark)
+    run(built, sqlite_sessions, clock, InMemoryPublisher(), tables)
+    caplog.clear()
+    # When a process with it off runs a pass, Then it resets the watermark and says so
+    clock.advance(1_000)
+    run(built, sqlite_sessions, clock, InMemoryPublisher(), tables, plain_after=0)
+    assert [r.levelname for r in caplog.records if "plain-task reconcile is off" in r.message] == ["WARNING"]
+    # And a second pass with it off has nothing to reset and says nothing
+    caplog.clear()
+    clock.advance(1_000)
+    run(built, sqlite_sessions, clock, InMemoryPublisher(), tables, plain_after=0)
+    assert not [r for r in caplog.records if "plain-task reconcile is off" in r.message]
+    # And when the other process runs again with it on, the next pass with it off says so again
+    run(built, sqlite_sessions, clock, InMemoryPublisher(), tables)
+    run(built, sqlite_sessions, clock, InMemoryPublisher(), tables, plain_after=0)
+    assert [r.levelname for r in caplog.records if "plain-task reconcile is off" in r.message] == ["WARNING"]
+
+
 def test_a_receipt_the_database_refuses_is_logged_and_the_task_still_runs(
         built: ia.TaskApp, clock: ManualClock, caplog: pytest.LogCaptureFixture) -> None:
     # Given an outbox whose database is gone
