@@ -124,12 +124,17 @@ def pg_sessions(pg_engine: sa.Engine) -> sessionmaker[Session]:
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def any_sessions(request: pytest.FixtureRequest) -> sessionmaker[Session]:
-    """The same test on SQLite and on real Postgres."""
-    if request.param == "sqlite":
-        sessions: sessionmaker[Session] = request.getfixturevalue("sqlite_sessions")
-    else:
-        sessions = request.getfixturevalue("pg_sessions")
+def any_db_url(request: pytest.FixtureRequest) -> str:
+    """The same test on SQLite and on real Postgres (a migrated, empty database)."""
+    url: str = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+    return url
+
+
+@pytest.fixture
+def any_sessions(any_db_url: str, request: pytest.FixtureRequest) -> sessionmaker[Session]:
+    """Sessions on ``any_db_url``."""
+    sessions: sessionmaker[Session] = request.getfixturevalue(
+        "sqlite_sessions" if any_db_url.startswith("sqlite") else "pg_sessions")
     return sessions
 
 

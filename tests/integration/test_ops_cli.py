@@ -17,29 +17,15 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import Tables
 from celery_outbox.cli import cli
 from celery_outbox.clock import SystemClock
-from celery_outbox.db import make_engine, make_session_factory
 from tests.ops_seed import consumer_dead_letter, envelope, inbox_rows, outbox_row
 
 DAY = 86_400_000
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request: pytest.FixtureRequest) -> str:
-    url: str = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
-    return url
-
-
 @pytest.fixture
-def sessions(db_url: str) -> Any:
-    engine = make_engine(db_url)
-    yield make_session_factory(engine)
-    engine.dispose()
-
-
-@pytest.fixture
-def env(db_url: str, tmp_home: Path, namespace: str) -> dict[str, str]:
-    return {"OUTBOX_DATABASE_URL": db_url, "OUTBOX_HOME": str(tmp_home), "OUTBOX_NAMESPACE": namespace,
+def env(any_db_url: str, tmp_home: Path, namespace: str) -> dict[str, str]:
+    return {"OUTBOX_DATABASE_URL": any_db_url, "OUTBOX_HOME": str(tmp_home), "OUTBOX_NAMESPACE": namespace,
             "OUTBOX_BROKER_URL": "memory://", "OUTBOX_BROKER_REDELIVERY_WINDOW_MS": str(2 * DAY)}
 
 
@@ -50,9 +36,9 @@ def run(env: dict[str, str], *args: str) -> Result:
     return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
 
 
-def snapshot(sessions: sessionmaker[Session], tables: Tables) -> tuple[Any, ...]:
+def snapshot(any_sessions: sessionmaker[Session], tables: Tables) -> tuple[Any, ...]:
     outbox, dead_letters = tables.outbox, tables.dead_letters
-    with sessions() as s:
+    with any_sessions() as s:
         return (
             s.execute(sa.select(outbox.seq, outbox.published_at_ms, outbox.dead_lettered_at_ms,
                                 outbox.attempts).order_by(outbox.seq)).all(),
@@ -63,9 +49,9 @@ def snapshot(sessions: sessionmaker[Session], tables: Tables) -> tuple[Any, ...]
 
 
 @pytest.fixture
-def seeded(sessions: sessionmaker[Session], tables: Tables) -> dict[str, str]:
+def seeded(any_sessions: sessionmaker[Session], tables: Tables) -> dict[str, str]:
     now = SystemClock().now_ms()
-    with sessions() as s:
+    with any_sessions() as s:
         dead = outbox_row(s, tables=tables, created_at_ms=now - 120_000, dead_lettered_at_ms=now - 60_000,
                           attempts=10, last_error="broker nacked the message")
         outbox_row(s, tables=tables, created_at_ms=now - 30_000)
@@ -103,30 +89,30 @@ def test_show(env: dict[str, str], seeded: dict[str, str]) -> None:
     assert r.exit_code == 0 and "broker nacked the message" in r.stdout and '"order_id"' in r.stdout
 
 
-def test_replay_ids_and_all(env: dict[str, str], seeded: dict[str, str], sessions: sessionmaker[Session],
+def test_replay_ids_and_all(env: dict[str, str], seeded: dict[str, str], any_sessions: sessionmaker[Session],
                             tables: Tables) -> None:
     r = run(env, "dead-letters", "replay", seeded["outbox"], seeded["shipping"])
     assert r.exit_code == 0, r.output
     assert f"{seeded['outbox']}: replayed" in r.stdout and f"{seeded['shipping']}: replayed" in r.stdout
-    outbox_rows, consumer_rows, _ = snapshot(sessions, tables)
+    outbox_rows, consumer_rows, _ = snapshot(any_sessions, tables)
     assert all(row.dead_lettered_at_ms is None for row in outbox_rows)
     replayed = {f"consumer:{row.id}": row.replayed_at_ms for row in consumer_rows}
     assert replayed[seeded["shipping"]] is not None and replayed[seeded["billing"]] is None
     # again: reported as skipped, exit 0, nothing changes
-    before = snapshot(sessions, tables)
+    before = snapshot(any_sessions, tables)
     r = run(env, "dead-letters", "replay", seeded["outbox"], seeded["shipping"], "--json")
     assert r.exit_code == 0 and [x["replayed"] for x in json.loads(r.stdout)] == [False, False]
-    assert snapshot(sessions, tables) == before
+    assert snapshot(any_sessions, tables) == before
     r = run(env, "dead-letters", "replay", "--all", "--consumer", "billing")
     assert r.exit_code == 0 and f"{seeded['billing']}: replayed" in r.stdout
     r = run(env, "dead-letters", "replay", "--all")
     assert r.exit_code == 0 and "nothing to replay" in r.stdout
 
 
-def test_purge(env: dict[str, str], seeded: dict[str, str], sessions: sessionmaker[Session], tables: Tables) -> None:
-    before = snapshot(sessions, tables)
+def test_purge(env: dict[str, str], seeded: dict[str, str], any_sessions: sessionmaker[Session], tables: Tables) -> None:
+    before = snapshot(any_sessions, tables)
     r = run(env, "dead-letters", "purge", seeded["outbox"], seeded["billing"])
-    assert r.exit_code == 2 and "--yes" in r.output and snapshot(sessions, tables) == before
+    assert r.exit_code == 2 and "--yes" in r.output and snapshot(any_sessions, tables) == before
     r = run(env, "dead-letters", "purge", seeded["outbox"], seeded["billing"], "--yes")
     assert r.exit_code == 0 and "purged 2" in r.stdout
     r = run(env, "dead-letters", "list", "--json")
@@ -154,28 +140,28 @@ def test_purge(env: dict[str, str], seeded: dict[str, str], sessions: sessionmak
     (["prune", "--published-older-than", "1d", "--batch", "0"], 2, "--batch"),
 ])
 def test_bad_input_is_a_clear_error_and_changes_nothing(env: dict[str, str], seeded: dict[str, str],
-                                                        sessions: sessionmaker[Session], tables: Tables,
+                                                        any_sessions: sessionmaker[Session], tables: Tables,
                                                         args: list[str], exit_code: int, message: str) -> None:
     outbox = tables.outbox
-    with sessions() as s:
+    with any_sessions() as s:
         pending = s.scalars(sa.select(outbox.seq).where(outbox.published_at_ms.is_(None),
                                                         outbox.dead_lettered_at_ms.is_(None))).one()
     args = [a.format(outbox=seeded["outbox"], pending=f"outbox:{pending}") for a in args]
-    before = snapshot(sessions, tables)
+    before = snapshot(any_sessions, tables)
     r = run(env, *args)
     assert r.exit_code == exit_code, r.output
     assert message in r.output
     assert "Traceback" not in r.output
-    assert snapshot(sessions, tables) == before
+    assert snapshot(any_sessions, tables) == before
 
 
-def test_prune(env: dict[str, str], seeded: dict[str, str], sessions: sessionmaker[Session], tables: Tables) -> None:
+def test_prune(env: dict[str, str], seeded: dict[str, str], any_sessions: sessionmaker[Session], tables: Tables) -> None:
     r = run(env, "prune", "--inbox-older-than", "2d", "--published-older-than", "1d", "--batch", "2", "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert (report["inbox_deleted"], report["inbox_batches"]) == (3, 2)
     assert (report["outbox_deleted"], report["outbox_batches"]) == (1, 1)
-    outbox_rows, _consumer_rows, inbox = snapshot(sessions, tables)
+    outbox_rows, _consumer_rows, inbox = snapshot(any_sessions, tables)
     assert inbox == 2 and len(outbox_rows) == 2  # the dead and the pending row stay
     r = run(env, "prune", "--published-older-than", "1d")
     assert r.exit_code == 0 and "deleted 0 published row(s) in 1 batch(es)" in r.stdout

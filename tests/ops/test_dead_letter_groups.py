@@ -26,19 +26,6 @@ from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 FAST = 1e9  # a rate no test waits for
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request: pytest.FixtureRequest) -> str:
-    url: str = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
-    return url
-
-
-@pytest.fixture
-def sessions(db_url: str) -> Any:
-    engine = make_engine(db_url)
-    yield make_session_factory(engine)
-    engine.dispose()
-
-
 def test_the_fingerprint_ignores_what_differs_per_message() -> None:
     def fp(consumer: str, error: str) -> str:
         return fingerprint(source="consumer", consumer=consumer, error=error)
@@ -85,8 +72,8 @@ def by_consumer(found: list[groups.Group]) -> dict[str, groups.Group]:
     return {g.consumer: g for g in found}
 
 
-def test_groups_list_count_first_last_and_a_sample(sessions: sessionmaker[Session], tables: Tables) -> None:
-    with sessions() as s:
+def test_groups_list_count_first_last_and_a_sample(any_sessions: sessionmaker[Session], tables: Tables) -> None:
+    with any_sessions() as s:
         ids = two_groups(s, tables)
         found = groups.list_groups(s, tables=tables)
     assert [(g.consumer, g.count) for g in found] == [("billing", 3), ("shipping", 2), ("relay:OrderPlaced", 1)]
@@ -110,48 +97,48 @@ class Sender:
             raise KeyboardInterrupt("killed between the send and the mark")
 
 
-def test_dry_run_says_where_and_changes_nothing(sessions: sessionmaker[Session], tables: Tables,
+def test_dry_run_says_where_and_changes_nothing(any_sessions: sessionmaker[Session], tables: Tables,
                                                 clock: ManualClock) -> None:
-    with sessions() as s:
+    with any_sessions() as s:
         two_groups(s, tables)
         gid = by_consumer(groups.list_groups(s, tables=tables))["billing"].id
     send = Sender()
-    report = groups.replay_group(sessions, gid, tables=tables, clock=clock, send=send, dry_run=True, rate=FAST)
+    report = groups.replay_group(any_sessions, gid, tables=tables, clock=clock, send=send, dry_run=True, rate=FAST)
     assert report.plan == {"consumer billing": 3} and report.done_now == 0 and send.sent == []
-    with sessions() as s:
+    with any_sessions() as s:
         assert by_consumer(groups.list_groups(s, tables=tables))["billing"].count == 3
         assert jobs(s, tables) == 0  # no job row either
 
 
-def test_a_group_replay_killed_midway_resumes_and_reports_each_once(sessions: sessionmaker[Session], tables: Tables,
+def test_a_group_replay_killed_midway_resumes_and_reports_each_once(any_sessions: sessionmaker[Session], tables: Tables,
                                                                      clock: ManualClock) -> None:
-    with sessions() as s:
+    with any_sessions() as s:
         ids = two_groups(s, tables)
         gid = by_consumer(groups.list_groups(s, tables=tables))["billing"].id
     # Given a replay of the billing group killed after its second send, before that send's mark committed
     first = Sender(crash_after=2)
     with pytest.raises(KeyboardInterrupt):
-        groups.replay_group(sessions, gid, tables=tables, clock=clock, send=first, rate=FAST)
+        groups.replay_group(any_sessions, gid, tables=tables, clock=clock, send=first, rate=FAST)
     # When it is run again
     second = Sender()
-    report = groups.replay_group(sessions, gid, tables=tables, clock=clock, send=second, rate=FAST)
+    report = groups.replay_group(any_sessions, gid, tables=tables, clock=clock, send=second, rate=FAST)
     # Then the report counts every dead letter once: one by the first run, two by this one, 3 of 3
     assert (report.done_before, report.done_now, report.total, report.skipped) == (1, 2, 3, 0)
     assert report.resumed_from_ms == clock.now_ms()
     # and only the message in flight at the kill went out twice (the inbox absorbs it)
     assert len(first.sent + second.sent) == 4 and len(set(first.sent + second.sent)) == 3
-    with sessions() as s:
+    with any_sessions() as s:
         replayed = {f"consumer:{i}" for i in s.scalars(sa.select(tables.dead_letters.id).where(
             tables.dead_letters.replayed_at_ms.is_not(None)))}
         assert set(ids["billing"]) <= replayed and not set(ids["shipping"]) & replayed
         assert "billing" not in by_consumer(groups.list_groups(s, tables=tables))
         assert jobs(s, tables) == 0  # the job is closed
     with pytest.raises(NotFoundError):  # nothing left in the group
-        groups.replay_group(sessions, gid, tables=tables, clock=clock, send=second, rate=FAST)
+        groups.replay_group(any_sessions, gid, tables=tables, clock=clock, send=second, rate=FAST)
 
 
-def test_a_group_replay_is_throttled(sessions: sessionmaker[Session], tables: Tables, clock: ManualClock) -> None:
-    with sessions() as s:
+def test_a_group_replay_is_throttled(any_sessions: sessionmaker[Session], tables: Tables, clock: ManualClock) -> None:
+    with any_sessions() as s:
         two_groups(s, tables)
         gid = by_consumer(groups.list_groups(s, tables=tables))["billing"].id
     now = [0.0]
@@ -161,27 +148,27 @@ def test_a_group_replay_is_throttled(sessions: sessionmaker[Session], tables: Ta
         slept.append(s)
         now[0] += s
 
-    groups.replay_group(sessions, gid, tables=tables, clock=clock, send=Sender(), rate=2.0, sleep=sleep,
+    groups.replay_group(any_sessions, gid, tables=tables, clock=clock, send=Sender(), rate=2.0, sleep=sleep,
                         monotonic=lambda: now[0])
     assert now[0] == pytest.approx(1.0)  # three at 2/s: the 2nd at 0.5 s, the 3rd at 1 s
     assert len(slept) == 2
 
 
-def test_the_relay_group_goes_back_to_the_outbox(sessions: sessionmaker[Session], tables: Tables,
+def test_the_relay_group_goes_back_to_the_outbox(any_sessions: sessionmaker[Session], tables: Tables,
                                                  clock: ManualClock) -> None:
-    with sessions() as s:
+    with any_sessions() as s:
         ids = two_groups(s, tables)
         gid = by_consumer(groups.list_groups(s, tables=tables))["relay:OrderPlaced"].id
-    report = groups.replay_group(sessions, gid, tables=tables, clock=clock, rate=FAST)
+    report = groups.replay_group(any_sessions, gid, tables=tables, clock=clock, rate=FAST)
     assert (report.done_now, report.total) == (1, 1)
-    with sessions() as s:
+    with any_sessions() as s:
         row = s.get(tables.outbox, int(ids["relay"][0].split(":")[1]))
         assert row is not None and row.dead_lettered_at_ms is None and row.attempts == 0
 
 
-def test_purge_with_archive_killed_midway_archives_each_once(sessions: sessionmaker[Session], tables: Tables,
+def test_purge_with_archive_killed_midway_archives_each_once(any_sessions: sessionmaker[Session], tables: Tables,
                                                              clock: ManualClock, tmp_path: Path) -> None:
-    with sessions() as s:
+    with any_sessions() as s:
         ids = two_groups(s, tables)
         gid = by_consumer(groups.list_groups(s, tables=tables))["billing"].id
     archive = tmp_path / "billing.jsonl"
@@ -191,15 +178,15 @@ def test_purge_with_archive_killed_midway_archives_each_once(sessions: sessionma
 
     # Given a purge in batches of 2, killed after its first batch
     with pytest.raises(KeyboardInterrupt):
-        groups.purge_group(sessions, gid, tables=tables, clock=clock, archive=archive, batch=2, rate=FAST,
+        groups.purge_group(any_sessions, gid, tables=tables, clock=clock, archive=archive, batch=2, rate=FAST,
                            progress=die)
     # When it runs again
-    report = groups.purge_group(sessions, gid, tables=tables, clock=clock, archive=archive, batch=2, rate=FAST)
+    report = groups.purge_group(any_sessions, gid, tables=tables, clock=clock, archive=archive, batch=2, rate=FAST)
     assert (report.done_before, report.done_now, report.total) == (2, 1, 3)
     lines = [json.loads(x) for x in archive.read_text().splitlines()]
     assert [x["id"] for x in lines] == ids["billing"]  # each once, in order, with the raw body kept
     assert json.loads(lines[0]["body"])["payload"]["order_id"] == "1"
-    with sessions() as s:
+    with any_sessions() as s:
         left = {f"consumer:{i}" for i in s.scalars(sa.select(tables.dead_letters.id))}
     assert not set(ids["billing"]) & left and set(ids["shipping"]) <= left
 
@@ -215,11 +202,11 @@ def run(env: dict[str, str], *args: str) -> Result:
     return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
 
 
-def test_cli_groups_dry_run_replay_purge(sessions: sessionmaker[Session], tables: Tables, db_url: str,
+def test_cli_groups_dry_run_replay_purge(any_sessions: sessionmaker[Session], tables: Tables, any_db_url: str,
                                          tmp_home: Path, namespace: str, tmp_path: Path) -> None:
-    with sessions() as s:
+    with any_sessions() as s:
         two_groups(s, tables)
-    env = {"OUTBOX_DATABASE_URL": db_url, "OUTBOX_HOME": str(tmp_home), "OUTBOX_NAMESPACE": namespace,
+    env = {"OUTBOX_DATABASE_URL": any_db_url, "OUTBOX_HOME": str(tmp_home), "OUTBOX_NAMESPACE": namespace,
            "OUTBOX_BROKER_URL": "memory://"}
     r = run(env, "dead-letters", "groups", "--json")
     assert r.exit_code == 0, r.output
@@ -281,7 +268,7 @@ class Counting:
         self.n += 1
 
 
-def replay_sampling_objects(sessions: sessionmaker[Session], gid: str, tables: Tables, clock: ManualClock
+def replay_sampling_objects(any_sessions: sessionmaker[Session], gid: str, tables: Tables, clock: ManualClock
                             ) -> tuple[int, dict[int, int]]:
     """Replay the group; the number of live Python objects after 1,000 and after every further 3,000."""
     send = Counting()
@@ -292,7 +279,7 @@ def replay_sampling_objects(sessions: sessionmaker[Session], gid: str, tables: T
             gc.collect()
             live[p.done] = len(gc.get_objects())
 
-    report = groups.replay_group(sessions, gid, tables=tables, clock=clock, send=send, rate=FAST, progress=sample)
+    report = groups.replay_group(any_sessions, gid, tables=tables, clock=clock, send=send, rate=FAST, progress=sample)
     assert send.n == report.done_now == report.total
     return report.done_now, live
 

@@ -6,7 +6,6 @@ import json
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -14,7 +13,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import Tables
 from celery_outbox.cli import cli
-from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.errors import NotFoundError, ValidationError
 from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.ops import trace as ops_trace
@@ -22,19 +20,6 @@ from tests.ops_seed import T0, consumer_dead_letter, order_payload
 
 ROUTES = {"OrderPlaced": ("billing", "email", "search", "shipping")}
 TASK = "orders.send_confirmation_email"
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request: pytest.FixtureRequest) -> str:
-    url: str = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
-    return url
-
-
-@pytest.fixture
-def sessions(db_url: str) -> Any:
-    engine = make_engine(db_url)
-    yield make_session_factory(engine)
-    engine.dispose()
 
 
 def order_42(s: Session, tables: Tables) -> dict[str, uuid.UUID]:
@@ -74,8 +59,8 @@ def order_42(s: Session, tables: Tables) -> dict[str, uuid.UUID]:
     return {"event": event, "task": task, "later": later}
 
 
-def test_a_message_id_gives_every_hop(sessions: sessionmaker[Session], tables: Tables) -> None:
-    with sessions() as s:
+def test_a_message_id_gives_every_hop(any_sessions: sessionmaker[Session], tables: Tables) -> None:
+    with any_sessions() as s:
         ids = order_42(s, tables)
         [t] = ops_trace.trace(s, str(ids["event"]), tables=tables, routes=ROUTES, idempotent_tasks={TASK})
     assert (t.kind, t.state, t.entity_key, t.correlation_id) == ("event", "published", "order:42", "req-42")
@@ -92,8 +77,8 @@ def test_a_message_id_gives_every_hop(sessions: sessionmaker[Session], tables: T
     json.dumps(t.to_dict())
 
 
-def test_an_entity_key_gives_each_message_of_the_order(sessions: sessionmaker[Session], tables: Tables) -> None:
-    with sessions() as s:
+def test_an_entity_key_gives_each_message_of_the_order(any_sessions: sessionmaker[Session], tables: Tables) -> None:
+    with any_sessions() as s:
         ids = order_42(s, tables)
         found = ops_trace.trace(s, "order:42", tables=tables, routes=ROUTES, idempotent_tasks={TASK})
         by_corr = ops_trace.trace(s, "req-42", tables=tables, routes=ROUTES, idempotent_tasks={TASK})
@@ -108,8 +93,8 @@ def test_an_entity_key_gives_each_message_of_the_order(sessions: sessionmaker[Se
         [(task_key(TASK), "processed", 255)]
 
 
-def test_a_pruned_outbox_row_still_shows_its_inbox_rows(sessions: sessionmaker[Session], tables: Tables) -> None:
-    with sessions() as s:
+def test_a_pruned_outbox_row_still_shows_its_inbox_rows(any_sessions: sessionmaker[Session], tables: Tables) -> None:
+    with any_sessions() as s:
         ids = order_42(s, tables)
         s.delete(s.get(tables.outbox, s.query(tables.outbox.seq).filter_by(message_id=ids["event"]).scalar()))
         s.commit()
@@ -136,11 +121,11 @@ def run(env: dict[str, str], *args: str) -> Result:
     return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
 
 
-def test_cli_text_and_json(sessions: sessionmaker[Session], tables: Tables, db_url: str, tmp_home: Path,
+def test_cli_text_and_json(any_sessions: sessionmaker[Session], tables: Tables, any_db_url: str, tmp_home: Path,
                            namespace: str) -> None:
-    with sessions() as s:
+    with any_sessions() as s:
         ids = order_42(s, tables)
-    env = {"OUTBOX_DATABASE_URL": db_url, "OUTBOX_HOME": str(tmp_home), "OUTBOX_NAMESPACE": namespace,
+    env = {"OUTBOX_DATABASE_URL": any_db_url, "OUTBOX_HOME": str(tmp_home), "OUTBOX_NAMESPACE": namespace,
            "OUTBOX_BROKER_URL": "memory://"}
     r = run(env, "trace", "order:42", "--json")
     assert r.exit_code == 0, r.output
