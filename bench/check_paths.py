@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import sys
 import tempfile
 import time
@@ -51,9 +50,9 @@ from celery_outbox.celery import gate as gate_module
 from celery_outbox.celery.gate import Gate
 from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.delivery import RawBody, _as_mapping, _parse
-from celery_outbox.errors import MalformedMessageError
 from celery_outbox.messages import Envelope, celery_task_message
 from consumers.testing import order_placed_envelope
+from tests.support.before_cuts import STRING_BEFORE, decode_json_before, depth_exceeds_before
 
 
 class Message:
@@ -81,38 +80,6 @@ def full_check_message(headers: Any, raw: bytes, *, content_type: Any, content_e
     body = task_rules.decode_body(raw, content_type=content_type, content_encoding=content_encoding,
                                   max_bytes=max_bytes, max_depth=rules.max_depth)
     return task_rules.check_call(headers, body, rules=rules)
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def decode_json_before(raw: str, *, max_depth: int, what: str = "message") -> Any:
-    """``messages.decode_json`` before the cut (str input): ``json.loads`` builds a decoder per call."""
-    if messages.json_depth_exceeds(raw, max_depth):
-        raise MalformedMessageError(f"{what} is nested deeper than {max_depth} levels")
-    try:
-        return json.loads(raw, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as e:
-        raise MalformedMessageError(f"{what} is not JSON: {messages.storable_text(str(e), limit=500)}") from None
-
-
-_STRING_BEFORE = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)
-
-
-def depth_exceeds_before(text: str, max_depth: int) -> bool:
-    """``messages.json_depth_exceeds`` before the cut: strings skipped by an alternation per character."""
-    if text.count("[") + text.count("{") <= max_depth:
-        return False
-    depth = 0
-    for bracket in re.findall(r"[\[\]{}]", _STRING_BEFORE.sub("", text)):
-        if bracket in "[{":
-            depth += 1
-            if depth > max_depth:
-                return True
-        else:
-            depth -= 1
-    return False
 
 
 def main() -> None:
@@ -152,7 +119,7 @@ def main() -> None:
         @contextlib.contextmanager
         def full_gate() -> Any:
             with mock.patch.object(gate_module, "check_message", full_check_message), \
-                    mock.patch.object(messages, "_JSON_STRING", _STRING_BEFORE):
+                    mock.patch.object(messages, "_JSON_STRING", STRING_BEFORE):
                 yield
 
         with full_gate():

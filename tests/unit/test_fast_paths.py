@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from typing import Any
 from unittest import mock
 
@@ -33,6 +32,7 @@ from celery_outbox.delivery import RawBody, _as_mapping, _parse
 from celery_outbox.errors import MalformedMessageError
 from celery_outbox.messages import MalformedDelivery, decode_json
 from celery_outbox.task_rules import TaskRules, check_call, check_message, decode_body
+from tests.support.before_cuts import STRING_BEFORE, decode_json_before
 
 MAX_DEPTH = 8
 MAX_BYTES = 2048
@@ -234,9 +234,6 @@ def test_an_argument_one_level_too_deep_is_still_refused() -> None:
 
 
 # -- the depth scan of JSON text: strings skipped by an unrolled pattern ------------------------------------
-STRING_BEFORE = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)  # messages._JSON_STRING before
-
-
 def text_depth(text: str) -> int:
     """How deep ``text`` nests outside its strings, one character at a time (a backslash escapes the next)."""
     depth = deepest = 0
@@ -279,29 +276,6 @@ def test_the_depth_scan_skips_strings_as_before(text: str, max_depth: int) -> No
 
 
 # -- decode_json: one decoder built at import ----------------------------------------------------------------
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def decode_json_before(raw: Any, *, max_depth: int, what: str = "message") -> Any:
-    """``messages.decode_json`` as it was: ``json.loads`` with a hook (a decoder built per call)."""
-    if isinstance(raw, (bytes, bytearray, memoryview)):
-        try:
-            text = bytes(raw).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise MalformedMessageError(f"{what} is not UTF-8: {e}") from None
-    elif isinstance(raw, str):
-        text = raw
-    else:
-        raise MalformedMessageError(f"{what} must be JSON text, got {type(raw).__name__}")
-    if messages.json_depth_exceeds(text, max_depth):
-        raise MalformedMessageError(f"{what} is nested deeper than {max_depth} levels")
-    try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as e:
-        raise MalformedMessageError(f"{what} is not JSON: {messages.storable_text(str(e), limit=500)}") from None
-
-
 def outcome(decode: Any) -> tuple[str, str]:
     try:
         return "value", repr(decode())
