@@ -37,6 +37,10 @@ pg_stat_statements, roles bench_client/bench_relay/bench_worker created, bench/R
 mode at the first concurrency, statements per order per side from pg_stat_statements and py-spy
 samples of the worker parent, a pool child, the relay and the client; writes
 bench/results/saturated_profile.json (throughput under py-spy is not comparable, not reported).
+``--hops``: the worker logs each task's receipt and its run in a pool process (bench/_worker.py), and each
+run also reports the pool processes' share of wall time spent running tasks, the median run, the median
+gap between one run and the next in a process, and the median wait from receipt to run: whether a mode is
+bound by the pool's work or by what happens between deliveries (acks, prefetch, the parent).
 
     .venv/bin/python bench/saturated.py [--orders 1000] [--rounds 3] [--concurrency 2,4] [--quick]
         [--skip-tasks] [--skip-latency]
@@ -208,10 +212,12 @@ def role_url(base: str, role: str, *, as_user: bool) -> str:
 class Rig:
     """The processes of one run of this bench and their CPU clocks."""
 
-    def __init__(self, env: Any, work: Path, *, threads: int, profile: bool) -> None:
+    def __init__(self, env: Any, work: Path, *, threads: int, profile: bool, hops: bool = False) -> None:
         from chaos.processes import ManagedProcess, relay_argv
 
         self.env, self.work, self.profile = env, work, profile
+        self.hops_dir: Path | None = None  # set per worker with ``hops`` (``start_worker``)
+        self.hops = hops
         from celery_outbox.db import make_engine
 
         self.monitor = make_engine(env.database_url)
@@ -236,9 +242,15 @@ class Rig:
         argv = worker_argv(queues=names, pool="prefork", concurrency=concurrency, app="bench._worker",
                            hostname=f"sat{concurrency}-{self.env.namespace}")
         argv[argv.index("--loglevel") + 1] = "WARNING"  # Celery's default: no log line per task
+        env = {**self.env.env, "OUTBOX_DATABASE_URL": self.urls["worker"]}
+        if self.hops:
+            from bench._worker import HOPS_ENV
+
+            self.hops_dir = self.work / f"hops-c{concurrency}"
+            self.hops_dir.mkdir(exist_ok=True)
+            env[HOPS_ENV] = str(self.hops_dir)
         self.worker = self.env.processes.add(ManagedProcess(
-            name=f"worker-c{concurrency}", argv=argv, env={**self.env.env, "OUTBOX_DATABASE_URL": self.urls["worker"]},
-            log_dir=self.work / "logs", cwd=ROOT))
+            name=f"worker-c{concurrency}", argv=argv, env=env, log_dir=self.work / "logs", cwd=ROOT))
         self.worker.start()
 
     def close(self) -> None:
@@ -295,7 +307,45 @@ class Rig:
         out["total_cpu_ms"] = sum(out[k] for k in KINDS)
         out["per_s"] = n / (end - started["t0"])
         out["client_s"] = started["t1"] - started["t0"]
+        if self.hops_dir is not None:
+            out.update(pool_hops(self.hops_dir, started["t0"] * 1000, end * 1000))
         return out
+
+
+HOP_KEYS = ("busy_share", "run_ms", "gap_ms", "wait_ms")
+
+
+def pool_hops(directory: Path, t0_ms: float, t1_ms: float) -> dict[str, float]:
+    """What the pool processes did in [t0, t1] (``--hops``, bench/_worker.py's hop log): the share of the
+    wall time they spent running tasks, the median run (task_prerun -> task_postrun), the median gap between
+    a process's run and its next one, and the median wait from the parent's receipt to a process's start."""
+    recv: dict[str, float] = {}
+    per_pid: dict[str, list[tuple[float, float, str]]] = {}
+    for path in directory.glob("hops-*.jsonl"):
+        starts: dict[str, float] = {}
+        runs: list[tuple[float, float, str]] = []
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line being written right now
+                continue
+            t = float(rec["t"])
+            if rec["k"] == "recv":
+                recv.setdefault(rec["id"], t)
+            elif rec["k"] == "pre":
+                starts[rec["id"]] = t
+            elif rec["k"] == "post" and rec["id"] in starts and t0_ms <= starts[rec["id"]] <= t1_ms:
+                runs.append((starts[rec["id"]], t, rec["id"]))
+        if runs:
+            per_pid[path.name] = sorted(runs)
+    if not per_pid:
+        return dict.fromkeys(HOP_KEYS, 0.0)
+    run_ms = [b - a for runs in per_pid.values() for a, b, _ in runs]
+    gaps = [nxt[0] - cur[1] for runs in per_pid.values() for cur, nxt in itertools.pairwise(runs)]
+    waits = [a - recv[tid] for runs in per_pid.values() for a, _, tid in runs if tid in recv]
+    return {"busy_share": sum(run_ms) / (len(per_pid) * max(1.0, t1_ms - t0_ms)),
+            "run_ms": statistics.median(run_ms), "gap_ms": statistics.median(gaps) if gaps else 0.0,
+            "wait_ms": statistics.median(waits) if waits else 0.0}
 
 
 def effects_per_order(env: Any) -> int:
@@ -312,7 +362,7 @@ def median_runs(runs: list[dict[str, float]]) -> dict[str, float]:
 def print_table(title: str, med: dict[str, dict[str, float]], modes: tuple[str, ...]) -> None:
     print(f"\n{title}")
     print(f"{'':18}" + "".join(f"{m:>16}" for m in modes))
-    for k in ("per_s", *KINDS, "total_cpu_ms"):
+    for k in ("per_s", *KINDS, "total_cpu_ms", *(h for h in HOP_KEYS if h in med[modes[0]])):
         print(f"{k:18}" + "".join(f"{med[m][k]:16.2f}" for m in modes))
 
 
@@ -324,7 +374,7 @@ def saturate(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {}
     with ChaosEnvironment(broker="rabbitmq", workdir=work, extra_env=default_env()) as env:
         per_order = effects_per_order(env)
-        rig = Rig(env, work, threads=args.client_threads, profile=False)
+        rig = Rig(env, work, threads=args.client_threads, profile=False, hops=args.hops)
         try:
             for c in args.concurrency:
                 rig.start_worker(c)
@@ -460,6 +510,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="about 1.5 minutes: 300 orders, 1 round")
     parser.add_argument("--skip-tasks", action="store_true")
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--hops", action="store_true",
+                        help="the pool processes' busy share, run, gap and wait per task (bench/_worker.py hop log)")
     parser.add_argument("--profile", action="store_true", help="statements per side and py-spy (private Postgres)")
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--spy-gil", action="store_true",
