@@ -193,13 +193,19 @@ def stop_holding_a_claim(proc: subprocess.Popen[bytes], sessions: sessionmaker[S
 
     A claim seen once is not enough: a mark and its COMMIT the relay sent just before it stopped can still be
     on their way to the server, and that claim ends a moment later with nothing left held. The claim counts
-    only when it is still open, and older, after a pause.
+    only when it is still open, and older, after a pause. Nor may the stopped transaction have marked yet:
+    the mark adds to the relay's one published counter row, whose lock would hold every other relay's mark
+    until Postgres ends the transaction (a known gap, docs/scaling.md); this test is about a held claim.
     """
     for _ in range(200):
         os.killpg(proc.pid, signal.SIGSTOP)
         with sessions() as s:
             held = ops_stats.claim_held_ms(s, tables=tables)
-        if held is not None:
+            marked = s.execute(sa.text(
+                "SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.relation = "
+                "CAST(:counters AS regclass) AND l.mode = 'RowExclusiveLock' AND a.state LIKE 'idle in transaction%'"),
+                {"counters": tables.table(tables.counters).name}).first() is not None
+        if held is not None and not marked:
             time.sleep(0.5)
             with sessions() as s:
                 later = ops_stats.claim_held_ms(s, tables=tables)
