@@ -19,15 +19,25 @@ message. Until the worker acks (or rejects) it, the message is the broker's unac
 worker that dies hands it back (the library's late acks; RabbitMQ requeues it with the channel,
 Redis restores it after the visibility timeout): it is received again and gets its receipt then. So
 the rule is **a receipt is written before its message's ack or reject**: ``task_received`` wraps the
-request's ack and reject callbacks, and the first ack or reject of a request whose receipt is still
-pending writes every pending receipt first, then acks (``flush``). A batch lost with a SIGKILLed
-worker holds only receipts of unacked messages, which come back. With late acks that is one
-statement per handful of tasks (the receipts received while a task ran); a task acked early (Celery's
-default ``acks_late=False``) is acked when a pool process takes it, so its receipt is written then,
-alone. A task that runs long must not wait for its ack: pending receipts are also written
-``flush_after_s`` (1 s) after the first of them on the consumer's timer (Celery's own, no thread of
-ours), or when ``max_batch`` are pending; none is written at worker shutdown (every pending one
-belongs to an unacked message that the broker redelivers), where the held connection is closed.
+request's ack and reject callbacks, and an ack or reject of a request whose receipt is still pending
+writes every pending receipt first (waiting for a batch already being written), then acks
+(``flush``). A batch lost with a SIGKILLed worker holds only receipts of unacked messages, which come
+back.
+
+Who writes, and when: the worker's main loop is serial for the whole worker (it receives, hands work
+to the pool and acks), so a receipt written on it by the ack delays every delivery behind it (a round
+trip per handful of tasks; docs/benchmarks.md, "Task receipts off the worker's loop"). So
+``task_received`` also wraps the request's ``on_accepted`` (a pool process took the task): from then
+on the task runs, and one daemon thread of the main process ("celery-outbox-receipts", started at
+the first receipt) writes every pending receipt in one batch while it does; by the ack the receipt is
+written and the ack writes nothing. Receipts that arrive while a batch is written go in the next one.
+A task acked early (Celery's default ``acks_late=False``) is acked in ``on_accepted`` itself, so its
+receipt is still written by that ack, alone. A task that runs long must not wait for its ack either:
+pending receipts are also written ``flush_after_s`` (1 s) after the first of them (the consumer's
+timer wakes the thread), or at once when ``max_batch`` are pending or the message has an ``eta``;
+none is written at worker shutdown (every pending one belongs to an unacked message that the broker
+redelivers), where the thread is stopped and the held connection closed. ``background=False`` writes
+on the caller's thread instead (the same batches, with the loop waiting).
 
 A batch that cannot be written (the database is away) is logged and kept for the next flush after a
 backoff (``retry_after_s``, doubling up to ``max_retry_after_s``), so a database outage does not stall
@@ -38,7 +48,9 @@ window (docs/guarantees.md). At most ``max_pending`` receipts wait (the oldest a
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -57,6 +69,7 @@ MAX_BATCH = 500
 MAX_PENDING = 50_000
 RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
+CLOSE_WAIT_S = 5.0
 
 
 class Receipts:
@@ -64,15 +77,21 @@ class Receipts:
 
     def __init__(self, outbox: Any, *, flush_after_s: float = FLUSH_AFTER_S, max_batch: int = MAX_BATCH,
                  max_pending: int = MAX_PENDING, retry_after_s: float = RETRY_AFTER_S,
-                 max_retry_after_s: float = MAX_RETRY_AFTER_S) -> None:
+                 max_retry_after_s: float = MAX_RETRY_AFTER_S, background: bool = True) -> None:
         self.outbox = outbox
         self.flush_after_s = flush_after_s
         self.max_batch = max_batch
         self.max_pending = max_pending
         self.retry_after_s = retry_after_s
         self.max_retry_after_s = max_retry_after_s
+        self.background = background
         self._pending: dict[uuid.UUID, int] = {}  # task id -> received at (ms), oldest first
-        self._lock = threading.RLock()  # the threads pool acks from its threads; the timer may be a thread
+        self._lock = threading.RLock()  # the pending dict only: never held across a write
+        self._write_lock = threading.RLock()  # one batch at a time; an ack waits here for the batch in flight
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._thread_pid: int | None = None
+        self._closing = False
         self._timer_armed = False
         self._retry_at = 0.0  # time.monotonic() before which a failed batch is not tried again
         self._backoff_s = 0.0
@@ -117,22 +136,56 @@ class Receipts:
     def flush(self, *, force: bool = False) -> bool:
         """Write every pending receipt in one batch; True when none is left pending. Never raises.
 
-        After a failed batch the next ones wait ``retry_after_s`` (doubling), unless ``force``."""
-        with self._lock:
-            if not self._pending:
-                return True
-            if not force and time.monotonic() < self._retry_at:
+        After a failed batch the next ones wait ``retry_after_s`` (doubling), unless ``force``. The
+        write holds ``_write_lock`` only, so receipts keep arriving while it runs."""
+        with self._write_lock:
+            with self._lock:
+                if not self._pending:
+                    return True
+                if not force and time.monotonic() < self._retry_at:
+                    return False
+                batch = dict(self._pending)
+            written = self._write(batch)
+            with self._lock:
+                if written:
+                    for key in batch:
+                        self._pending.pop(key, None)
+                    self._backoff_s = 0.0
+                    self._retry_at = 0.0
+                    return not self._pending
+                self._backoff_s = min(self.max_retry_after_s, max(self.retry_after_s, 2 * self._backoff_s))
+                self._retry_at = time.monotonic() + self._backoff_s
                 return False
-            batch = dict(self._pending)
-            if self._write(batch):
-                for key in batch:
-                    self._pending.pop(key, None)
-                self._backoff_s = 0.0
-                self._retry_at = 0.0
-                return not self._pending
-            self._backoff_s = min(self.max_retry_after_s, max(self.retry_after_s, 2 * self._backoff_s))
-            self._retry_at = time.monotonic() + self._backoff_s
-            return False
+
+    def write_soon(self) -> None:
+        """Have the pending receipts written off the caller's thread (the worker's main loop), or now
+        without ``background``."""
+        if not self.background:
+            self.flush()
+            return
+        if self._closing:
+            return
+        self._start_thread()
+        self._wake.set()
+
+    def _start_thread(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread_pid == os.getpid() and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(target=self._run, name="celery-outbox-receipts", daemon=True)
+            self._thread_pid = os.getpid()
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closing:
+                return
+            try:
+                self.flush()
+            except Exception:  # flush never raises; a bug here must not end the thread and leave acks to write
+                log.exception("task receipts: a batch failed")
 
     def _write(self, batch: dict[uuid.UUID, int]) -> bool:
         ctx: Context = self.outbox
@@ -171,17 +224,32 @@ class Receipts:
             self.before_ack(key)
             return reject(*args, **kwargs)
 
+        accepted = getattr(request, "on_accepted", None)
+
+        def on_accepted(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return accepted(*args, **kwargs) if callable(accepted) else None
+            finally:
+                if key in self._pending:  # the task runs now: its receipt is written while it does
+                    self.write_soon()
+
         try:
             request._on_ack = on_ack
             request._on_reject = on_reject
         except AttributeError:
             return False
+        with contextlib.suppress(AttributeError):  # no hook: the ack (or the timer) writes it, as without a thread
+            request.on_accepted = on_accepted
         return True
 
     def before_ack(self, key: uuid.UUID) -> None:
-        """The message of ``key`` is about to be acked or rejected: its receipt (and the other pending) now."""
-        if key in self._pending:
-            self.flush()
+        """The message of ``key`` is about to be acked or rejected: its receipt (and the other pending) now,
+        after the batch in flight, which may hold it."""
+        if key not in self._pending:
+            return
+        with self._write_lock:
+            if key in self._pending:
+                self.flush()
 
     def _arm(self, consumer: Any) -> None:
         """Write what is pending ``flush_after_s`` from now, on the consumer's timer (once at a time)."""
@@ -202,7 +270,7 @@ class Receipts:
     def _on_timer(self) -> None:
         with self._lock:
             self._timer_armed = False
-        self.flush()
+        self.write_soon()
 
     # -- signal handlers ---------------------------------------------------------------------------
     def on_received(self, sender: Any = None, request: Any = None, **kwargs: Any) -> None:
@@ -223,10 +291,23 @@ class Receipts:
             self.record(_get(request, "id"))
 
     def close(self) -> None:
-        """Close the connection the batches were written on (worker shutdown; the next batch opens one)."""
-        with self._lock:
+        """Stop the thread and close the connection the batches were written on (worker shutdown).
+
+        Waits at most ``CLOSE_WAIT_S`` for a batch in flight (a database that does not answer must not
+        hold the shutdown); the pending receipts belong to unacked messages, which come back."""
+        self._closing = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and self._thread_pid == os.getpid():
+            thread.join(CLOSE_WAIT_S)
+        if not self._write_lock.acquire(timeout=CLOSE_WAIT_S):
+            log.warning("task receipts: a batch is still being written; its connection is left to the exit")
+            return
+        try:
             if self._writer is not None:
                 self._writer.close()
+        finally:
+            self._write_lock.release()
 
     def connect(self) -> None:
         uid = f"celery_outbox.receipts.{id(self.outbox)}"

@@ -3,13 +3,16 @@ message is acked or rejected (celery_outbox/celery/receipts.py).
 
 Real Celery ``Request`` objects (the worker's own class, as its strategy builds them) for messages of
 tests/tasks/idempotent_app.py's tasks, SQLite, a manual clock; the ack and reject callbacks stand in
-for the broker and look at the database at the moment they are called.
+for the broker and look at the database at the moment they are called. ``taken_by_the_pool`` is what
+the worker does when a pool process takes the task; from then on the receipts' thread writes.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +76,40 @@ def request(task: Any, *, receipt: bool = True, eta: dt.datetime | None = None,
                    on_reject=on_reject or (lambda *a: None))
 
 
+def taken_by_the_pool(req: Any) -> None:
+    """The worker's accept callback: a pool process has taken the task and runs it now."""
+    req.on_accepted(4242, time.monotonic())
+
+
+def settled(check: Callable[[], bool], *, within_s: float = 10.0) -> bool:
+    """``check`` became true before ``within_s`` (what the receipts' thread does, it does a moment later)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.01)
+    return check()
+
+
+def counting(monkeypatch: pytest.MonkeyPatch, *, gate: threading.Event | None = None,
+             entered: threading.Event | None = None) -> list[int]:
+    """The sizes of the batches written from now on; each sets ``entered`` and waits for ``gate`` first
+    when they are given."""
+    batches: list[int] = []
+    real = receipts.record_many
+
+    def counted(session: Session, rows: Any, **kwargs: Any) -> int:
+        if entered is not None:
+            entered.set()
+        if gate is not None:
+            assert gate.wait(30), "the test never let the batch through"
+        batches.append(len(rows))
+        return real(session, rows, **kwargs)
+
+    monkeypatch.setattr(receipts, "record_many", counted)
+    return batches
+
+
 def test_a_receipt_waits_in_memory_and_is_written_before_its_message_is_acked(
         built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
     # Given a worker's receipt handlers and a plain outbox task's message whose ack looks at the database
@@ -107,14 +144,7 @@ def test_receipts_received_together_are_written_in_one_batch_by_the_first_ack(
         built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Given three plain outbox tasks received while none has finished (-c 3)
-    batches: list[int] = []
-    real = receipts.record_many
-
-    def counted(session: Session, rows: Any, **kwargs: Any) -> int:
-        batches.append(len(rows))
-        return real(session, rows, **kwargs)
-
-    monkeypatch.setattr(receipts, "record_many", counted)
+    batches = counting(monkeypatch)
     handlers = Receipts(built.outbox)
     reqs = [request(built.plain) for _ in range(3)]
     for req in reqs:
@@ -150,7 +180,7 @@ def test_a_task_that_runs_long_gets_its_receipt_from_the_timer_before_it_ends(
     # When the consumer's timer fires
     consumer.timer.fire()
     # Then its receipt is written, and the next receipt schedules the timer again
-    assert stored(sqlite_sessions, tables) == {req.id}
+    assert settled(lambda: stored(sqlite_sessions, tables) == {req.id})
     handlers.on_received(sender=consumer, request=request(built.plain))
     assert len(consumer.timer.calls) == 1
 
@@ -233,3 +263,104 @@ def test_after_a_failed_batch_the_next_ones_wait_for_the_backoff(built: ia.TaskA
         assert Broken.calls == tried and handlers.pending == 4
     finally:
         outbox.sessions = real
+
+
+def test_receipts_are_written_while_their_tasks_run_so_the_acks_write_nothing(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given two plain outbox tasks received (-c 2), each ack looking at the database
+    batches = counting(monkeypatch)
+    handlers = Receipts(built.outbox)
+    seen_at_ack: list[set[str]] = []
+    reqs = [request(built.plain, on_ack=lambda *a: seen_at_ack.append(stored(sqlite_sessions, tables)))
+            for _ in range(2)]
+    for req in reqs:
+        handlers.on_received(sender=Consumer(), request=req)
+    assert stored(sqlite_sessions, tables) == set()
+    # When a pool process takes the first
+    taken_by_the_pool(reqs[0])
+    # Then both receipts are written while it runs, in one batch, off the caller's thread
+    assert settled(lambda: handlers.pending == 0)
+    assert stored(sqlite_sessions, tables) == {r.id for r in reqs} and batches == [2]
+    # And when the second is taken and both are acked, nothing more is written, each receipt already there
+    taken_by_the_pool(reqs[1])
+    for req in reqs:
+        req.acknowledge()
+    assert batches == [2] and seen_at_ack == [{r.id for r in reqs}] * 2
+    handlers.close()
+
+
+def test_the_loop_does_not_wait_for_a_batch_in_flight_but_the_ack_does(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a received task taken by the pool, whose receipt's batch hangs in a slow database
+    gate, entered = threading.Event(), threading.Event()
+    batches = counting(monkeypatch, gate=gate, entered=entered)
+    handlers = Receipts(built.outbox)
+    seen_at_ack: list[set[str]] = []
+    first = request(built.plain, on_ack=lambda *a: seen_at_ack.append(stored(sqlite_sessions, tables)))
+    handlers.on_received(sender=Consumer(), request=first)
+    taken_by_the_pool(first)
+    assert entered.wait(10)
+    # When the worker's loop receives and hands out the next task meanwhile
+    second = request(built.plain)
+    handlers.on_received(sender=Consumer(), request=second)
+    taken_by_the_pool(second)
+    # Then it did not wait for the batch (the gate is still shut), and the new receipt waits for the next one
+    assert batches == [] and handlers.pending == 2
+    # When the first task is acked while its batch is still in flight
+    acking = threading.Thread(target=first.acknowledge)
+    acking.start()
+    acking.join(0.2)
+    assert seen_at_ack == []  # the ack waits for the batch that holds its receipt
+    gate.set()
+    acking.join(30)
+    # Then the ack went out after its receipt was written
+    assert seen_at_ack and first.id in seen_at_ack[0]
+    assert settled(lambda: handlers.pending == 0) and stored(sqlite_sessions, tables) == {first.id, second.id}
+    handlers.close()
+
+
+def test_a_receipt_the_thread_could_not_write_is_written_by_its_ack(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given a received task taken by the pool while the database is away
+    class Broken:
+        def __call__(self) -> Any:
+            raise sa.exc.OperationalError("connect", {}, Exception("database unreachable"))
+
+    outbox = built.outbox
+    handlers = Receipts(outbox, retry_after_s=0.0)
+    seen_at_ack: list[set[str]] = []
+    req = request(built.plain, on_ack=lambda *a: seen_at_ack.append(stored(sqlite_sessions, tables)))
+    handlers.on_received(sender=Consumer(), request=req)
+    real = outbox.sessions
+    outbox.sessions = Broken()  # type: ignore[assignment]
+    try:
+        taken_by_the_pool(req)
+        assert settled(lambda: "could not record the receipt" in caplog.text)
+    finally:
+        outbox.sessions = real
+    assert handlers.pending == 1
+    # When the database is back and the task is acked
+    req.acknowledge()
+    # Then the ack wrote the receipt before it went out
+    assert seen_at_ack == [{req.id}] and handlers.pending == 0
+    handlers.close()
+
+
+def test_closing_stops_the_thread_and_leaves_pending_receipts_to_redelivery(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given handlers whose thread has written a batch, and one receipt pending
+    handlers = Receipts(built.outbox)
+    first = request(built.plain)
+    handlers.on_received(sender=Consumer(), request=first)
+    taken_by_the_pool(first)
+    assert settled(lambda: handlers.pending == 0)
+    thread = handlers._thread
+    handlers.on_received(sender=Consumer(), request=request(built.plain))
+    # When the worker shuts down
+    handlers.close()
+    # Then the thread has ended and the pending receipt was not written (its message is unacked and comes back)
+    assert thread is not None and not thread.is_alive()
+    assert stored(sqlite_sessions, tables) == {first.id} and handlers.pending == 1
