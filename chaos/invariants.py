@@ -119,9 +119,7 @@ def duplicates_absorbed(session: Session, *, tables: Tables) -> int:
 
 def reconciled(session: Session, *, tables: Tables, name: str = RECONCILED) -> int:
     """How many messages the reconciler has published again, all passes (``name``: all kinds, or one)."""
-    value = session.execute(sa.select(tables.counters.value).where(
-        tables.counters.consumer == counters.RELAY, tables.counters.name == name)).scalar_one_or_none()
-    return int(value or 0)
+    return counters.value(session, counters.RELAY, name, tables=tables)
 
 
 def order_message_ids(session: Session, *, tables: Tables) -> dict[uuid.UUID, str]:

@@ -40,9 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
-
-from celery_outbox import Event
+from celery_outbox import Event, counters
 from celery_outbox.schema import Tables
 from celery_outbox.settings import Settings as LibrarySettings
 from chaos.environment import CHAOS_ENV, REPO, ChaosEnvironment
@@ -282,9 +280,7 @@ def _count(env: ChaosEnvironment, tabs: Tables, report: OrderingReport, *, expec
             f"SELECT count(*) FROM {outbox} a JOIN {outbox} b ON a.headers->>'entity_key' = b.headers->>'entity_key' "
             "AND (a.headers->>'entity_version')::int = (b.headers->>'entity_version')::int + 1 "
             "WHERE a.published_at_ms < b.published_at_ms").scalar_one())
-        report.duplicates_absorbed = int(s.execute(
-            sa.select(sa.func.coalesce(sa.func.sum(tabs.counters.value), 0))
-            .where(tabs.counters.consumer == CONSUMER, tabs.counters.name == "duplicates")).scalar_one())
+        report.duplicates_absorbed = counters.value(s, CONSUMER, "duplicates", tables=tabs)
         report.dead_letters = env.count(tabs.dead_letters)
     if report.written != expected:
         report.violations.append(f"{report.written} events written, {expected} planned")

@@ -28,11 +28,15 @@ def effect_counts(session: Session) -> dict[str, int]:
 
 
 def duplicates_absorbed(session: Session, tables: Tables) -> dict[str, int]:
-    """Per consumer, how many deliveries the inbox turned into DUPLICATE (consumers with none absent)."""
+    """Per consumer, how many deliveries the inbox turned into DUPLICATE (consumers with none absent).
+
+    A counter may be kept in several rows, ``duplicates`` and ``duplicates#<n>`` (docs/operations.md)."""
+    c = tables.counters
     with wrap_driver_errors("reading duplicate counters"):
         rows = session.execute(
-            sa.select(tables.counters.consumer, tables.counters.value)
-            .where(tables.counters.name == "duplicates").order_by(tables.counters.consumer)
+            sa.select(c.consumer, sa.func.sum(c.value))
+            .where(sa.or_(c.name == "duplicates", c.name.like("duplicates#%")))
+            .group_by(c.consumer).order_by(c.consumer)
         ).all()
     return {consumer: int(value) for consumer, value in rows}
 

@@ -160,8 +160,9 @@ def _scope(action: Action, gid: str) -> str:
 
 
 def _job(session: Session, scope: str, *, tables: Tables) -> dict[str, int]:
-    c = tables.counters
-    return {n: int(v) for n, v in session.execute(sa.select(c.name, c.value).where(c.consumer == scope))}
+    c = tables.counters  # a counter's stripes added up (celery_outbox/counters.py)
+    return counters.fold((scope, n, v) for n, v in session.execute(sa.select(c.name, c.value)
+                                                                   .where(c.consumer == scope))).get(scope, {})
 
 
 def _set(session: Session, scope: str, name: str, value: int, *, tables: Tables) -> None:

@@ -330,12 +330,10 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
     inbox = {c: int(n) for c, n in session.execute(
         sa.select(tables.inbox.consumer, sa.func.count()).group_by(tables.inbox.consumer).order_by(tables.inbox.consumer)
     )}
-    counters: dict[str, dict[str, int]] = {}
-    for consumer, name, value in session.execute(
+    counters = relay_counters.fold((c, n, v) for c, n, v in session.execute(  # stripes added up (counters.py)
         sa.select(tables.counters.consumer, tables.counters.name, tables.counters.value)
         .order_by(tables.counters.consumer, tables.counters.name)
-    ):
-        counters.setdefault(consumer, {})[name] = int(value)
+    ))
     duplicates = {c: v[DUPLICATES] for c, v in counters.items() if DUPLICATES in v}
     return Stats(
         now_ms=now, pending=int(pending), due=int(due), retrying=int(retrying),

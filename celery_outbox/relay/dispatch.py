@@ -339,7 +339,8 @@ def mark_rows(session: Session, now_ms: int, *, tables: Tables, published: Seque
                 mark = statements.mark if statements is not None and statements.mark is not None else \
                     mark_published_pg(tables, session.get_bind().dialect)
                 stamped, due = session.connection().execute(
-                    mark, {"now": now_ms, "ids": ids, "scope": counters.RELAY, "name": counters.PUBLISHED}).one()
+                    mark, {"now": now_ms, "ids": ids, "scope": counters.RELAY, "name": counters.PUBLISHED,
+                           "stripe": counters.stripe_prefix(counters.PUBLISHED)}).one()
                 marked, next_due, due_read = int(stamped), None if due is None else int(due), True
             else:
                 res = session.execute(

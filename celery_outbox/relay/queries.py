@@ -10,6 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
+from celery_outbox import counters
 from celery_outbox.schema import PENDING_SQL, Tables
 
 # The columns ``dispatch.claim_due`` copies into a ``ClaimedRow``, in this order.
@@ -94,16 +95,19 @@ def mark_published_pg(tables: Tables, dialect: sa.Dialect) -> sa.TextClause:
     when none. The standalone relay sleeps until then without a query of its own per wake-up
     (relay/loop.py).
 
-    Parameters: ``now`` (ms), ``ids`` (list of seq), ``scope`` and ``name`` (the counter's key).
+    The count goes to a stripe of the counter no other transaction holds (``counters.striped_increment_ctes``):
+    a relay frozen between its mark and its COMMIT must not hold every other relay's mark.
+
+    Parameters: ``now`` (ms), ``ids`` (list of seq), ``scope``, ``name`` and ``stripe`` (the counter's key
+    and ``counters.stripe_prefix(name)``).
     """
     quote = dialect.identifier_preparer.format_table
-    outbox, counters = quote(tables.table(tables.outbox)), quote(tables.table(tables.counters))
+    outbox, table = quote(tables.table(tables.outbox)), quote(tables.table(tables.counters))
     return sa.text(
         f"WITH marked AS (UPDATE {outbox} SET published_at_ms = :now "
         f"WHERE seq = ANY(:ids) AND published_at_ms IS NULL RETURNING 1), "
-        f"counted AS (INSERT INTO {counters} (consumer, name, value) "
-        f"SELECT :scope, :name, m.n FROM (SELECT count(*) AS n FROM marked) AS m WHERE m.n > 0 "
-        f"ON CONFLICT (consumer, name) DO UPDATE SET value = {counters}.value + EXCLUDED.value) "
-        f"SELECT count(*), (SELECT min(next_attempt_at_ms) FROM {outbox} "
-        f"WHERE {PENDING_SQL} AND seq <> ALL(:ids)) FROM marked"
+        f"m AS (SELECT count(*) AS n FROM marked), "
+        f"{counters.striped_increment_ctes(table, amount='(SELECT n FROM m)')} "
+        f"SELECT (SELECT n FROM m), (SELECT min(next_attempt_at_ms) FROM {outbox} "
+        f"WHERE {PENDING_SQL} AND seq <> ALL(:ids))"
     ).bindparams(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)))

@@ -16,7 +16,7 @@ from kombu import Connection, Exchange, Queue
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 
-from celery_outbox import Tables
+from celery_outbox import Tables, counters
 from celery_outbox.celery.sender import replay_sender
 from celery_outbox.cli import cli
 from celeryconfig import Settings
@@ -75,10 +75,8 @@ def shipments(sessions: sessionmaker[Session]) -> int:
 
 
 def duplicates(sessions: sessionmaker[Session], tables: Tables) -> int:
-    counters = tables.counters
     with sessions() as s:
-        return int(s.scalar(sa.select(counters.value).where(counters.consumer == "shipping",
-                                                           counters.name == "duplicates")) or 0)
+        return counters.value(s, "shipping", "duplicates", tables=tables)
 
 
 def run_cli(env: dict[str, str], *args: str) -> Result:

@@ -230,7 +230,7 @@ class Recorder:
 
     def _sql(self, _c: object, _cur: object, statement: str, *_: object) -> None:
         s = " ".join(statement.split()).upper()
-        self.kinds.append("claim" if "SKIP LOCKED" in s else "mark" if s.startswith("WITH MARKED AS") else s[:60])
+        self.kinds.append("mark" if s.startswith("WITH MARKED AS") else "claim" if "SKIP LOCKED" in s else s[:60])
 
     def _clause(self, _c: object, clause: object, *_: object) -> None:
         self.clauses.append(clause)

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from freezegun import freeze_time
 from sqlalchemy.orm import Session, sessionmaker
 
-from celery_outbox import AlreadyPublishedError, ManualClock, NotFoundError, Tables, ValidationError
+from celery_outbox import AlreadyPublishedError, ManualClock, NotFoundError, Tables, ValidationError, counters
 from celery_outbox.relay.dispatch import InFlight, claim_batch, finish_batch, send_claimed
 from celery_outbox.testing import InMemoryPublisher, drain
 from tests.tasks.test_enqueue import TaskApp
@@ -29,9 +29,8 @@ def tasks(any_sessions: sessionmaker[Session], clock: ManualClock, tables: Table
 
 
 def cancelled_count(tasks: TaskApp) -> int:
-    c = tasks.tables.counters
     with tasks.sessions() as s:
-        return int(s.scalar(sa.select(c.value).where(c.consumer == "_relay", c.name == "cancelled")) or 0)
+        return counters.value(s, "_relay", "cancelled", tables=tasks.tables)
 
 
 def test_a_cancelled_reminder_is_never_published(tasks: TaskApp, clock: ManualClock) -> None:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kombu import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import counters
 from celery_outbox.celery.consumer_tasks import DeadLettered
 from celery_outbox.celery.sender import replay_sender
 from celery_outbox.clock import ManualClock
@@ -109,9 +110,7 @@ def effects(sessions: sessionmaker[Session], task: str, key: str | None = None) 
 
 def duplicates(sessions: sessionmaker[Session], tables: Tables, consumer: str) -> int:
     with sessions() as s:
-        value = s.execute(sa.select(tables.counters.value).where(tables.counters.consumer == consumer,
-                                                                 tables.counters.name == DUPLICATES)).scalar()
-    return int(value or 0)
+        return counters.value(s, consumer, DUPLICATES, tables=tables)
 
 
 # -- the key ------------------------------------------------------------------------------------

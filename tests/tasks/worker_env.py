@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from kombu import Connection, Exchange, Queue
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import counters
 from celery_outbox.celery.enqueue import publishing_directly
 from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.inbox.handle import DUPLICATES
@@ -122,9 +123,7 @@ class Env:
         pytest.fail(f"timed out waiting for {what}: expected {expected!r}, last {last!r}\n{self.logs()}")
 
     def duplicates(self, s: Session, key: str) -> int:
-        counters = self.tables.counters
-        return int(s.execute(sa.select(counters.value).where(counters.consumer == key, counters.name == DUPLICATES))
-                   .scalar() or 0)
+        return counters.value(s, key, DUPLICATES, tables=self.tables)
 
     def calls(self, task: str, key: str) -> int:
         return ia.calls(self.built.settings, task, key)

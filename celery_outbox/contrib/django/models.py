@@ -13,6 +13,8 @@ from typing import Any
 from django.db import models
 from django.db.models import Q
 
+from celery_outbox.counters import base_name
+
 
 class OutboxMessage(models.Model):  # type: ignore[misc]
     """One event waiting for (or past) the relay. ``published_at_ms IS NULL`` means pending."""
@@ -160,7 +162,10 @@ class EntityVersion(models.Model):  # type: ignore[misc]
 
 
 class ConsumerCounter(models.Model):  # type: ignore[misc]
-    """Monotonic per-consumer counters (e.g. duplicates absorbed), shared with the SQLAlchemy side."""
+    """Monotonic per-consumer counters (e.g. duplicates absorbed), shared with the SQLAlchemy side.
+
+    On Postgres a counter may be kept in several rows (stripes ``name#<n>``, so no increment waits for
+    another transaction: celery_outbox/counters.py); ``total`` adds them up."""
 
     pk = models.CompositePrimaryKey("consumer", "name")
     consumer = models.CharField(max_length=64)
@@ -172,6 +177,12 @@ class ConsumerCounter(models.Model):  # type: ignore[misc]
 
     def __str__(self) -> str:
         return f"{self.consumer}.{self.name} = {self.value}"
+
+    @classmethod
+    def total(cls, consumer: str, name: str, *, using: str = "default") -> int:
+        """Counter ``(consumer, name)``: the sum of its stripes (0 when it was never incremented)."""
+        rows = cls.objects.using(using).filter(Q(name=name) | Q(name__startswith=name + "#"), consumer=consumer)
+        return sum(int(v) for n, v in rows.values_list("name", "value") if base_name(n) == name)
 
 
 class TaskReceipt(models.Model):  # type: ignore[misc]
