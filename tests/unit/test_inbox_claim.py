@@ -115,7 +115,9 @@ def test_duplicate_is_one_transaction_with_its_count(any_sessions: sessionmaker[
     with any_sessions() as s, recorded(any_sessions) as seen:
         assert inbox.handle(s, env, tables=tables, consumer="shipping", handler=shipping, clock=clock) \
             is Outcome.DUPLICATE
-    assert kinds(seen, tables) == ["INSERT inbox", "INSERT counters", "COMMIT"]
+    # (one statement either way; on Postgres the count is a striped increment, a WITH .. UPDATE/INSERT: counters.py)
+    counted = "WITH counters" if any_sessions.kw["bind"].dialect.name == "postgresql" else "INSERT counters"
+    assert kinds(seen, tables) == ["INSERT inbox", counted, "COMMIT"]
     assert count(any_sessions, Shipment) == 1
     with any_sessions() as s:
         assert duplicates_absorbed(s, tables) == {"shipping": 1}
