@@ -76,6 +76,11 @@ def request(task: Any, *, receipt: bool = True, eta: dt.datetime | None = None,
                    on_reject=on_reject or (lambda *a: None))
 
 
+def database_away() -> Any:
+    """The outbox's session factory while the database is unreachable."""
+    raise sa.exc.OperationalError("connect", {}, Exception("database unreachable"))
+
+
 def taken_by_the_pool(req: Any) -> None:
     """The worker's accept callback: a pool process has taken the task and runs it now."""
     req.on_accepted(4242, time.monotonic())
@@ -215,17 +220,13 @@ def test_with_the_database_away_the_ack_goes_ahead_and_the_receipt_is_written_on
         built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables,
         caplog: pytest.LogCaptureFixture) -> None:
     # Given a received plain outbox task, and the database gone
-    class Broken:
-        def __call__(self) -> Any:
-            raise sa.exc.OperationalError("connect", {}, Exception("database unreachable"))
-
     outbox = built.outbox
     handlers = Receipts(outbox, retry_after_s=0.0)
     acked: list[str] = []
     req = request(built.plain, on_ack=lambda *a: acked.append("ack"))
     handlers.on_received(sender=Consumer(), request=req)
     real = outbox.sessions
-    outbox.sessions = Broken()  # type: ignore[assignment]
+    outbox.sessions = database_away  # type: ignore[assignment]
     try:
         # When the task is acked
         req.acknowledge()
@@ -325,17 +326,13 @@ def test_a_receipt_the_thread_could_not_write_is_written_by_its_ack(
         built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], tables: Tables,
         caplog: pytest.LogCaptureFixture) -> None:
     # Given a received task taken by the pool while the database is away
-    class Broken:
-        def __call__(self) -> Any:
-            raise sa.exc.OperationalError("connect", {}, Exception("database unreachable"))
-
     outbox = built.outbox
     handlers = Receipts(outbox, retry_after_s=0.0)
     seen_at_ack: list[set[str]] = []
     req = request(built.plain, on_ack=lambda *a: seen_at_ack.append(stored(sqlite_sessions, tables)))
     handlers.on_received(sender=Consumer(), request=req)
     real = outbox.sessions
-    outbox.sessions = Broken()  # type: ignore[assignment]
+    outbox.sessions = database_away  # type: ignore[assignment]
     try:
         taken_by_the_pool(req)
         assert settled(lambda: "could not record the receipt" in caplog.text)
