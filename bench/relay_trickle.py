@@ -48,10 +48,12 @@ def cpu_s(path: str) -> float:
 
 def kind_of(sql: str) -> str:
     s = " ".join(sql.split()).lower()
-    if "for update skip locked" in s:
-        return "claim"
     if s.startswith("with marked as"):
         return "mark"
+    if s.startswith("with slot as"):
+        return "counter"
+    if "for update skip locked" in s:
+        return "claim"
     if s.startswith("select min(") and "next_attempt_at_ms" in s:
         return "next_due"
     if "outbox_workers" in s or "workers" in s.split(" from ", 1)[-1][:40]:

@@ -17,7 +17,7 @@ readers add them up (``value``, ``fold``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import sqlalchemy as sa
 from sqlalchemy import exc
@@ -54,19 +54,22 @@ def base_name(name: str) -> str:
     return base if sep and tail.isdigit() else name
 
 
-def striped_increment_ctes(table: str, *, amount: str) -> str:
+def striped_increment_ctes(table: str, *, amount: str, param: Callable[[str], str] = ":{}".format) -> str:
     """Postgres: the CTEs ``slot``, ``bumped`` and ``added`` of a WITH statement that adds ``amount`` (a SQL
-    expression; nothing when it is not > 0) to counter ``(:scope, :name)``, stripes ``:stripe``
-    (``stripe_prefix``), without ever waiting for another transaction's row lock. ``table`` is quoted."""
-    stripe = "CAST(:stripe AS text)"
+    expression; nothing when it is not > 0) to counter ``(scope, name)``, stripes ``stripe``
+    (``stripe_prefix``), without ever waiting for another transaction's row lock. ``table`` is quoted;
+    ``param`` spells a bound parameter (SQLAlchemy's ``:name``; ``"%({})s".format`` for a DB-API cursor).
+    Only ``name`` itself and ``name#<digits>`` are its rows, as ``base_name`` reads them."""
+    scope, name, stripe = param("scope"), param("name"), f"CAST({param('stripe')} AS text)"
     return (
-        f"slot AS (SELECT name FROM {table} WHERE consumer = :scope "
-        f"AND (name = :name OR left(name, length({stripe})) = {stripe}) AND {amount} > 0 "
+        f"slot AS (SELECT name FROM {table} WHERE consumer = {scope} "
+        f"AND (name = {name} OR (left(name, length({stripe})) = {stripe} "
+        f"AND substr(name, length({stripe}) + 1) ~ '^[0-9]+$')) AND {amount} > 0 "
         f"ORDER BY name LIMIT 1 FOR UPDATE SKIP LOCKED), "
         f"bumped AS (UPDATE {table} AS c SET value = c.value + {amount} FROM slot "
-        f"WHERE c.consumer = :scope AND c.name = slot.name RETURNING 1), "
+        f"WHERE c.consumer = {scope} AND c.name = slot.name RETURNING 1), "
         f"added AS (INSERT INTO {table} (consumer, name, value) "
-        f"SELECT :scope, {stripe} || txid_current()::text, {amount} "
+        f"SELECT {scope}, {stripe} || txid_current()::text, {amount} "
         f"WHERE {amount} > 0 AND NOT EXISTS (SELECT 1 FROM bumped) "
         f"ON CONFLICT (consumer, name) DO UPDATE SET value = {table}.value + EXCLUDED.value RETURNING 1)"
     )

@@ -169,6 +169,16 @@ class Receipts:
         self._wake.set()
 
     def _start_thread(self) -> None:
+        if self._thread is not None and self._thread_pid == os.getpid() and self._thread.is_alive():
+            return
+        ctx: Context = self.outbox
+        # The session factory is built here, on the loop's thread, before the thread exists: billiard forks
+        # pool processes from this thread, and a fork while another thread held the factory's lock would
+        # leave that lock held in the child.
+        try:
+            ctx.sessions()
+        except Exception as e:  # the thread's first batch meets it again, and logs it
+            log.debug("task receipts: no session factory yet: %s: %s", type(e).__name__, e)
         with self._lock:
             if self._thread is not None and self._thread_pid == os.getpid() and self._thread.is_alive():
                 return
@@ -248,8 +258,9 @@ class Receipts:
         if key not in self._pending:
             return
         with self._write_lock:
-            if key in self._pending:
-                self.flush()
+            if key in self._pending and not self.flush() and key in self._pending:
+                log.warning("task %s acked without its receipt (the database failed; the reconciler may send it "
+                            "again after OUTBOX_RELAY_RECONCILE_PLAIN_TASKS_AFTER_MS)", key)
 
     def _arm(self, consumer: Any) -> None:
         """Write what is pending ``flush_after_s`` from now, on the consumer's timer (once at a time)."""
@@ -293,14 +304,15 @@ class Receipts:
     def close(self) -> None:
         """Stop the thread and close the connection the batches were written on (worker shutdown).
 
-        Waits at most ``CLOSE_WAIT_S`` for a batch in flight (a database that does not answer must not
+        Waits at most ``CLOSE_WAIT_S`` in all for a batch in flight (a database that does not answer must not
         hold the shutdown); the pending receipts belong to unacked messages, which come back."""
         self._closing = True
         self._wake.set()
+        deadline = time.monotonic() + CLOSE_WAIT_S
         thread = self._thread
         if thread is not None and thread is not threading.current_thread() and self._thread_pid == os.getpid():
             thread.join(CLOSE_WAIT_S)
-        if not self._write_lock.acquire(timeout=CLOSE_WAIT_S):
+        if not self._write_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             log.warning("task receipts: a batch is still being written; its connection is left to the exit")
             return
         try:

@@ -141,3 +141,20 @@ def test_rows_written_before_stripes_existed_still_count(
     with pg_sessions() as s:
         assert {n: v for n, v in s.execute(sa.select(tables.counters.name, tables.counters.value))} == {
             counters.PUBLISHED: 42}
+
+
+def test_only_the_counters_own_rows_take_its_increments(pg_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given rows that only look like stripes of "duplicates" (no reader would add them to it)
+    with pg_sessions() as s:
+        for name in ("duplicates#x", "duplicates#1#2", "duplicatesX"):
+            s.add(tables.counters(consumer="shipping", name=name, value=100))
+        s.commit()
+    # When a duplicate is counted
+    with pg_sessions() as s:
+        counters.stage_increment(s, "shipping", "duplicates", tables=tables)
+        s.commit()
+    # Then it went to a row of its own, and what a reader sums is what was counted
+    with pg_sessions() as s:
+        values = {n: v for n, v in s.execute(sa.select(tables.counters.name, tables.counters.value))}
+        assert counters.value(s, "shipping", "duplicates", tables=tables) == 1
+    assert sorted(v for n, v in values.items() if n in ("duplicates#x", "duplicates#1#2", "duplicatesX")) == [100] * 3

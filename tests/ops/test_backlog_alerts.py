@@ -194,8 +194,8 @@ def stop_holding_a_claim(proc: subprocess.Popen[bytes], sessions: sessionmaker[S
     A claim seen once is not enough: a mark and its COMMIT the relay sent just before it stopped can still be
     on their way to the server, and that claim ends a moment later with nothing left held. The claim counts
     only when it is still open, and older, after a pause. Nor may the stopped transaction have marked yet:
-    the mark adds to the relay's one published counter row, whose lock would hold every other relay's mark
-    until Postgres ends the transaction (a known gap, docs/scaling.md); this test is about a held claim.
+    this test is about a held claim (a frozen mark no longer holds other relays' marks, since counters are
+    striped: tests/integration/test_counters_striped.py).
     """
     for _ in range(200):
         os.killpg(proc.pid, signal.SIGSTOP)

@@ -39,10 +39,17 @@ def cancel(task_id: str | uuid.UUID, *, using: str | None = None) -> Cancelled:
         if not found or found[0][0] is not None:
             raise not_cancelled(message_id, found[0][0] if found else None)
         OutboxMessage.objects.using(alias).filter(message_id=message_id, published_at_ms__isnull=True).delete()
-        ConsumerCounter.objects.using(alias).get_or_create(consumer=counters.RELAY, name=CANCELLED,
-                                                          defaults={"value": 0})
-        ConsumerCounter.objects.using(alias).filter(consumer=counters.RELAY, name=CANCELLED).update(
-            value=F("value") + 1)
+        if connection.vendor == "postgresql":  # striped, as the SQLAlchemy side counts (celery_outbox/counters.py)
+            table = connection.ops.quote_name(ConsumerCounter._meta.db_table)
+            with connection.cursor() as cursor:
+                cursor.execute(f"WITH {counters.striped_increment_ctes(table, amount='1', param='%({})s'.format)} "
+                               "SELECT 1", {"scope": counters.RELAY, "name": CANCELLED,
+                                            "stripe": counters.stripe_prefix(CANCELLED)})
+        else:
+            ConsumerCounter.objects.using(alias).get_or_create(consumer=counters.RELAY, name=CANCELLED,
+                                                              defaults={"value": 0})
+            ConsumerCounter.objects.using(alias).filter(consumer=counters.RELAY, name=CANCELLED).update(
+                value=F("value") + 1)
     except DjangoDatabaseError as e:
         raise DatabaseError(f"cancelling outbox row {message_id} failed: {e.__class__.__name__}: {e}") from e
     return Cancelled(message_id=message_id, type=str(found[0][1]), due_at_ms=int(found[0][2]))
