@@ -117,4 +117,4 @@ def value(session: Session, scope: str, name: str, *, tables: Tables) -> int:
     """Counter ``(scope, name)``: the sum of its stripes (0 when it was never incremented)."""
     c = tables.counters
     rows = session.execute(sa.select(c.name, c.value).where(c.consumer == scope))
-    return sum(int(v) for n, v in rows if base_name(n) == name)
+    return fold((scope, n, v) for n, v in rows).get(scope, {}).get(name, 0)

@@ -13,7 +13,7 @@ from typing import Any
 from django.db import models
 from django.db.models import Q
 
-from celery_outbox.counters import base_name
+from celery_outbox.counters import fold, stripe_prefix
 
 
 class OutboxMessage(models.Model):  # type: ignore[misc]
@@ -181,8 +181,8 @@ class ConsumerCounter(models.Model):  # type: ignore[misc]
     @classmethod
     def total(cls, consumer: str, name: str, *, using: str = "default") -> int:
         """Counter ``(consumer, name)``: the sum of its stripes (0 when it was never incremented)."""
-        rows = cls.objects.using(using).filter(Q(name=name) | Q(name__startswith=name + "#"), consumer=consumer)
-        return sum(int(v) for n, v in rows.values_list("name", "value") if base_name(n) == name)
+        rows = cls.objects.using(using).filter(Q(name=name) | Q(name__startswith=stripe_prefix(name)), consumer=consumer)
+        return fold((consumer, n, v) for n, v in rows.values_list("name", "value")).get(consumer, {}).get(name, 0)
 
 
 class TaskReceipt(models.Model):  # type: ignore[misc]
