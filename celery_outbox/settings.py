@@ -414,7 +414,8 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     "relay_max_in_flight_rows": IntRule(1, 10_000),
     "relay_poll_interval_s": FloatRule(0.01, 86_400.0),
     # After a NOTIFY wakes the standalone relay, how long it gathers further commits before claiming, while
-    # they come faster than one per window (relay/loop.py): one claim / publish / mark for several commits.
+    # at least GATHER_MIN_COMMITS are expected within the window (relay/loop.py): one claim / publish / mark
+    # for several commits.
     "relay_gather_ms": IntRule(0, 1_000, zero="0 = off: claim at once"),
     "relay_max_attempts": IntRule(1, 1_000),  # the attempts column is a 32-bit integer
     "relay_base_delay_ms": IntRule(1, DAY_MS),
@@ -586,7 +587,7 @@ class Settings:
     relay_max_in_flight_rows: int = 1_000
     relay_poll_interval_s: float = 1.0
     # Gathers only while commits come faster than one per window, so a trickle pays no latency (docs/settings.md).
-    relay_gather_ms: int = 5
+    relay_gather_ms: int = 20
     relay_max_attempts: int = 10
     relay_base_delay_ms: int = 1_000
     relay_max_delay_ms: int = 300_000

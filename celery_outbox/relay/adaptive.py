@@ -7,10 +7,11 @@ which bounds the rows published but not yet marked, i.e. the duplicates a crash 
 halves after a batch that came back at most a quarter full.
 
 ``CommitRate``: a NOTIFY wake-up may wait ``relay_gather_ms`` so that one claim, publish, confirm wait
-and mark serve the commits that arrive meanwhile. That pays only when commits come at least once per
-window; at a trickle (20 orders/s against a 5 ms window) the wait is latency for nothing. So the loop
+and mark serve the commits that arrive meanwhile. That pays only when several commits come within the
+window; at a trickle (20 orders/s against a 20 ms window) the wait is latency for nothing. So the loop
 counts the notifications it reads, decayed exponentially over ``horizon_s``, and gathers only while the
-rate says at least one more commit is expected within the window.
+rate says at least a given number of commits (the loop's ``GATHER_MIN_COMMITS``) is expected within
+the window.
 
 Both are pure objects: the caller passes the time in, no I/O.
 """
@@ -72,6 +73,6 @@ class CommitRate:
     def per_s(self, *, at: float) -> float:
         return self._decayed(at) / self.horizon_s
 
-    def expects_more(self, window_s: float, *, at: float) -> bool:
-        """Whether at least one more commit is expected within ``window_s`` at the current rate."""
-        return window_s > 0 and self.per_s(at=at) * window_s >= 1.0
+    def expects_more(self, window_s: float, *, at: float, commits: float = 1.0) -> bool:
+        """Whether at least ``commits`` more commits are expected within ``window_s`` at the current rate."""
+        return window_s > 0 and self.per_s(at=at) * window_s >= max(commits, 1.0)

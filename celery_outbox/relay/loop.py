@@ -3,8 +3,9 @@
 ``outbox relay`` runs this. A row inserted into the outbox fires the ``outbox_pending`` NOTIFY
 (trigger of migration 0001), which wakes the loop at once; polling is the fallback (SQLite, a lost
 LISTEN connection, rows whose backoff ends). Per wake-up it does no more than a batch needs (issue #24):
-a NOTIFY waits ``relay_gather_ms`` for more commits before claiming while commits come faster than one
-per window (``adaptive.CommitRate``: at a trickle it claims at once), each
+a NOTIFY waits ``relay_gather_ms`` for more commits before claiming while the commit rate expects
+``GATHER_MIN_COMMITS`` of them within that window (``adaptive.CommitRate``: below it, and at a trickle,
+it claims at once), each
 claim first drops the notifications that have arrived (their rows are visible to it, so they must not
 wake the loop again), the mark reads the next due time in the same statement (Postgres; a drain whose
 first claim comes back empty reads it in that claim's transaction), the claim and the mark are built once
@@ -83,8 +84,12 @@ STOP_GRACE_S = 0.4  # after SIGTERM: how long the current batch may finish befor
 STOP_GIVE_UP_S = 0.7  # after SIGTERM: when ``run`` returns even if the loop's thread is still blocked
 _TICK_S = 0.05  # how often the watchdog looks
 # A NOTIFY gathers (``relay_gather_ms``) only while the commit rate, decayed over this horizon, expects
-# another commit within the window (relay/adaptive.py ``CommitRate``).
+# GATHER_MIN_COMMITS more commits within the window (relay/adaptive.py ``CommitRate``): a wake-up's claim,
+# confirm wait, mark and COMMIT then serve at least five commits for the window's latency, and with the
+# default 20 ms window the loop gathers from 200 commits/s, never at the rates the latency bench runs
+# (20-80 orders/s; docs/benchmarks.md, "A longer gather, only where it pays").
 GATHER_RATE_HORIZON_S = 1.0
+GATHER_MIN_COMMITS = 4
 
 
 def stall_bound_s(settings: Settings, *, poll_interval_s: float | None = None) -> float:
@@ -236,8 +241,8 @@ class RelayLoop:
         self._lock_path = sqlite_lock_path(bind.url.render_as_string(hide_password=False) if bind is not None else "")
         self.poll_interval_s = poll_interval_s or settings.relay_poll_interval_s
         self.listen = listen
-        # After a NOTIFY, while commits come faster than one per window, wait the window for more, so one
-        # claim, publish and mark serve several (``_gather``); the rate counts every notification read.
+        # After a NOTIFY, while GATHER_MIN_COMMITS more are expected within the window, wait the window for
+        # them, so one claim, publish and mark serve several (``_gather``); the rate counts every notification.
         self.gather_s = settings.relay_gather_ms / 1000
         self.commit_rate = CommitRate(horizon_s=GATHER_RATE_HORIZON_S)
         self._due_hint: DrainResult | None = None  # the last drain, when its mark read the next due time
@@ -697,11 +702,12 @@ class RelayLoop:
 
     def _gather(self) -> None:
         """After a NOTIFY: wait ``relay_gather_ms`` for more commits before the drain claims (one claim,
-        publish, confirm wait and mark for all of them), while the commit rate expects another within
-        the window (``adaptive.CommitRate``). A stop or a kick ends the wait at once; the notifications
-        it collected are dropped by the claim (``_coalesce_notifies``)."""
+        publish, confirm wait and mark for all of them), while the commit rate expects
+        ``GATHER_MIN_COMMITS`` within the window (``adaptive.CommitRate``). A stop or a kick ends the wait
+        at once; the notifications it collected are dropped by the claim (``_coalesce_notifies``)."""
         if (self.gather_s <= 0 or self.stopping
-                or not self.commit_rate.expects_more(self.gather_s, at=time.monotonic())):
+                or not self.commit_rate.expects_more(self.gather_s, at=time.monotonic(),
+                                                     commits=GATHER_MIN_COMMITS)):
             return
         self.stats.gathers += 1
         if select.select([self._wake_r], [], [], self.gather_s)[0]:

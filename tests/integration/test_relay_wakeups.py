@@ -18,7 +18,7 @@ from celery_outbox import Tables, workers
 from celery_outbox.clock import ManualClock
 from celery_outbox.messages import TASK_KIND
 from celery_outbox.relay.dispatch import ClaimedRow, RegistryCache, claim_due, held_rows, mark_rows
-from celery_outbox.relay.loop import RelayLoop
+from celery_outbox.relay.loop import GATHER_MIN_COMMITS, RelayLoop
 from celery_outbox.relay.queries import due_pending, mark_published_pg, next_due
 from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
@@ -144,6 +144,33 @@ def test_a_notify_gathers_while_commits_come_faster_than_the_window_and_not_at_a
     loop._wait()
     assert (loop.stats.notify_wakeups, loop.stats.gathers) == (2, 1)
     assert loop.commit_rate.expects_more(0.25, at=time.monotonic())
+    assert loop.drain_once().published == 1
+    loop.close()
+
+
+def test_a_notify_does_not_gather_when_fewer_commits_than_gather_min_commits_are_expected(
+        pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock, tables: Tables) -> None:
+    # Given a loop with a 250 ms window whose commit rate is about 8 a second: about two commits expected
+    # within the window, fewer than the GATHER_MIN_COMMITS a wait must serve
+    loop = RelayLoop(settings=settings(tmp_path, pg_url, relay_gather_ms=250, relay_poll_interval_s=30.0),
+                     tables=tables, session_factory=pg_sessions, publisher=InMemoryPublisher(), clock=clock)
+    loop._ensure_listener()
+    now = time.monotonic()
+    for i in range(16):
+        loop.commit_rate.add(1, at=now - 2 + i / 8)
+    assert 1 <= loop.commit_rate.per_s(at=time.monotonic()) * 0.25 < GATHER_MIN_COMMITS
+    # When a commit's NOTIFY wakes it, Then it claims at once
+    insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
+    loop._wait()
+    assert (loop.stats.notify_wakeups, loop.stats.gathers) == (1, 0)
+    assert loop.drain_once().published == 1
+    # And at about 40 a second (ten within the window), the next NOTIFY gathers
+    now = time.monotonic()
+    for i in range(40):
+        loop.commit_rate.add(1, at=now - 1 + i / 40)
+    insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
+    loop._wait()
+    assert (loop.stats.notify_wakeups, loop.stats.gathers) == (2, 1)
     assert loop.drain_once().published == 1
     loop.close()
 

@@ -83,6 +83,19 @@ def test_a_burst_expects_more_and_is_forgotten_after_a_quiet_spell() -> None:
     assert rate.per_s(at=11.0) < 0.1
 
 
+def test_a_window_can_ask_for_several_commits() -> None:
+    # Given 100 commits a second for two seconds
+    rate = CommitRate(horizon_s=1.0)
+    for i in range(200):
+        rate.add(1, at=i / 100)
+    # Then a 20 ms window expects one more commit, but not the four the relay's gather asks for
+    assert rate.expects_more(0.02, at=2.0)
+    assert not rate.expects_more(0.02, at=2.0, commits=4)
+    # And a 50 ms window expects four; asking for less than one commit is asking for one
+    assert rate.expects_more(0.05, at=2.0, commits=4)
+    assert rate.expects_more(0.02, at=2.0, commits=0) == rate.expects_more(0.02, at=2.0)
+
+
 def test_no_window_or_no_commit_never_gathers() -> None:
     rate = CommitRate()
     assert not rate.expects_more(10.0, at=0.0)
