@@ -193,14 +193,32 @@ def is_postgres(session_or_engine: Session | Engine | sa.Connection) -> bool:
     return bind.dialect.name == "postgresql"
 
 
-def is_unique_violation(error: exc.IntegrityError) -> bool:
-    """True for a primary-key/unique violation on SQLite or Postgres (not FK or NOT NULL)."""
-    orig = error.orig
-    pgcode = getattr(orig, "pgcode", None)
-    if pgcode is not None:
-        return bool(pgcode == "23505")
-    text = str(orig)
-    return "UNIQUE constraint failed" in text or "PRIMARY KEY" in text
+UNIQUE_VIOLATION = "23505"
+"""Postgres's SQLSTATE for a unique or primary-key violation."""
+_SQLITE_UNIQUE = frozenset({"SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY"})
+
+
+def is_unique_violation(error: BaseException) -> bool:
+    """True for a primary-key/unique violation, False for any other error (a foreign key, NOT NULL, CHECK).
+
+    ``error``: SQLAlchemy's ``IntegrityError`` (the driver's error in ``.orig``), Django's ``IntegrityError``
+    (the driver's error as ``__cause__``) or the driver's own error. Postgres errors are read by SQLSTATE,
+    which psycopg2 calls ``pgcode`` and psycopg 3 ``sqlstate``; SQLite's by its extended error name
+    (``sqlite_errorname``), else its message."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(code, str) and code:
+            return code == UNIQUE_VIOLATION
+        name = getattr(current, "sqlite_errorname", None)
+        if isinstance(name, str) and name.startswith("SQLITE_"):
+            return name in _SQLITE_UNIQUE
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    text = str(getattr(error, "orig", None) or error.__cause__ or error)
+    return "UNIQUE constraint failed" in text
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db import DatabaseError as DjangoDatabaseError
 from sqlalchemy.orm import Session
 
@@ -56,16 +56,6 @@ inbox transaction opens; a retry runs it again with the same key."""
 
 class _AlreadyProcessed(Exception):
     """Raised inside the atomic block so that leaving it rolls everything back."""
-
-
-def is_unique_violation(error: IntegrityError) -> bool:
-    """True for a primary-key/unique violation (psycopg2, psycopg 3 or SQLite), not FK/NOT NULL."""
-    cause = error.__cause__
-    code = getattr(cause, "pgcode", None) or getattr(cause, "sqlstate", None)
-    if code is not None:
-        return bool(code == "23505")
-    text = str(cause if cause is not None else error)
-    return "UNIQUE constraint failed" in text
 
 
 def already_processed(message_id: Any, consumer: str, *, using: str | None = None) -> bool:

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from django.db import IntegrityError, transaction
 
 import celery_outbox.contrib.django
+from celery_outbox import is_unique_violation
 from celery_outbox.clock import Clock, SystemClock
-from celery_outbox.contrib.django.consumer import is_unique_violation
 from celery_outbox.errors import DatabaseError
 from celery_outbox.writer import Event
 from orders.service import ORDER_PLACED, DuplicateOrderError, OrderRequest, order_placed_payload
