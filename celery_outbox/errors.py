@@ -59,6 +59,11 @@ class NotFoundError(ValidationError):
     """A caller named something (a dead-letter id, a consumer) that does not exist; nothing changed."""
 
 
+class ArchiveError(ValidationError):
+    """The file a purge archives to cannot keep the dead letters (a device, a directory, not an archive, a
+    full disk): the purge stops before deleting anything it has not written there."""
+
+
 class TransactionRequiredError(OutboxError):
     """An outbox row was to be written outside a transaction (autocommit would publish rolled-back work)."""
 

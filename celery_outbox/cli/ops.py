@@ -13,7 +13,6 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import click
@@ -21,10 +20,20 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
-from celery_outbox.cli.common import AsciiInt, AsciiSeconds, Duration, get_outbox, get_settings, handle_errors
+from celery_outbox.cli.common import (
+    AsciiInt,
+    AsciiSeconds,
+    BadInput,
+    Duration,
+    get_outbox,
+    get_settings,
+    handle_errors,
+    one_line,
+)
 from celery_outbox.cli.probes import EXIT_PROBLEM
 from celery_outbox.cli.progress import ProgressView
 from celery_outbox.clock import SystemClock
+from celery_outbox.errors import ArchiveError
 from celery_outbox.ops import dead_letter_groups as groups_mod
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import retention
@@ -186,7 +195,7 @@ def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consu
 @dead_letters.command("purge")
 @click.argument("ids", nargs=-1)
 @click.option("--group", "group", default=None, help="Purge one group (see 'outbox dead-letters groups').")
-@click.option("--archive", type=click.Path(dir_okay=False, writable=True, path_type=Path), default=None,
+@click.option("--archive", default=None, metavar="FILE",
               help="With --group: append each dead letter to this JSON-lines file before deleting it.")
 @click.option("--rate", type=AsciiSeconds(low=0.001), default=groups_mod.DEFAULT_PURGE_RATE, show_default=True,
               help="With --group: at most this many deletions a second.")
@@ -194,7 +203,7 @@ def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consu
 @click.option("--yes", is_flag=True, help="Confirm: the dead letters are deleted for good.")
 @click.pass_context
 @handle_errors
-def purge_cmd(ctx: click.Context, ids: tuple[str, ...], group: str | None, archive: Path | None, rate: float,
+def purge_cmd(ctx: click.Context, ids: tuple[str, ...], group: str | None, archive: str | None, rate: float,
               as_json: bool, yes: bool) -> None:
     """Delete dead letters for good (needs --yes); --group --archive FILE keeps a copy first."""
     if bool(ids) == (group is not None):
@@ -286,7 +295,7 @@ def _replay_group(ctx: click.Context, gid: str, *, dry_run: bool, rate: float, a
     click.echo(_run_summary(report))
 
 
-def _purge_group(ctx: click.Context, gid: str, *, archive: Path | None, rate: float, as_json: bool) -> None:
+def _purge_group(ctx: click.Context, gid: str, *, archive: str | None, rate: float, as_json: bool) -> None:
     outbox = get_outbox(ctx)
     with _sessions(ctx)() as session:
         group = groups_mod.get_group(session, gid, tables=outbox.tables)
@@ -296,8 +305,11 @@ def _purge_group(ctx: click.Context, gid: str, *, archive: Path | None, rate: fl
         def step(p: groups_mod.RunProgress) -> None:
             view.update("group", p.done, p.total)
 
-        report = groups_mod.purge_group(_sessions(ctx), gid, tables=outbox.tables, clock=SystemClock(),
-                                        archive=archive, rate=rate, progress=step)
+        try:
+            report = groups_mod.purge_group(_sessions(ctx), gid, tables=outbox.tables, clock=SystemClock(),
+                                            archive=archive, rate=rate, progress=step)
+        except ArchiveError as e:  # the file cannot keep them: a bad argument (or a full disk), exit 2
+            raise BadInput(one_line(str(e))) from None
     if as_json:
         _echo_json(report.to_dict())
         return

@@ -17,14 +17,12 @@ commit: that message is sent again by the resumed run, counted once, and the inb
 
 from __future__ import annotations
 
-import json
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
@@ -36,6 +34,7 @@ from celery_outbox.errors import NotFoundError, ValidationError
 from celery_outbox.inbox.dead_letters import envelope_of
 from celery_outbox.inbox.fingerprints import FINGERPRINT_CHARS, error_class, fingerprint, normalise
 from celery_outbox.inbox.task_keys import is_task_key
+from celery_outbox.ops.archive import Archive, encode
 from celery_outbox.ops.dead_letters import DeadLetterId, Sender, Source
 from celery_outbox.schema import DeadLetterRow, OutboxRow, Tables
 from celery_outbox.sql import upsert
@@ -368,21 +367,6 @@ def _forget_attempts(session: Session, *, tables: Tables, rows: Iterable[DeadLet
                                                         a.c.consumer == sa.bindparam("b_consumer")), keys)
 
 
-def _archived_through(path: Path) -> int:
-    """The highest row id already in the archive file (0 when none): a resumed purge does not write it again."""
-    top = 0
-    if not path.exists():
-        return 0
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                ref = DeadLetterId.parse(json.loads(line).get("id"))
-            except (ValueError, AttributeError, ValidationError):
-                continue  # a line cut short by the crash: its row is still in the database, written again below
-            top = max(top, ref.row_id)
-    return top
-
-
 def _archive_line(row: DeadLetterRow | OutboxRow) -> dict[str, Any]:
     if isinstance(row, DeadLetterRow):
         return {"id": f"consumer:{row.id}", "consumer": row.consumer, "message_id": row.message_id, "type": row.type,
@@ -395,13 +379,27 @@ def _archive_line(row: DeadLetterRow | OutboxRow) -> dict[str, Any]:
 
 
 def purge_group(sessions: sessionmaker[Session], group_id: str, *, tables: Tables, clock: Clock,
-                archive: Path | None = None, rate: float = DEFAULT_PURGE_RATE, batch: int = DEFAULT_BATCH,
+                archive: Path | str | None = None, rate: float = DEFAULT_PURGE_RATE, batch: int = DEFAULT_BATCH,
                 progress: Progress | None = None, sleep: Callable[[float], None] = time.sleep,
                 monotonic: Callable[[], float] = time.monotonic) -> RunReport:
     """Delete every dead letter of the group, a batch per transaction; with ``archive``, each batch is first
-    appended to that JSON-lines file and flushed to disk (a row is deleted only once it is archived)."""
+    appended to that JSON-lines file and flushed to disk (a row is deleted only once it is archived; the
+    file is checked before anything is deleted: ``celery_outbox/ops/archive.py``)."""
     with sessions() as session:
         group = get_group(session, group_id, tables=tables)
+    out = Archive.open(archive) if archive is not None else None
+    try:
+        return _purge(sessions, group, tables=tables, clock=clock, out=out, rate=rate, batch=batch,
+                      progress=progress, sleep=sleep, monotonic=monotonic)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _purge(sessions: sessionmaker[Session], group: Group, *, tables: Tables, clock: Clock, out: Archive | None,
+           rate: float, batch: int, progress: Progress | None, sleep: Callable[[float], None],
+           monotonic: Callable[[], float]) -> RunReport:
+    with sessions() as session:
         scope = _scope("purge", group.id)
         job = _job(session, scope, tables=tables)
         if not job:
@@ -411,48 +409,39 @@ def purge_group(sessions: sessionmaker[Session], group_id: str, *, tables: Table
             job = _job(session, scope, tables=tables)
     before, total = job.get("done", 0), job.get("total", group.count)
     throttle = Throttle(rate / batch, sleep=sleep, monotonic=monotonic)
-    through = _archived_through(archive) if archive is not None else 0
-    out: IO[str] | None = archive.open("a", encoding="utf-8") if archive is not None else None
     done = 0
-    try:
-        with wrap_driver_errors(f"purging dead-letter group {group.id}"):
-            for session, refs in _iter_batches(sessions, group, tables=tables, batch=batch):
-                throttle.wait()
-                ids = [r.row_id for r in refs]
-                if group.source == "consumer":
-                    d = tables.dead_letters
-                    rows: list[Any] = list(session.scalars(sa.select(d).where(d.id.in_(ids)).order_by(d.id)))
-                else:
-                    o = tables.outbox
-                    rows = list(session.scalars(sa.select(o).where(o.seq.in_(ids), o.dead_lettered_at_ms.is_not(None))
-                                                .order_by(o.seq)))
-                if out is not None:
-                    for row in rows:
-                        line = _archive_line(row)
-                        if DeadLetterId.parse(line["id"]).row_id > through:
-                            out.write(json.dumps(line, sort_keys=True, default=str) + "\n")
-                    out.flush()
-                    os.fsync(out.fileno())
-                if group.source == "consumer":
-                    _forget_attempts(session, tables=tables, rows=rows)
-                    res = session.execute(sa.delete(tables.dead_letters).where(tables.dead_letters.id.in_(ids),
-                                                                               tables.dead_letters.replayed_at_ms.is_(None)))
-                else:
-                    res = session.execute(sa.delete(tables.outbox).where(tables.outbox.seq.in_(ids),
-                                                                         tables.outbox.dead_lettered_at_ms.is_not(None)))
-                n = int(getattr(res, "rowcount", 0))
-                counters.stage_increment(session, scope, "done", n, tables=tables)
-                session.commit()
-                done += n
-                if progress is not None:
-                    progress(RunProgress(done=before + done, total=total,
-                                         line=f"batch of {n} deleted{' (archived first)' if out else ''}: "
-                                              f"{before + done}/{total}"))
-            with sessions() as session:
-                _end_job(session, scope, tables=tables)
-    finally:
-        if out is not None:
-            out.close()
+    with wrap_driver_errors(f"purging dead-letter group {group.id}"):
+        for session, refs in _iter_batches(sessions, group, tables=tables, batch=batch):
+            throttle.wait()
+            ids = [r.row_id for r in refs]
+            if group.source == "consumer":
+                d = tables.dead_letters
+                rows: list[Any] = list(session.scalars(sa.select(d).where(d.id.in_(ids)).order_by(d.id)
+                                                       .with_for_update()))
+            else:
+                o = tables.outbox
+                rows = list(session.scalars(sa.select(o).where(o.seq.in_(ids), o.dead_lettered_at_ms.is_not(None))
+                                            .order_by(o.seq).with_for_update()))
+            if out is not None:
+                lines = [encode(_archive_line(row)) for row in rows]
+                out.write([line for line in lines if not out.holds(line)])
+            if group.source == "consumer":
+                _forget_attempts(session, tables=tables, rows=rows)
+                res = session.execute(sa.delete(tables.dead_letters).where(tables.dead_letters.id.in_(ids),
+                                                                           tables.dead_letters.replayed_at_ms.is_(None)))
+            else:
+                res = session.execute(sa.delete(tables.outbox).where(tables.outbox.seq.in_(ids),
+                                                                     tables.outbox.dead_lettered_at_ms.is_not(None)))
+            n = int(getattr(res, "rowcount", 0))
+            counters.stage_increment(session, scope, "done", n, tables=tables)
+            session.commit()
+            done += n
+            if progress is not None:
+                progress(RunProgress(done=before + done, total=total,
+                                     line=f"batch of {n} deleted{' (archived first)' if out else ''}: "
+                                          f"{before + done}/{total}"))
+        with sessions() as session:
+            _end_job(session, scope, tables=tables)
     return RunReport(group=group.id, action="purge", done_now=done, done_before=before, skipped=0, total=total,
                      resumed_from_ms=job.get("started_at_ms") if before else None,
-                     archived_to=str(archive) if archive is not None else None)
+                     archived_to=out.path if out is not None else None)

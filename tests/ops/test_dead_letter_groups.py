@@ -3,8 +3,10 @@ crash with an exact report, and 100,000 dead letters on Postgres (index-only lis
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from celery_outbox import Tables
 from celery_outbox.cli import cli
 from celery_outbox.clock import ManualClock
 from celery_outbox.db import make_engine, make_session_factory
-from celery_outbox.errors import NotFoundError, ValidationError
+from celery_outbox.errors import ArchiveError, NotFoundError, ValidationError
 from celery_outbox.inbox.fingerprints import fingerprint, normalise
 from celery_outbox.ops import dead_letter_groups as groups
 from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
@@ -189,6 +191,90 @@ def test_purge_with_archive_killed_midway_archives_each_once(any_sessions: sessi
     with any_sessions() as s:
         left = {f"consumer:{i}" for i in s.scalars(sa.select(tables.dead_letters.id))}
     assert not set(ids["billing"]) & left and set(ids["shipping"]) <= left
+
+
+def left_ids(any_sessions: sessionmaker[Session], tables: Tables) -> set[str]:
+    with any_sessions() as s:
+        return ({f"consumer:{i}" for i in s.scalars(sa.select(tables.dead_letters.id))}
+                | {f"outbox:{i}" for i in s.scalars(sa.select(tables.outbox.seq))})
+
+
+def test_two_groups_purged_into_one_archive_newer_first_are_both_kept(
+        any_sessions: sessionmaker[Session], tables: Tables, clock: ManualClock, tmp_path: Path) -> None:
+    # Given an archive that already holds the newer group (higher row ids) and a line cut short by a crash
+    with any_sessions() as s:
+        ids = two_groups(s, tables)
+        found = by_consumer(groups.list_groups(s, tables=tables))
+    archive = tmp_path / "a.jsonl"
+    groups.purge_group(any_sessions, found["shipping"].id, tables=tables, clock=clock, archive=archive, rate=FAST)
+    with archive.open("a") as f:
+        f.write('{"id": "consumer:1", "bo')
+    # When the older group (lower row ids) is purged into the same file
+    groups.purge_group(any_sessions, found["billing"].id, tables=tables, clock=clock, archive=archive, rate=FAST)
+    # Then every deleted dead letter is a whole line of the archive
+    kept = []
+    for line in archive.read_text().splitlines():
+        if line.startswith('{"id": "consumer:1", "bo'):
+            continue  # the cut line stays as it was; the next one starts on a line of its own
+        kept.append(json.loads(line)["id"])
+    assert sorted(kept) == sorted(ids["shipping"] + ids["billing"])
+    assert not (set(kept) & left_ids(any_sessions, tables))
+
+
+def test_a_full_disk_stops_the_purge_before_the_batch_is_deleted(
+        any_sessions: sessionmaker[Session], tables: Tables, clock: ManualClock, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with any_sessions() as s:
+        ids = two_groups(s, tables)
+        gid = by_consumer(groups.list_groups(s, tables=tables))["billing"].id
+    real_fsync = os.fsync
+    calls = []
+
+    def fsync(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 2:  # the second batch finds the disk full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(ArchiveError, match="the disk is full; the batch being written was not deleted"):
+        groups.purge_group(any_sessions, gid, tables=tables, clock=clock, archive=tmp_path / "a.jsonl", batch=2,
+                           rate=FAST)
+    assert set(ids["billing"][2:]) <= left_ids(any_sessions, tables)
+    assert not set(ids["billing"][:2]) & left_ids(any_sessions, tables)
+
+
+def bad_archives(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """An archive path each, and what the one line must say."""
+    binary = tmp_path / "core.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)))
+    lines = tmp_path / "notes.txt"
+    lines.write_text("shopping list\nmilk\n")
+    return {"device": ("/dev/full", "a device, a pipe or a socket"), "null": ("/dev/null", "a device"),
+            "directory": (str(tmp_path), "it is a directory"), "proc": ("/proc/nope/x.jsonl", "proc is a kernel view"),
+            "sys": ("/sys/x.jsonl", "sys is a kernel view"), "empty": ("", "the path is empty"),
+            "missing dir": (str(tmp_path / "nope" / "a.jsonl"), "its directory does not exist"),
+            "binary": (str(binary), "not a dead-letter archive"), "text": (str(lines), "line 1 is not a dead-letter")}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["device", "null", "directory", "proc", "sys", "empty", "missing dir", "binary",
+                                  "text"])
+def test_cli_purge_refuses_a_bad_archive_in_one_line_and_deletes_nothing(
+        kind: str, any_sessions: sessionmaker[Session], tables: Tables, any_db_url: str, tmp_home: Path,
+        namespace: str, tmp_path: Path) -> None:
+    with any_sessions() as s:
+        two_groups(s, tables)
+        gid = by_consumer(groups.list_groups(s, tables=tables))["shipping"].id
+    before = left_ids(any_sessions, tables)
+    path, says = bad_archives(tmp_path)[kind]
+    env = {"OUTBOX_DATABASE_URL": any_db_url, "OUTBOX_HOME": str(tmp_home), "OUTBOX_NAMESPACE": namespace,
+           "OUTBOX_BROKER_URL": "memory://"}
+    r = run(env, "dead-letters", "purge", "--group", gid, "--yes", "--archive", path)
+    assert r.exit_code == 2, r.output
+    assert says in r.output and "nothing was deleted" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and "unexpected" not in r.output
+    assert left_ids(any_sessions, tables) == before
 
 
 @pytest.mark.parametrize("raw", ["", "abc", "0123456789abcdeg", "0123456789ABCDEF", "\u0660" * 10 + "abcdef", None])
