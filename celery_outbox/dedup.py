@@ -54,6 +54,21 @@ class Deduplicated:
     replaced: uuid.UUID | None = None  # the task a replace deleted
 
 
+ONE_TASK_ONLY = ("a dedup key takes one task's signature (task.s(...)), not a chain or a group: one key, one "
+                 "pending task; nothing was written")
+
+
+def check_one_task(headers: Any, body: Any, *, task: str) -> None:
+    """A message sent with a dedup key is one task: not a chain's first step (its embed carries the rest),
+    not a member of a group (Celery sends each with the group's id). One rule for
+    ``apply_async(headers={KEY_HEADER: K})`` and ``outbox.enqueue(..., dedup_key=K)``."""
+    embed = body[2] if isinstance(body, (list, tuple)) and len(body) == 3 else None
+    chained = isinstance(embed, dict) and bool(embed.get("chain"))
+    grouped = isinstance(headers, dict) and headers.get("group") is not None
+    if chained or grouped:
+        raise ValidationError(f"task {task[:200]!r}: {ONE_TASK_ONLY}")
+
+
 def check(key: Any, on_conflict: Any, *, task: str) -> tuple[str, OnConflict]:
     """The key and mode, or a one-line ``ValidationError`` saying what is wrong (nothing is written)."""
     if not isinstance(key, str) or not key or len(key) > MAX_KEY or "\x00" in key or not key.isprintable():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -67,16 +68,26 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number read as a float, refused when it overflows (``1e400``): it would be Infinity, which no
+    JSON encoder writes back (a retry re-encoding it would send text that is not JSON)."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is out of the float range")
+    return value
+
+
 # Built once at import (immutable: its options never change). ``json.loads`` with a hook builds a decoder
 # per call, which was a third of decoding a small envelope; ``decode_json`` keeps ``json.loads``'s one
 # check that runs before the decoder (a leading BOM), so verdicts and messages are json.loads's
 # (tests/unit/test_fast_paths.py compares them on hostile text).
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 _BOM = "\ufeff"
 
 
 def decode_json(raw: str | bytes | bytearray, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH, what: str = "message") -> Any:
-    """Decode untrusted JSON: strict UTF-8, no NaN/Infinity, nesting at most ``max_depth``.
+    """Decode untrusted JSON: strict UTF-8, no NaN/Infinity (nor a number that overflows to it, ``1e400``),
+    nesting at most ``max_depth``.
 
     Every way it can fail is a ``MalformedMessageError`` saying what was wrong.
     """

@@ -224,8 +224,7 @@ class Outbox:
             with self.transaction(session):
                 return signature.apply_async(**options)
         if hasattr(signature, "tasks") or not getattr(signature, "task", None):
-            raise ValidationError("outbox.enqueue(dedup_key=...) takes one task's signature (task.s(...)), not a "
-                                  "chain or a group; nothing was written")
+            raise ValidationError(f"outbox.enqueue(dedup_key=...): {dedup.ONE_TASK_ONLY}")
         headers = {**(options.pop("headers", None) or {}), dedup.KEY_HEADER: dedup_key,
                    dedup.ON_CONFLICT_HEADER: on_conflict}
         with self.transaction(session), self._enqueue_interceptor.recording_dedup() as done:

@@ -24,7 +24,8 @@ The rules of a captured task, each a ``MalformedMessageError`` saying what is wr
 * ``[args, kwargs, embed]``: a list, an object, and ``null`` or an object with only ``callbacks``,
   ``errbacks``, ``chain`` and ``chord``; no chord (its counter lives in the result backend);
 * every argument nested at most ``max_json_depth`` levels (``OUTBOX_MAX_JSON_DEPTH``; the check is
-  iterative, so 5,000 levels is a clear refusal, not a ``RecursionError``);
+  iterative, so 5,000 levels is a clear refusal, not a ``RecursionError``), the arguments of every
+  embedded callback, errback and chain step too (each runs as a message of its own);
 * no NUL and no lone surrogate in any string or key of the arguments, the embedded signatures or
   the headers (no database column stores them);
 * every task an embedded callback, errback or chain step names is one ``known`` accepts (a task of
@@ -232,7 +233,7 @@ def _check_call(headers: Any, body: Any, *, rules: TaskRules, shallow: bool, sto
         if not storable:
             _check_storable((list(args), dict(kwargs), embed), what="arguments")
         _check_storable(dict(headers), what="headers")
-        _check_embed(embed, rules.known)
+        _check_embed(embed, rules.known, max_depth=None if shallow else rules.max_depth)
         if rules.arity is not None:
             try:
                 rules.arity(*args, **kwargs)
@@ -315,7 +316,11 @@ def _check_storable(value: Any, *, what: str) -> None:
             extend(item)
 
 
-def _check_embed(embed: Mapping[str, Any] | None, known: Known) -> None:
+def _check_embed(embed: Mapping[str, Any] | None, known: Known, *, max_depth: int | None) -> None:
+    """The embed's shape and the tasks it names; with ``max_depth``, every embedded signature's arguments are
+    bounded as the message's own are (a callback, errback or chain step runs as a task message of its own:
+    one too deep would pass here and be dead-lettered after the parent ran). ``max_depth`` None: the body's
+    text already proves no argument in it nests that deep (``check_message``)."""
     if embed is None:
         return
     unknown = sorted(str(k) for k in embed if k not in EMBED_KEYS)
@@ -335,9 +340,22 @@ def _check_embed(embed: Mapping[str, Any] | None, known: Known) -> None:
                 task = item.get("task")
                 if not isinstance(task, str) or not known(task):
                     raise Bad(f"embed names task {_short(task)}, which is not a task of this app the outbox carries")
+                if max_depth is not None:
+                    _check_signature_depth(item, task, max_depth)
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
+
+
+def _check_signature_depth(signature: Mapping[str, Any], task: str, max_depth: int) -> None:
+    args, kwargs = signature.get("args"), signature.get("kwargs")
+    who = f"embedded task {storable_text(task, limit=120)!r}"
+    if isinstance(args, (list, tuple)):
+        for i, arg in enumerate(args):
+            check_depth(arg, max_depth=max_depth, what=f"{who} argument {i + 1}")
+    if isinstance(kwargs, Mapping):
+        for key, arg in kwargs.items():
+            check_depth(arg, max_depth=max_depth, what=f"{who} keyword argument {storable_text(str(key), limit=60)!r}")
 
 
 def _short(value: Any) -> str:

@@ -374,6 +374,8 @@ class Interceptor:
                     "publish (sent directly: lost if the process dies); nothing was sent")
             writer = OwnTransactionWriter(self.outbox, insert=self.insert_statement())
         options, key = self.dedup_options(name, options)
+        if key is not None:
+            dedup.check_one_task(message[0], message[2], task=name)
         values = self.row_values(producer, name, message, options)
         if self.send_task.chosen.get() and writer.holds(values["message_id"]):
             raise _reused_id(values)

@@ -17,8 +17,16 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text[:40]} is out of the float range")
+    return value
+
+
 def decode_json_before(raw: Any, *, max_depth: int, what: str = "message") -> Any:
-    """``messages.decode_json`` as it was: ``json.loads`` with a hook (a decoder built per call)."""
+    """``messages.decode_json`` as it was: ``json.loads`` with hooks (a decoder built per call); with its rules
+    of today (a number that overflows to infinity is refused too)."""
     if isinstance(raw, (bytes, bytearray, memoryview)):
         try:
             text = bytes(raw).decode("utf-8")
@@ -31,7 +39,7 @@ def decode_json_before(raw: Any, *, max_depth: int, what: str = "message") -> An
     if messages.json_depth_exceeds(text, max_depth):
         raise MalformedMessageError(f"{what} is nested deeper than {max_depth} levels")
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as e:
         raise MalformedMessageError(f"{what} is not JSON: {messages.storable_text(str(e), limit=500)}") from None
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from celery import group
 from freezegun import freeze_time
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -138,6 +139,17 @@ def test_a_bad_key_or_mode_is_refused_and_nothing_is_written(tasks: TaskApp, hea
 def test_enqueue_takes_a_key_for_one_task_only(tasks: TaskApp) -> None:
     with pytest.raises(ValidationError, match="not a chain or a group"), tasks.sessions.begin() as s:
         tasks.outbox.enqueue(s, tasks.step.s(1) | tasks.step.s(), dedup_key=KEY)
+    assert tasks.rows() == []
+
+
+@pytest.mark.parametrize("canvas", ["chain", "group"])
+def test_a_key_in_the_headers_of_a_chain_or_group_is_refused_as_enqueue_refuses_it(tasks: TaskApp, canvas: str) -> None:
+    # Given a chain (or a group) sent with a dedup key in its headers, as outbox.enqueue(..., dedup_key=K) refuses it
+    sig = tasks.step.s(1) | tasks.step.s() if canvas == "chain" else group(tasks.step.s(1), tasks.step.s(2))
+    # When it is sent inside a transaction, Then it is refused with the same words and nothing is written
+    with pytest.raises(ValidationError, match="not a chain or a group"), tasks.sessions.begin() as s, \
+            tasks.outbox.transaction(s):
+        sig.apply_async(**keyed())
     assert tasks.rows() == []
 
 

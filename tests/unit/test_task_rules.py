@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import ManualClock, Outbox, Settings, Tables, ValidationError
 from celery_outbox.celery.gate import Gate
-from celery_outbox.errors import OutboxError
+from celery_outbox.errors import OutboxError, SerializationError
 from celery_outbox.task_rules import TaskRules, canonical_task_id, check_call
 
 MAX_DEPTH = 8
@@ -73,6 +73,15 @@ CALLS = [
     Call("callback to a library task", options={"link": signature("celery_outbox.poison")}),
     Call("callback to Celery's own task", options={"link": signature("celery.backend_cleanup")}),
     Call("errback to an unknown task", options={"link_error": signature("nobody.knows")}),
+    Call("a callback nested exactly to the limit", options={"link": signature(NAME, args=(nested(MAX_DEPTH),))},
+         refused=False),
+    Call("a callback's argument nested one level too deep",
+         options={"link": signature(NAME, args=(nested(MAX_DEPTH + 1),))}),
+    Call("an errback's keyword argument nested one level too deep",
+         options={"link_error": signature(NAME, kwargs={"y": nested(MAX_DEPTH + 1)})}),
+    Call("a chain step's argument nested one level too deep",
+         options={"chain": [dict(signature(NAME, args=(nested(MAX_DEPTH + 1),)))]}),
+    Call("a number that overflows to infinity (1e400)", args=[float("inf")], raw=b"[[1e400],{},null]"),
     Call("a countdown", options={"countdown": 30}, refused=False),
     Call("a shadow name over 200 characters", options={"shadow": "s" * 201}),
 ]
@@ -102,7 +111,7 @@ class App:
                 with self.outbox.transaction(s):
                     self.app.send_task(NAME, args=call.args, kwargs=call.kwargs, task_id=call.task_id, **call.options)
                 s.commit()
-            except ValidationError:
+            except (ValidationError, SerializationError):  # a rule broken, or not JSON (NaN, infinity) at all
                 s.rollback()
                 return "refused"
             row = s.execute(sa.select(self.tables.outbox).order_by(self.tables.outbox.seq.desc())).scalars().first()
