@@ -5,6 +5,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 ORDERS ?= 100
+# The reference deployment names its Outbox for the `outbox` command, as a user's project does (no default).
+export OUTBOX_APP ?= relay.app
 
 .PHONY: demo test test-django6 lint typecheck unit integration chaos bench docs clean
 

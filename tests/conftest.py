@@ -24,6 +24,11 @@ from celeryconfig import Settings
 from orders import migrate
 from tests.services import require_service
 
+# The reference deployment names its Outbox like any user does (docker-compose.yml, Makefile): the tests that run
+# a bare `outbox` (CliRunner or a process inheriting this environment) run it on relay.app. Tests of how the
+# command finds an app when none is named remove it (tests/unit/test_cli_app.py, tests/packaging/).
+os.environ.setdefault("OUTBOX_APP", "relay.app")
+
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 RABBITMQ_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import re
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -14,14 +12,12 @@ from typing import Any, TypeVar
 import click
 from sqlalchemy import exc as sa_exc
 
+from celery_outbox.cli.app import resolve
 from celery_outbox.errors import ConfigError, DatabaseError, OutboxError
 from celery_outbox.outbox import Outbox
 from celery_outbox.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-DEFAULT_APP = "relay.app"  # the reference deployment, when neither -A nor OUTBOX_APP names one
 
 
 class BadInput(click.ClickException):
@@ -45,49 +41,24 @@ class OutboxGroup(click.Group):
 
 def settings_group(fn: Callable[..., None]) -> click.Group:
     @click.group(cls=OutboxGroup, context_settings={"help_option_names": ["-h", "--help"]})
-    @click.option("-A", "--app", "app_spec", envvar="OUTBOX_APP", default=None, metavar="MODULE[:ATTR]",
-                  help="Where your Outbox lives, like celery -A (env OUTBOX_APP; default: the reference "
-                       "deployment's relay.app).")
+    @click.option("-A", "--app", "app_spec", default=None, metavar="MODULE[:ATTR]",
+                  help="Where your Outbox lives, like celery -A. Without it: $OUTBOX_APP, then [tool.celery-outbox] "
+                       "app in the nearest pyproject.toml, then DJANGO_SETTINGS_MODULE's DjangoOutbox, then "
+                       "FLASK_APP's FlaskOutbox.")
     @click.version_option(package_name="celery-outbox", prog_name="outbox")
     @click.pass_context
     @functools.wraps(fn)
     def group(ctx: click.Context, app_spec: str | None) -> None:
         ctx.ensure_object(dict)
-        ctx.obj["app_spec"] = app_spec or DEFAULT_APP
+        ctx.obj["app_spec"] = app_spec
 
     return group
 
 
-def load_outbox(spec: str) -> Outbox:
-    """``module`` or ``module:attr`` -> the ``Outbox`` there (an attribute named outbox, or the only one)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not all(part.isidentifier() for part in module_name.split(".")):
-        raise ConfigError(f"-A {spec!r} is not MODULE[:ATTR]")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)  # like ``celery -A``: the project is the current directory, not an installed package
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise ConfigError(f"-A {spec!r}: cannot import {e.name!r}; run from your project's directory") from None
-    if attr:
-        found = getattr(module, attr, None)
-        if not isinstance(found, Outbox):
-            raise ConfigError(f"-A {spec!r}: {attr!r} is not an Outbox")
-        return found
-    named = getattr(module, "outbox", None)
-    if isinstance(named, Outbox):
-        return named
-    candidates = [v for v in vars(module).values() if isinstance(v, Outbox)]
-    if len(candidates) != 1:
-        raise ConfigError(f"-A {spec!r}: found {len(candidates)} Outbox objects in {module_name}; "
-                          "name one as MODULE:ATTR")
-    return candidates[0]
-
-
 def get_outbox(ctx: click.Context) -> Outbox:
-    """The Outbox of ``-A``, loaded once per invocation; bad config exits 2 with the reason. A group that
-    already holds one (``flask outbox``: the app's) hands it down in its ``obj``."""
+    """The user's Outbox (``-A``, ``OUTBOX_APP``, pyproject.toml, Django, Flask: celery_outbox/cli/app.py), loaded
+    once per invocation; bad config exits 2 with the reason. A group that already holds one (``flask outbox``:
+    the app's) hands it down in its ``obj``."""
     given = ctx.obj.get("outbox") if isinstance(ctx.obj, dict) else None
     if isinstance(given, Outbox):
         return given
@@ -95,7 +66,9 @@ def get_outbox(ctx: click.Context) -> Outbox:
     root.ensure_object(dict)
     if "outbox" not in root.obj:
         try:
-            outbox = load_outbox(root.obj.get("app_spec") or DEFAULT_APP)
+            outbox, flask_app = resolve(root.obj.get("app_spec"))
+            if flask_app is not None:  # FLASK_APP: the command runs inside the app, as `flask outbox` does
+                root.with_resource(flask_app.app_context())
             outbox.check()
         except ConfigError as e:
             raise BadInput(f"bad configuration: {one_line(str(e))}") from None

@@ -52,7 +52,8 @@ BAD: dict[str, tuple[dict[str, str], str]] = {
 def run(entry: str, env_changes: dict[str, str], tmp_path: Path,
         args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update({"OUTBOX_HOME": str(tmp_path / "var"), "OUTBOX_BROKER_URL": "memory://", **env_changes})
+    env.update({"OUTBOX_HOME": str(tmp_path / "var"), "OUTBOX_BROKER_URL": "memory://", "OUTBOX_APP": "relay.app",
+                **env_changes})
     argv = ENTRY_POINTS[entry] if args is None else [ENTRY_POINTS[entry][0], *args]
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 

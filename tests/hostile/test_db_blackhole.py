@@ -230,7 +230,8 @@ class RelayProcess:
         home.mkdir(exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
         env.update({"OUTBOX_DATABASE_URL": database_url, "OUTBOX_BROKER_URL": redis_url,
-                    "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": str(home), **RELAY_TIMEOUTS})
+                    "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": str(home), "OUTBOX_APP": "relay.app",
+                    **RELAY_TIMEOUTS})
         self.settings = Settings.from_env({k: v for k, v in env.items() if k.startswith("OUTBOX_")})
         self.log = tmp_path / "relay.log"
         with self.log.open("wb") as out:

@@ -40,7 +40,7 @@ def test_demo_rejects_bad_arguments(tmp_path: Path) -> None:
 def test_bad_configuration_is_a_usage_error(tmp_path: Path) -> None:
     env = {**os.environ, "OUTBOX_RELAY_BATCH_SIZE": "lots", "OUTBOX_HOME": str(tmp_path / "var")}
     outbox_cli = Path(sys.executable).parent / "outbox"
-    # run from the repository: the CLI's default -A relay.app is the reference deployment there
+    # run from the repository, on the reference deployment's Outbox (OUTBOX_APP=relay.app, tests/conftest.py)
     proc = subprocess.run([str(outbox_cli), "db", "upgrade"], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2

@@ -30,7 +30,7 @@ def env(any_db_url: str, tmp_home: Path, namespace: str) -> dict[str, str]:
 
 
 def run(env: dict[str, str], *args: str) -> Result:
-    # The CLI loads its Outbox by importing relay.app (the default -A), which reads OUTBOX_* at import:
+    # The CLI loads its Outbox by importing relay.app (OUTBOX_APP, tests/conftest.py), which reads OUTBOX_* at import:
     # forget an earlier invocation's module so this one is built from this env, as a new process would.
     sys.modules.pop("relay.app", None)
     return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
@@ -190,7 +190,7 @@ def test_bad_configuration_exits_2(env: dict[str, str]) -> None:
 
 def test_real_subprocess_stats_json(env: dict[str, str], seeded: dict[str, str]) -> None:
     exe = Path(sys.executable).with_name("outbox")
-    # from the repository, where the CLI's default -A relay.app (the reference deployment) lives
+    # from the repository, on OUTBOX_APP=relay.app (tests/conftest.py): the reference deployment
     proc = subprocess.run([str(exe), "stats", "--json"], env={**os.environ, **env}, cwd=REPO, capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr

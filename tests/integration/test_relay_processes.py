@@ -129,7 +129,7 @@ def wait_for(cond: Any, what: str, procs: Procs, deadline_s: float = 60.0) -> No
 def base_env(pg_url: str, redis_url: str, namespace: str, home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env.update(OUTBOX_DATABASE_URL=pg_url, OUTBOX_BROKER_URL=redis_url, OUTBOX_NAMESPACE=namespace,
-               OUTBOX_HOME=str(home), OUTBOX_RELAY_POLL_INTERVAL_S="0.5")
+               OUTBOX_HOME=str(home), OUTBOX_RELAY_POLL_INTERVAL_S="0.5", OUTBOX_APP="relay.app")
     return env
 
 

@@ -82,7 +82,7 @@ def relays(tmp_path: Path) -> Iterator[Relays]:
 def env(pg_url: str, redis_url: str, namespace: str, tmp_home: Path) -> Iterator[dict[str, str]]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     e.update(OUTBOX_DATABASE_URL=pg_url, OUTBOX_BROKER_URL=redis_url, OUTBOX_NAMESPACE=namespace,
-             OUTBOX_HOME=str(tmp_home), OUTBOX_RELAY_POLL_INTERVAL_S="0.5",
+             OUTBOX_HOME=str(tmp_home), OUTBOX_RELAY_POLL_INTERVAL_S="0.5", OUTBOX_APP="relay.app",
              # no worker consumes here, so every published event looks lost to the reconciler after its window:
              # on a slow machine its re-sends (three per row) would compete with the drain these tests wait for
              OUTBOX_RELAY_RECONCILE_AFTER_MS="600000")

@@ -58,6 +58,7 @@ def env(pg_url: str, redis_url: str, namespace: str, tmp_home: Path) -> Iterator
     e = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     e.update(OUTBOX_DATABASE_URL=pg_url, OUTBOX_BROKER_URL=redis_url, OUTBOX_NAMESPACE=namespace,
              OUTBOX_HOME=str(tmp_home), OUTBOX_RELAY_POLL_INTERVAL_S="0.5", PYTHONPATH=str(REPO),
+             OUTBOX_APP="relay.app",  # the reference deployment names its Outbox, as the page tells a user to
              COLUMNS="200")  # rich tables print whole lines when not on a terminal
     yield e
     client = redis.Redis.from_url(redis_url)

@@ -247,7 +247,7 @@ def test_sqlite_is_refused_and_stays_plain(sqlite_sessions: sessionmaker[Session
 
 
 def run(url: str, tmp_path: Path, *args: str) -> Result:
-    sys.modules.pop("relay.app", None)  # the default -A reads OUTBOX_* at import (tests/integration/test_ops_cli.py)
+    sys.modules.pop("relay.app", None)  # OUTBOX_APP's relay.app reads OUTBOX_* at import (tests/integration/test_ops_cli.py)
     env = {"OUTBOX_DATABASE_URL": url, "OUTBOX_HOME": str(tmp_path), "OUTBOX_NAMESPACE": "partition-test",
            "OUTBOX_BROKER_URL": "memory://"}
     return CliRunner().invoke(cli, ["db", "partitions", *args], env=env, catch_exceptions=False)

@@ -81,7 +81,7 @@ def test_cli_relay_once_drains_and_exits(settings: Settings, sqlite_url: str, tm
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from celery_outbox.cli import cli
 
-    # The default -A is the reference deployment's relay.app, built from OUTBOX_* when first imported:
+    # OUTBOX_APP (tests/conftest.py) is the reference deployment's relay.app, built from OUTBOX_* when first imported:
     # import it afresh under this test's environment.
     monkeypatch.delitem(sys.modules, "relay.app", raising=False)
     ids = insert(sqlite_sessions, clock, tables, 2)

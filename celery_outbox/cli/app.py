@@ -1,0 +1,189 @@
+"""Which ``Outbox`` the ``outbox`` command runs on: found in the user's project, never assumed.
+
+The first of these that is given wins (docs/operations.md, "Which app the command uses"):
+
+1. ``-A MODULE[:ATTR]`` on the command line;
+2. the ``OUTBOX_APP`` environment variable (same form);
+3. ``app = "MODULE[:ATTR]"`` in the ``[tool.celery-outbox]`` table of the nearest ``pyproject.toml``
+   (the current directory, then its parents; the nearest file decides, with or without the table);
+4. ``DJANGO_SETTINGS_MODULE``: Django is set up and the project's ``DjangoOutbox`` is used;
+5. ``FLASK_APP``: the Flask app is loaded and the ``Outbox`` its ``FlaskOutbox.init_app`` built is used.
+
+With none of them the command exits 2 with one line saying what to pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from celery_outbox.errors import ConfigError
+from celery_outbox.outbox import Outbox
+
+APP_ENV = "OUTBOX_APP"
+PYPROJECT_TABLE = "celery-outbox"  # [tool.celery-outbox]
+NO_APP = ("no app: pass -A MODULE[:ATTR] (where your Outbox lives), set OUTBOX_APP, add "
+          '[tool.celery-outbox] app = "MODULE[:ATTR]" to your pyproject.toml, or set DJANGO_SETTINGS_MODULE or FLASK_APP')
+
+Kind = Literal["module", "django", "flask"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AppSource:
+    """Where the Outbox is: ``spec`` (``MODULE[:ATTR]``, a settings module or a ``FLASK_APP`` value), how to load
+    it, ``origin`` (what the user set, for messages) and the directory the project's modules import from."""
+
+    kind: Kind
+    spec: str
+    origin: str
+    root: Path
+
+
+def nearest_pyproject(start: Path) -> Path | None:
+    """The first ``pyproject.toml`` in ``start`` or one of its parents."""
+    for directory in (start, *start.parents):
+        candidate = directory / "pyproject.toml"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def pyproject_app(path: Path) -> str | None:
+    """``[tool.celery-outbox] app`` of ``path``; None when the table or the key is absent."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it as TOML ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    tool = data.get("tool")
+    table = tool.get(PYPROJECT_TABLE) if isinstance(tool, dict) else None
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [tool.{PYPROJECT_TABLE}] must be a table")
+    app = table.get("app")
+    if app is None:
+        return None
+    if not isinstance(app, str) or not app.strip():
+        raise ConfigError(f'{path}: [tool.{PYPROJECT_TABLE}] app must be a string like "proj.outbox:outbox"')
+    return app.strip()
+
+
+def find_app(given: str | None, *, environ: Mapping[str, str], cwd: Path) -> AppSource:
+    """The first source in the documented order; ``ConfigError`` (``NO_APP``) when there is none."""
+    if given:
+        return AppSource(kind="module", spec=given, origin="-A", root=cwd)
+    if environ.get(APP_ENV, "").strip():
+        return AppSource(kind="module", spec=environ[APP_ENV].strip(), origin=APP_ENV, root=cwd)
+    pyproject = nearest_pyproject(cwd)
+    if pyproject is not None:
+        app = pyproject_app(pyproject)
+        if app is not None:
+            return AppSource(kind="module", spec=app, origin=f"[tool.{PYPROJECT_TABLE}] app in {pyproject}",
+                             root=pyproject.parent)
+    if environ.get("DJANGO_SETTINGS_MODULE", "").strip():
+        return AppSource(kind="django", spec=environ["DJANGO_SETTINGS_MODULE"].strip(), origin="DJANGO_SETTINGS_MODULE",
+                         root=cwd)
+    if environ.get("FLASK_APP", "").strip():
+        return AppSource(kind="flask", spec=environ["FLASK_APP"].strip(), origin="FLASK_APP", root=cwd)
+    raise ConfigError(NO_APP)
+
+
+def _on_path(root: Path) -> None:
+    """Like ``celery -A``: the project's modules import from its directory, not from an installed package."""
+    entry = str(root)
+    if entry not in sys.path and not (root == Path.cwd() and "" in sys.path):
+        sys.path.insert(0, entry)
+
+
+def missing_extra(name: str | None) -> str | None:
+    """The extra that installs the top-level module ``name``, if it is one of the optional dependencies."""
+    top = (name or "").split(".")[0]
+    return {"django": "django", "flask": "flask", "flask_sqlalchemy": "flask", "redis": "redis",
+            "psycopg2": "postgres", "psycopg": "postgres"}.get(top)
+
+
+def load_outbox(spec: str, *, origin: str = "-A") -> Outbox:
+    """``module`` or ``module:attr`` -> the ``Outbox`` there (an attribute named outbox, or the only one)."""
+    module_name, _, attr = spec.partition(":")
+    said = f"{origin} {spec!r}" if origin == "-A" else f"{origin}={spec!r}" if origin == APP_ENV else f"{origin} ({spec!r})"
+    if not module_name or not all(part.isidentifier() for part in module_name.split(".")):
+        raise ConfigError(f"{said} is not MODULE[:ATTR]")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        extra = missing_extra(e.name)
+        if extra is not None:
+            raise ConfigError(f"{said}: No module named {e.name!r}: pip install \"celery-outbox[{extra}]\"") from None
+        raise ConfigError(f"{said}: cannot import {e.name!r}; run from your project's directory") from None
+    if attr:
+        found = getattr(module, attr, None)
+        if not isinstance(found, Outbox):
+            raise ConfigError(f"{said}: {attr!r} is not an Outbox")
+        return found
+    named = getattr(module, "outbox", None)
+    if isinstance(named, Outbox):
+        return named
+    candidates = [v for v in vars(module).values() if isinstance(v, Outbox)]
+    if len(candidates) != 1:
+        raise ConfigError(f"{said}: found {len(candidates)} Outbox objects in {module_name}; name one as MODULE:ATTR")
+    return candidates[0]
+
+
+def _django_outbox(source: AppSource) -> Outbox:
+    try:
+        import django
+    except ModuleNotFoundError:
+        raise ConfigError('DJANGO_SETTINGS_MODULE is set but Django is not installed: pip install "celery-outbox[django]"') \
+            from None
+    from django.core.exceptions import ImproperlyConfigured
+
+    try:
+        django.setup()
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"DJANGO_SETTINGS_MODULE={source.spec!r}: cannot import {e.name!r}; "
+                          "run from your project's directory") from None
+    except ImproperlyConfigured as e:
+        reason = str(e).splitlines()[0] if str(e) else "improperly configured"
+        raise ConfigError(f"DJANGO_SETTINGS_MODULE={source.spec!r}: {reason}") from None
+    from celery_outbox.contrib.django.outbox import project_outbox
+
+    return project_outbox()
+
+
+def _flask_outbox(source: AppSource) -> tuple[Outbox, Any]:
+    try:
+        from flask.cli import NoAppException, ScriptInfo
+    except ModuleNotFoundError:
+        raise ConfigError('FLASK_APP is set but Flask is not installed: pip install "celery-outbox[flask]"') from None
+    from celery_outbox.contrib.flask import EXT_OUTBOX
+
+    try:
+        app = ScriptInfo(app_import_path=source.spec, set_debug_flag=False).load_app()
+    except NoAppException as e:
+        raise ConfigError(f"FLASK_APP={source.spec!r}: {str(e.format_message()).splitlines()[0]}") from None
+    outbox = app.extensions.get(EXT_OUTBOX)
+    if not isinstance(outbox, Outbox):
+        raise ConfigError(f"FLASK_APP={source.spec!r}: the app has no Outbox (call FlaskOutbox().init_app(app) in it)")
+    return outbox, app
+
+
+def load_app(source: AppSource) -> tuple[Outbox, Any]:
+    """The ``Outbox`` of ``source``, and the Flask app to run the command in (None for the others)."""
+    _on_path(source.root)
+    if source.kind == "django":
+        return _django_outbox(source), None
+    if source.kind == "flask":
+        return _flask_outbox(source)
+    return load_outbox(source.spec, origin=source.origin), None
+
+
+def resolve(given: str | None, *, environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> tuple[Outbox, Any]:
+    """``find_app`` then ``load_app``, on this process's environment and directory by default."""
+    source = find_app(given, environ=os.environ if environ is None else environ, cwd=Path.cwd() if cwd is None else cwd)
+    return load_app(source)

@@ -1,0 +1,229 @@
+"""How the ``outbox`` command finds the user's Outbox: -A, OUTBOX_APP, [tool.celery-outbox] in the nearest
+pyproject.toml, DJANGO_SETTINGS_MODULE, FLASK_APP, in that order; with none, exit 2 and one line saying what to
+pass (docs/operations.md, "Which app the command uses"). Nothing points into this repository."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from celery_outbox.cli import cli
+from celery_outbox.cli.app import NO_APP, find_app
+from celery_outbox.errors import ConfigError
+
+OUTBOX = str(Path(sys.executable).parent / "outbox")
+FRAMEWORK_VARS = ("OUTBOX_APP", "DJANGO_SETTINGS_MODULE", "FLASK_APP")
+
+# A user's module: an Outbox on a SQLite file and Celery's in-memory broker.
+USER_APP = """
+from celery import Celery
+from celery_outbox import Outbox, Settings
+
+app = Celery("{name}", broker="memory://")
+outbox = Outbox(app, settings=Settings(database_url="sqlite:///{db}", namespace="{name}"))
+"""
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any app named and without the repository on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_") and k not in FRAMEWORK_VARS
+           and k != "PYTHONPATH"}
+    return {**env, **extra}
+
+
+def write_app(directory: Path, module: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    db = directory / f"{module}.db"
+    (directory / f"{module}.py").write_text(USER_APP.format(name=module, db=db))
+    return db
+
+
+def outbox(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([OUTBOX, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def no_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    for name in FRAMEWORK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return work
+
+
+def test_with_no_app_named_the_command_exits_2_with_one_line_saying_what_to_pass(no_app: Path) -> None:
+    # Given a directory with no pyproject.toml and no app variable, When a command needs the Outbox
+    r = CliRunner().invoke(cli, ["stats"], catch_exceptions=False)
+    # Then one line, exit 2, naming every way to say where the app is, and no traceback
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines() == [f"Error: bad configuration: {NO_APP}"]
+    assert "relay" not in r.output and "Traceback" not in r.output
+
+
+def test_help_names_no_app_of_this_repository(no_app: Path) -> None:
+    r = CliRunner().invoke(cli, ["--help"], catch_exceptions=False)
+    assert r.exit_code == 0 and "relay.app" not in r.output
+    assert "OUTBOX_APP" in r.output and "pyproject.toml" in r.output and "DJANGO_SETTINGS_MODULE" in r.output
+
+
+def test_the_sources_are_taken_in_the_documented_order(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.celery-outbox]\napp = "from_toml:outbox"\n')
+    sub = tmp_path / "src" / "deep"
+    sub.mkdir(parents=True)
+    everything = {"OUTBOX_APP": "from_env", "DJANGO_SETTINGS_MODULE": "proj.settings", "FLASK_APP": "shop:create_app()"}
+    assert find_app("from_flag", environ=everything, cwd=sub).spec == "from_flag"
+    assert find_app(None, environ=everything, cwd=sub).spec == "from_env"
+    toml = find_app(None, environ={**everything, "OUTBOX_APP": ""}, cwd=sub)
+    assert (toml.spec, toml.root) == ("from_toml:outbox", tmp_path)  # the project's root, found from a subdirectory
+    only_frameworks = {"DJANGO_SETTINGS_MODULE": "proj.settings", "FLASK_APP": "shop:create_app()"}
+    django = find_app(None, environ=only_frameworks, cwd=tmp_path.parent)
+    assert (django.kind, django.spec) == ("django", "proj.settings")
+    flask = find_app(None, environ={"FLASK_APP": "shop:create_app()"}, cwd=tmp_path.parent)
+    assert (flask.kind, flask.spec) == ("flask", "shop:create_app()")
+    with pytest.raises(ConfigError, match="no app: pass -A"):
+        find_app(None, environ={}, cwd=tmp_path.parent)
+
+
+def test_the_nearest_pyproject_decides_even_without_the_table(tmp_path: Path) -> None:
+    # Given an outer project naming an app and an inner one (the user's) naming none
+    (tmp_path / "pyproject.toml").write_text('[tool.celery-outbox]\napp = "outer"\n')
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    (inner / "pyproject.toml").write_text('[project]\nname = "inner"\n')
+    # Then the outer one's app is not used for the inner project
+    with pytest.raises(ConfigError, match="no app"):
+        find_app(None, environ={}, cwd=inner)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('[tool.celery-outbox]\napp = 3\n', "app must be a string"),
+    ('[tool.celery-outbox\n', "cannot read it as TOML"),
+    ('[tool]\ncelery-outbox = "x"\n', "must be a table"),
+])
+def test_a_bad_pyproject_entry_is_one_clear_error(tmp_path: Path, text: str, words: str) -> None:
+    (tmp_path / "pyproject.toml").write_text(text)
+    with pytest.raises(ConfigError, match=words):
+        find_app(None, environ={}, cwd=tmp_path)
+
+
+def test_outbox_app_and_pyproject_find_a_users_module_outside_this_repository(tmp_path: Path) -> None:
+    # Given a user's project in a temporary directory, the repository not on its path
+    project = tmp_path / "project"
+    write_app(project, "shop_outbox")
+    (project / "pyproject.toml").write_text('[project]\nname = "shop"\n\n[tool.celery-outbox]\napp = "shop_outbox:outbox"\n')
+    sub = project / "scripts"
+    sub.mkdir()
+    # When the commands run bare from a subdirectory (pyproject.toml), and with OUTBOX_APP from elsewhere
+    up = outbox("db", "upgrade", cwd=sub, env=user_env())
+    assert up.returncode == 0, up.stderr
+    stats = outbox("stats", "--json", cwd=sub, env=user_env())
+    # Then both reach the user's Outbox
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["outbox"]["pending"] == 0
+    other = tmp_path / "other"
+    write_app(other, "billing_outbox")
+    r = outbox("db", "upgrade", cwd=other, env=user_env(OUTBOX_APP="billing_outbox"))
+    assert r.returncode == 0, r.stderr
+    assert (other / "billing_outbox.db").exists()
+    # And an OUTBOX_APP that names nothing importable is one line naming the variable
+    bad = outbox("stats", cwd=other, env=user_env(OUTBOX_APP="nowhere_at_all"))
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        "Error: bad configuration: OUTBOX_APP='nowhere_at_all': cannot import 'nowhere_at_all'; "
+        "run from your project's directory"]
+
+
+FLASK_APP_PY = """
+from flask import Flask
+
+from celery_outbox.contrib.flask import FlaskOutbox
+
+outbox = FlaskOutbox()
+
+
+def create_app():
+    app = Flask("shop")
+    app.config.update(OUTBOX_DATABASE_URL="sqlite:///{db}", CELERY={{"broker_url": "memory://"}})
+    outbox.init_app(app)
+    return app
+"""
+
+
+def test_flask_app_finds_the_flask_outbox(tmp_path: Path) -> None:
+    pytest.importorskip("flask")
+    project = tmp_path / "flaskproj"
+    project.mkdir()
+    db = project / "shop.db"
+    (project / "shop.py").write_text(FLASK_APP_PY.format(db=db))
+    r = outbox("db", "upgrade", cwd=project, env=user_env(FLASK_APP="shop:create_app()"))
+    assert r.returncode == 0, r.stderr
+    stats = outbox("stats", "--json", cwd=project, env=user_env(FLASK_APP="shop:create_app()"))
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["outbox"]["pending"] == 0 and db.exists()
+
+
+DJANGO_SETTINGS = """
+SECRET_KEY = "test"
+INSTALLED_APPS = ["celery_outbox.contrib.django"]
+DATABASES = {{"default": {{"ENGINE": "django.db.backends.sqlite3", "NAME": "{db}"}}}}
+USE_TZ = True
+CELERY_BROKER_URL = "memory://"
+"""
+
+DJANGO_CELERY = """
+import os
+
+from celery import Celery
+
+from celery_outbox.contrib.django import DjangoOutbox
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+app = Celery("proj")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+outbox = DjangoOutbox(app)
+"""
+
+
+def write_django_project(root: Path) -> Path:
+    proj = root / "proj"
+    proj.mkdir(parents=True)
+    db = root / "db.sqlite3"
+    (proj / "__init__.py").write_text("from .celery import app as celery_app\n\n__all__ = ['celery_app']\n")
+    (proj / "settings.py").write_text(DJANGO_SETTINGS.format(db=db))
+    (proj / "celery.py").write_text(DJANGO_CELERY)
+    return db
+
+
+def test_django_settings_module_finds_the_projects_django_outbox(tmp_path: Path) -> None:
+    pytest.importorskip("django")
+    project = tmp_path / "djproj"
+    write_django_project(project)
+    r = outbox("db", "upgrade", cwd=project, env=user_env(DJANGO_SETTINGS_MODULE="proj.settings"))
+    assert r.returncode == 0, r.stderr
+    stats = outbox("stats", "--json", cwd=project, env=user_env(DJANGO_SETTINGS_MODULE="proj.settings"))
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["outbox"]["pending"] == 0
+
+
+def test_manage_py_outbox_help_names_no_app_of_this_repository(tmp_path: Path) -> None:
+    pytest.importorskip("django")
+    project = tmp_path / "djproj"
+    write_django_project(project)
+    (project / "manage.py").write_text(textwrap.dedent("""
+        import os, sys
+        from django.core.management import execute_from_command_line
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+        execute_from_command_line(sys.argv)
+    """))
+    r = subprocess.run([sys.executable, "manage.py", "outbox", "--help"], cwd=project, env=user_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "-A, --app" in r.stdout and "relay.app" not in r.stdout
