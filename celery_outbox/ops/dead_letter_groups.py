@@ -67,11 +67,11 @@ class Group:
 
 
 def check_group_id(raw: object) -> str:
-    """A group id as ``outbox dead-letters groups`` prints it (hex), or ``unset``."""
-    if isinstance(raw, str):
-        text = raw.strip(" \t\r\n")
-        if text == UNSET or (len(text) == FINGERPRINT_CHARS and all(c in "0123456789abcdef" for c in text)):
-            return text
+    """A group id exactly as ``outbox dead-letters groups`` prints it (hex), or ``unset``; surrounding blanks
+    are refused, as in a dead-letter id (docs/operations.md)."""
+    if isinstance(raw, str) and (raw == UNSET or (len(raw) == FINGERPRINT_CHARS
+                                                  and all(c in "0123456789abcdef" for c in raw))):
+        return raw
     shown = repr(raw)
     raise ValidationError(f"{shown[:80]} is not a dead-letter group; see 'outbox dead-letters groups'")
 

@@ -45,8 +45,10 @@ class DeadLetterId:
 
     @classmethod
     def parse(cls, raw: object) -> DeadLetterId:
-        """``outbox:<seq>`` / ``consumer:<id>`` with ASCII digits; anything else is a ``ValidationError``."""
-        m = _ID.match(raw.strip(" \t\r\n")) if isinstance(raw, str) else None  # ASCII blanks only
+        """``outbox:<seq>`` / ``consumer:<id>`` with ASCII digits, exactly as ``list`` prints it; anything else
+        (surrounding blanks included: one rule in the CLI and both admins, docs/operations.md) is a
+        ``ValidationError``."""
+        m = _ID.match(raw) if isinstance(raw, str) else None
         if m is None or int(m.group(2)) > MAX_ROW_ID:
             shown = repr(raw)
             shown = shown if len(shown) <= 80 else shown[:77] + "..."

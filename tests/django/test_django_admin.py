@@ -206,6 +206,20 @@ def test_the_pages_are_read_only(root: Client, sa_sessions: sessionmaker[Session
     assert row.consumer == CONSUMER and row.delivery_count == 5
 
 
+def test_an_id_with_blanks_around_it_names_no_dead_letter(root: Client, sa_sessions: sessionmaker[Session],
+                                                          tables: Tables) -> None:
+    # Given a consumer dead letter and an outbox one
+    cid = consumer_dead_letter(sa_sessions, tables, body=json.dumps(envelope()), error="consumer-one-error")
+    dead = outbox_dead_letter({"order_id": "dead-order"}, error="outbox-one-error")
+    for detail, pk, error in ((consumer_detail, cid, "consumer-one-error"), (outbox_detail, dead.seq, "outbox-one-error")):
+        assert error in html(root.get(detail(pk)))
+        # When its page is opened with blanks around the id (Django's int() would read them as the id)
+        for padded in (f"%20{pk}%20", f"{pk}%20", f"%09{pk}"):
+            r = root.get(detail(pk).replace(f"/{pk}/", f"/{padded}/"), follow=True)
+            # Then the admin says it does not exist, as the CLI and the Flask page refuse it (docs/operations.md)
+            assert error not in html(r) and "doesn" in notes(r).replace("\u2019", "'")
+
+
 # -- replay -------------------------------------------------------------------------------------------
 
 def test_replaying_a_consumer_dead_letter_sends_it_once_and_marks_it(

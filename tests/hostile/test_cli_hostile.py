@@ -22,6 +22,7 @@ from celery_outbox import Tables, ValidationError
 from celery_outbox.cli import cli
 from celery_outbox.cli.common import mask_secrets
 from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.ops.dead_letter_groups import list_groups
 from celery_outbox.ops.dead_letters import DeadLetterId, parse_ids
 from tests.ops_seed import T0, consumer_dead_letter, outbox_row
 
@@ -74,7 +75,7 @@ def test_an_id_parses_to_itself_or_not_at_all(raw: str) -> None:
         assert "not a dead-letter id" in str(e) and len(str(e)) < 300  # one bounded line
         return
     # Then it names exactly the id written (ASCII digits, no sign, no leading zero), never a look-alike's
-    assert str(ref) == raw.strip(" \t\r\n")
+    assert str(ref) == raw  # exactly the text given: blanks around an id are refused, not stripped
     assert str(ref.row_id).isascii() and 0 < ref.row_id < 2**63
 
 
@@ -117,6 +118,39 @@ def test_lookalike_ids_are_one_line_errors_and_touch_nothing(seeded_env: tuple[d
         line = assert_one_clean_line(r)
         assert "not a dead-letter id" in line
         assert "one-error" not in r.output
+    assert dead_state(sessions, tables) == before
+
+
+BLANKED = [" outbox:1 ", "outbox:1 ", "\toutbox:1", "consumer:1\n", "\r\nconsumer:1"]
+
+
+@pytest.mark.parametrize("raw", BLANKED)
+def test_an_id_with_blanks_around_it_is_refused_not_stripped(seeded_env: tuple[dict[str, str], Any], tables: Tables,
+                                                             raw: str) -> None:
+    # Given dead letters outbox:1 and consumer:1
+    env, sessions = seeded_env
+    before = dead_state(sessions, tables)
+    # When a command is given one of their ids with blanks around it
+    for args in (["dead-letters", "show", raw], ["dead-letters", "replay", raw], ["dead-letters", "purge", raw, "--yes"]):
+        r = run(env, *args)
+        # Then one line saying it is not an id (the one rule, docs/operations.md), and nothing was shown or changed
+        line = assert_one_clean_line(r)
+        assert "not a dead-letter id" in line and "one-error" not in r.output
+    assert dead_state(sessions, tables) == before
+
+
+def test_a_group_id_with_blanks_around_it_is_refused_not_stripped(seeded_env: tuple[dict[str, str], Any],
+                                                                  tables: Tables) -> None:
+    env, sessions = seeded_env
+    with sessions() as s:
+        gid = next(g.id for g in list_groups(s, tables=tables) if g.source == "outbox")
+    before = dead_state(sessions, tables)
+    for padded in (f" {gid} ", f"{gid}\n"):
+        r = run(env, "dead-letters", "replay", "--group", padded)
+        line = assert_one_clean_line(r)
+        assert "not a dead-letter group" in line
+        r = run(env, "dead-letters", "purge", "--group", padded, "--yes")
+        assert "not a dead-letter group" in assert_one_clean_line(r)
     assert dead_state(sessions, tables) == before
 
 

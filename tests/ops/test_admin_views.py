@@ -16,7 +16,7 @@ from celery_outbox.ops import dead_letter_groups as groups
 from celery_outbox.schema import Tables
 from celeryconfig import Settings
 from orders.web import create_app
-from tests.ops_seed import T0, consumer_dead_letter, envelope, order_payload
+from tests.ops_seed import T0, consumer_dead_letter, envelope, order_payload, outbox_row
 
 TOKEN = "s3cret-token-0123456"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
@@ -96,3 +96,19 @@ def test_groups_and_trace_need_the_token(client: FlaskClient) -> None:
     for path in ("/admin/dead-letters/groups", "/admin/dead-letters/trace?key=order:42"):
         assert client.get(path).status_code == 401
         assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+@pytest.mark.parametrize("path", ["%20outbox:1%20", "outbox:1%20", "%09consumer:1", "consumer:1%0A"])
+def test_an_id_with_blanks_around_it_is_a_400_not_the_dead_letter(client: FlaskClient, tables: Tables,
+                                                                   sqlite_sessions: sessionmaker[Session],
+                                                                   path: str) -> None:
+    # Given dead letters outbox:1 and consumer:1
+    with sqlite_sessions() as s:
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10, last_error="outbox-one-error")
+        cid = consumer_dead_letter(s, tables=tables, consumer="billing", error="consumer-one-error")
+    assert (row.seq, cid) == (1, 1)
+    # When a page names one of them with blanks around the id
+    r = client.get(f"/admin/dead-letters/{path}", headers=BEARER)
+    # Then it is refused as the CLI refuses it (the ids' one rule, docs/operations.md), never shown
+    assert r.status_code == 400 and "one-error" not in r.get_data(as_text=True)
+    assert client.get("/admin/dead-letters/outbox:1", headers=BEARER).status_code == 200

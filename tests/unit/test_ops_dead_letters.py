@@ -40,7 +40,9 @@ def test_bad_ids_are_refused(raw: str) -> None:
 
 
 def test_ids_round_trip() -> None:
-    assert str(dl.DeadLetterId.parse(" outbox:42 ")) == "outbox:42"
+    assert str(dl.DeadLetterId.parse("outbox:42")) == "outbox:42"
+    with pytest.raises(ValidationError, match="not a dead-letter id"):  # blanks around an id: refused, not stripped
+        dl.DeadLetterId.parse(" outbox:42 ")
     assert dl.DeadLetterId.parse("consumer:7") == dl.DeadLetterId(source="consumer", row_id=7)
 
 

@@ -50,7 +50,7 @@ from sqlalchemy import exc as sa_exc
 
 from celery_outbox.contrib.django import dead_letters as ops
 from celery_outbox.contrib.django.models import ConsumerDeadLetter, OutboxMessage
-from celery_outbox.errors import DatabaseError, NotFoundError, OutboxError, PublishError
+from celery_outbox.errors import DatabaseError, NotFoundError, OutboxError, PublishError, ValidationError
 from celery_outbox.inbox.dead_letters import BODY_B64_PREFIX, body_of
 from celery_outbox.messages import DEFAULT_MAX_JSON_DEPTH, decode_json, storable_text
 from celery_outbox.ops import dead_letter_groups as dl_groups
@@ -213,6 +213,16 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[misc]
 
     def dead_letter_id(self, obj: Any) -> dl.DeadLetterId:
         return dl.DeadLetterId(source=self.source, row_id=int(obj.pk))
+
+    def get_object(self, request: HttpRequest, object_id: str, from_field: str | None = None) -> Any:
+        """The row of an id written exactly as the list shows it: Django reads the key with ``int()``, which
+        would also take blanks around it and other scripts' digits; the ids' one rule (docs/operations.md)
+        refuses them, so such a URL is "does not exist"."""
+        try:
+            dl.DeadLetterId.parse(f"{self.source}:{object_id}")
+        except ValidationError:
+            return None
+        return super().get_object(request, object_id, from_field)
 
     # -- permissions: nothing is added or edited; replay = change, purge = delete (Django's own) ---
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
