@@ -417,6 +417,8 @@ LIBRARY_RULES: Mapping[str, Rule] = {
     # at least GATHER_MIN_COMMITS are expected within the window (relay/loop.py): one claim / publish / mark
     # for several commits.
     "relay_gather_ms": IntRule(0, 1_000, zero="0 = off: claim at once"),
+    # The standalone relay's LISTEN connection, when it must bypass a transaction pooler (relay/loop.py).
+    "relay_listen_url": UrlRule(("postgresql",), "empty (the database URL) or postgresql://"),
     "relay_max_attempts": IntRule(1, 1_000),  # the attempts column is a 32-bit integer
     "relay_base_delay_ms": IntRule(1, DAY_MS),
     "relay_max_delay_ms": IntRule(1, DAY_MS),
@@ -588,6 +590,7 @@ class Settings:
     relay_poll_interval_s: float = 1.0
     # Gathers only while commits come faster than one per window, so a trickle pays no latency (docs/settings.md).
     relay_gather_ms: int = 20
+    relay_listen_url: str = ""  # empty: LISTEN through the database URL (docs/deployment.md, "Behind PgBouncer")
     relay_max_attempts: int = 10
     relay_base_delay_ms: int = 1_000
     relay_max_delay_ms: int = 300_000

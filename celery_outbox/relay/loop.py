@@ -28,6 +28,14 @@ blocked socket read cannot delay the signal: a batch still blocked after ``STOP_
 database connections shut down, and ``run`` returns after ``STOP_GIVE_UP_S`` whatever happens. Both
 paths keep publish first, mark after: a mark that fails leaves its rows pending (published again, the
 inbox absorbs them), and a row is never marked before its publish was confirmed.
+Its LISTEN must reach the Postgres server itself: a transaction pooler (PgBouncer in ``pool_mode =
+transaction``) accepts ``LISTEN`` and then hands the server connection to other clients, so the
+notifications never arrive. So every new LISTEN is proven before it is trusted: a probe ``NOTIFY``
+sent through the relay's own (pooled) sessions must reach the LISTEN connection within
+``LISTEN_PROBE_TIMEOUT_S``; when it does not, the relay logs it in one warning line and polls (every
+poll interval) until it tries again ``LISTEN_RETRY_S`` later. ``OUTBOX_RELAY_LISTEN_URL`` gives the
+LISTEN connection a URL of its own (a direct one, past the pooler; docs/deployment.md, "Behind
+PgBouncer").
 After every drain it also runs the reconciler and hourly retention when their database lease is due
 (``periodic_jobs``, relay/lease.py), shared with beat's tasks and any other relay: once per interval
 in all, wherever the relay runs.
@@ -42,17 +50,20 @@ import select
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from celery_outbox.clock import Clock, SystemClock
-from celery_outbox.db import ConnectionTracker
+from celery_outbox.db import ConnectionTracker, make_engine
 from celery_outbox.ops.retention import PruneReport
 from celery_outbox.ops.schedule import PRUNE_EVERY_MS, scheduled_prune
 from celery_outbox.relay import lease
@@ -90,6 +101,11 @@ _TICK_S = 0.05  # how often the watchdog looks
 # (20-80 orders/s; docs/benchmarks.md, "A longer gather, only where it pays").
 GATHER_RATE_HORIZON_S = 1.0
 GATHER_MIN_COMMITS = 4
+# A new LISTEN connection must hear a probe NOTIFY sent through the relay's sessions within this long, or
+# the relay polls (a transaction pooler in between: see the module docstring), and LISTENs again this
+# much later.
+LISTEN_PROBE_TIMEOUT_S = 2.0
+LISTEN_RETRY_S = 300.0
 
 
 def stall_bound_s(settings: Settings, *, poll_interval_s: float | None = None) -> float:
@@ -165,7 +181,8 @@ class LoopStats:
     stalls: int = 0  # times the watchdog found no progress within ``stall_after_s``
     interrupted: int = 0  # database connections the watchdog or a stop shut down
     abandoned: bool = False  # ``run`` returned after SIGTERM with the loop's thread still blocked
-    listening: bool = False
+    listening: bool = False  # a LISTEN connection whose probe NOTIFY arrived is open
+    listen_unheard: int = 0  # LISTEN connections dropped because their probe NOTIFY never arrived
 
 
 class _PgListener:
@@ -195,12 +212,26 @@ class _PgListener:
 
     def consume(self) -> int:
         """Read the notifications that have arrived, without waiting (psycopg2 or psycopg 3)."""
+        return len(self._payloads())
+
+    def _payloads(self) -> list[str]:
         if hasattr(self.conn, "poll"):  # psycopg2: poll() fills the notifies list
             self.conn.poll()
-            n = len(self.conn.notifies)
+            payloads = [n.payload for n in self.conn.notifies]
             self.conn.notifies.clear()
-            return n
-        return sum(1 for _ in self.conn.notifies(timeout=0))  # psycopg 3.2+: a generator; 0 = what is here
+            return payloads
+        return [n.payload for n in self.conn.notifies(timeout=0)]  # psycopg 3.2+: a generator; 0 = what is here
+
+    def hears(self, send: Callable[[str], None], *, timeout_s: float) -> bool:
+        """Whether a NOTIFY that ``send(payload)`` commits on another connection reaches this one within
+        ``timeout_s``. Notifications read meanwhile are dropped (the drain that follows takes their rows)."""
+        payload = f"probe:{uuid.uuid4().hex}"
+        send(payload)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([self], [], [], left)[0] and payload in self._payloads():
+                return True
+        return False
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -261,6 +292,8 @@ class RelayLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._listener: _PgListener | None = None
+        self._listen_engine: Engine | None = None  # OUTBOX_RELAY_LISTEN_URL's, built at the first LISTEN
+        self._listen_again_at = 0.0  # monotonic: after a probe that went unheard, no LISTEN before this
         # The watchdog's view (``run``): the last sign of progress, the instant a stop was asked for.
         self.stall_after_s = stall_bound_s(settings, poll_interval_s=self.poll_interval_s)
         self._engine: Engine | None = bind if isinstance(bind, Engine) else None
@@ -415,7 +448,7 @@ class RelayLoop:
         supervised = handle_signals and threading.current_thread() is threading.main_thread()
         previous: Any = signal.signal(signal.SIGTERM, self._on_sigterm) if supervised else None
         log.info("relay loop started (batch %s, poll %.3gs, listen %s, stall bound %.3gs)", self.batch_size,
-                 self.poll_interval_s, self.listen, self.stall_after_s)
+                 self.poll_interval_s, self._listen_plan(), self.stall_after_s)
         self._attach()
         try:
             if supervised:
@@ -626,6 +659,9 @@ class RelayLoop:
     def close(self) -> None:
         self._detach()
         self._close_listener()
+        if self._listen_engine is not None:
+            self._listen_engine.dispose()
+            self._listen_engine = None
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -647,17 +683,57 @@ class RelayLoop:
         log.info("SIGTERM: finishing the current batch (at most %.1fs), then stopping", STOP_GIVE_UP_S)
         self.stop()
 
+    def _listen_source(self) -> str:
+        return "OUTBOX_RELAY_LISTEN_URL" if self.settings.relay_listen_url else "the database URL"
+
+    def _listen_plan(self) -> str:
+        """How the loop means to be woken, for its start line: only a probe proves a LISTEN works."""
+        engine = self.session_factory.kw.get("bind")
+        if not self.listen:
+            return "off"
+        if engine is None or engine.dialect.name != "postgresql":
+            return "off (not Postgres)"
+        return f"to be proven by a probe NOTIFY, through {self._listen_source()}"
+
+    def _send_probe(self, payload: str) -> None:
+        with self.session_factory() as session:
+            session.execute(sa.select(sa.func.pg_notify(self.tables.notify_channel, payload)))
+            session.commit()
+
     def _ensure_listener(self) -> None:
-        if not self.listen or self._listener is not None:
+        if not self.listen or self._listener is not None or time.monotonic() < self._listen_again_at:
             return
         engine = self.session_factory.kw.get("bind")
         if engine is None or engine.dialect.name != "postgresql":
             return
+        channel, source = self.tables.notify_channel, self._listen_source()
         try:
-            self._listener = _PgListener(engine, self.tables.notify_channel)
-            self.stats.listening = True
+            if self.settings.relay_listen_url and self._listen_engine is None:
+                self._listen_engine = make_engine(self.settings.relay_listen_url, settings=self.settings,
+                                                  poolclass=NullPool)
+            listener = _PgListener(self._listen_engine or engine, channel)
         except Exception:
-            log.exception("LISTEN %s failed; polling only until it works", self.tables.notify_channel)
+            log.exception("LISTEN %s through %s failed; polling only until it works", channel, source)
+            return
+        try:
+            heard = listener.hears(self._send_probe, timeout_s=LISTEN_PROBE_TIMEOUT_S)
+        except Exception as e:
+            listener.close()
+            log.warning("LISTEN %s through %s: the probe NOTIFY failed (%s); polling until LISTEN works", channel,
+                        source, e)
+            return
+        if not heard:
+            listener.close()
+            self.stats.listen_unheard += 1
+            self._listen_again_at = time.monotonic() + LISTEN_RETRY_S
+            log.warning("LISTEN %s through %s heard no NOTIFY within %.3gs (a transaction pooler such as PgBouncer "
+                        "between the relay and Postgres?): polling every %.3gs, LISTEN again in %.0fs; give "
+                        "OUTBOX_RELAY_LISTEN_URL a direct connection (docs/deployment.md, 'Behind PgBouncer')",
+                        channel, source, LISTEN_PROBE_TIMEOUT_S, self.poll_interval_s, LISTEN_RETRY_S)
+            return
+        self._listener = listener
+        self.stats.listening = True
+        log.info("listening on %s through %s: a probe NOTIFY arrived", channel, source)
 
     def _close_listener(self) -> None:
         if self._listener is not None:

@@ -6,12 +6,22 @@ receipts) know only the pooler's URL; the checks read the database directly.
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+from celery_outbox.clock import SystemClock
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.relay.loop import RelayLoop
+from celery_outbox.schema import Tables
+from celery_outbox.testing.memory import InMemoryPublisher
+from celeryconfig import Settings
 from chaos.environment import ChaosEnvironment
+from devtools.processes import wait_until
+from tests.outbox_rows import insert_pending
 from tests.production import pipeline
 from tests.production.pgbouncer import PgBouncer
 from tests.services import require_service
@@ -35,3 +45,71 @@ def test_the_pipeline_runs_through_a_transaction_pooler(pgbouncer: PgBouncer, tm
         assert report.snapshot.effects == {"shipping": 27, "billing": 27, "search": 27, "email": 27}
         # and all of it went through the pooler (its own count of the transactions it passed on)
         assert pgbouncer.transactions(sa.make_url(env.database_url).database or "") > 27 * 4
+        # and the relay said in its log that its LISTEN through the pooler hears nothing: it polled
+        relay_log = (tmp_path / "logs" / "relay.log").read_text()
+        assert "heard no NOTIFY" in relay_log and "listening on" not in relay_log
+
+
+def run_loop(loop: RelayLoop) -> threading.Thread:
+    thread = threading.Thread(target=loop.run, kwargs={"handle_signals": False})
+    thread.start()
+    return thread
+
+
+def stop_loop(loop: RelayLoop, thread: threading.Thread) -> None:
+    loop.stop()
+    thread.join(30)
+    loop.close()
+    assert not thread.is_alive()
+
+
+def test_a_relay_behind_the_pooler_says_its_listen_hears_nothing_and_polls(
+        pgbouncer: PgBouncer, pg_url: str, tmp_path: Path, tables: Tables, caplog: pytest.LogCaptureFixture) -> None:
+    # Given a standalone relay loop whose sessions go through the transaction pooler, polling every 0.2 s
+    settings = Settings(home=tmp_path, database_url=pgbouncer.url(pg_url), namespace="pooled",
+                        relay_poll_interval_s=0.2)
+    engine = make_engine(settings.database_url, settings=settings)
+    pub = InMemoryPublisher()
+    loop = RelayLoop(settings=settings, tables=tables, session_factory=make_session_factory(engine), publisher=pub,
+                     clock=SystemClock())
+    caplog.set_level(logging.INFO, logger="celery_outbox.relay.loop")
+    thread = run_loop(loop)
+    try:
+        wait_until(lambda: loop.stats.waits >= 1, timeout_s=30)
+        # When a row is committed (its trigger NOTIFYs, through the pooler too)
+        ids = {str(i) for i in insert_pending(make_session_factory(engine), SystemClock().now_ms(), 1, tables=tables,
+                                              payload=lambda i, mid: {})}
+        # Then the relay publishes it by polling,
+        assert wait_until(lambda: set(pub.message_ids()) == ids, timeout_s=30)
+    finally:
+        stop_loop(loop, thread)
+        engine.dispose()
+    # and it never claimed to listen: its probe NOTIFY went unheard, and one warning line says so
+    assert not loop.stats.listening and loop.stats.listen_unheard == 1 and loop.stats.notify_wakeups == 0
+    unheard = [r.getMessage() for r in caplog.records if "heard no NOTIFY" in r.getMessage()]
+    assert len(unheard) == 1 and "OUTBOX_RELAY_LISTEN_URL" in unheard[0] and "polling every 0.2s" in unheard[0]
+    assert not any("listening on" in r.getMessage() for r in caplog.records)
+
+
+def test_a_direct_listen_url_wakes_a_relay_whose_sessions_go_through_the_pooler(
+        pgbouncer: PgBouncer, pg_url: str, tmp_path: Path, tables: Tables) -> None:
+    # Given a relay whose sessions go through the pooler, LISTENing on OUTBOX_RELAY_LISTEN_URL (direct), polling
+    # only once an hour
+    settings = Settings.from_env({"OUTBOX_RELAY_LISTEN_URL": pg_url}, home=tmp_path,
+                                 database_url=pgbouncer.url(pg_url), namespace="direct", relay_poll_interval_s=3600.0)
+    engine = make_engine(settings.database_url, settings=settings)
+    pub = InMemoryPublisher()
+    loop = RelayLoop(settings=settings, tables=tables, session_factory=make_session_factory(engine), publisher=pub,
+                     clock=SystemClock())
+    thread = run_loop(loop)
+    try:
+        assert wait_until(lambda: loop.stats.listening and loop.stats.waits >= 1, timeout_s=30)
+        # When a row is committed through the pooler
+        ids = {str(i) for i in insert_pending(make_session_factory(engine), SystemClock().now_ms(), 1, tables=tables,
+                                              payload=lambda i, mid: {})}
+        # Then its NOTIFY wakes the relay, which publishes it long before the hour-long poll
+        assert wait_until(lambda: set(pub.message_ids()) == ids, timeout_s=30)
+        assert loop.stats.notify_wakeups >= 1 and loop.stats.poll_wakeups == 0 and loop.stats.listen_unheard == 0
+    finally:
+        stop_loop(loop, thread)
+        engine.dispose()

@@ -37,7 +37,7 @@ FIELDS = [f.name for f in dataclasses.fields(Settings)]
 NUMERIC = [n for n in FIELDS if isinstance(Settings.RULES[n], (IntRule, FloatRule))]
 ZERO_MEANS_OFF = {"metrics_port", "relay_reconcile_plain_tasks_after_ms", "worker_heartbeat_ms",
                   "db_pre_ping_idle_ms", "relay_gather_ms"}  # documented: 0 = off
-SECRETS = ("database_url", "broker_url", "admin_token")
+SECRETS = ("database_url", "broker_url", "admin_token", "relay_listen_url")
 
 
 def key(name: str) -> str:
