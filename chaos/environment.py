@@ -71,7 +71,8 @@ class ChaosEnvironment:
         self.pg_admin_url = pg_admin_url
         self.namespace = namespace or f"chaos{uuid.uuid4().hex[:10]}"
         self.db_name = f"outbox_chaos_{uuid.uuid4().hex[:10]}"
-        self.database_url = pg_admin_url.rsplit("/", 1)[0] + f"/{self.db_name}"
+        # the admin URL with the database replaced; a multi-host URL (``?host=a:1&host=b:2``) keeps its hosts
+        self.database_url = sa.make_url(pg_admin_url).set(database=self.db_name).render_as_string(hide_password=False)
         # ``db_proxy``: the processes reach Postgres through a loopback proxy the run can freeze
         # (``freeze_database``); the environment's own sessions connect directly, so it sees through it.
         self.db_proxy: TcpProxy | None = None
