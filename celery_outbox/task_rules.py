@@ -27,7 +27,8 @@ The rules of a captured task, each a ``MalformedMessageError`` saying what is wr
   iterative, so 5,000 levels is a clear refusal, not a ``RecursionError``), the arguments of every
   embedded callback, errback and chain step too (each runs as a message of its own);
 * no NUL and no lone surrogate in any string or key of the arguments, the embedded signatures or
-  the headers (no database column stores them);
+  the headers (no database column stores them); an unusable trace header (``tracing.TRACE_HEADERS``) is
+  not refused but left out of the message (tracing is optional metadata; ``TaskCall.dropped_trace_headers``);
 * every task an embedded callback, errback or chain step names is one ``known`` accepts (a task of
   this app that the outbox captures), never a library task or a consumer's;
 * the arguments fit the task's signature (Celery's own ``__header__`` check), when the task is known;
@@ -54,6 +55,7 @@ from celery_outbox.messages import (
     json_depth_exceeds,
     storable_text,
 )
+from celery_outbox.tracing import unusable_trace_headers
 
 CONTENT_TYPE = "application/json"
 CONTENT_ENCODINGS = ("utf-8", "utf8")
@@ -99,6 +101,7 @@ class TaskCall:
     args: list[Any]
     kwargs: dict[str, Any]
     embed: dict[str, Any] | None
+    dropped_trace_headers: tuple[str, ...] = ()  # unusable trace headers left out of ``headers``
 
     @property
     def body(self) -> list[Any]:
@@ -204,6 +207,9 @@ def _check_call(headers: Any, body: Any, *, rules: TaskRules, shallow: bool, sto
     """``check_call``; ``shallow``/``storable``: the body's text proves no argument breaks that rule (not walked)."""
     if not isinstance(headers, Mapping):
         raise Bad(f"headers must be a mapping, got {type(headers).__name__}")
+    dropped = unusable_trace_headers(headers)
+    if dropped:  # optional metadata: left out, never a reason to refuse (tracing.py)
+        headers = {k: v for k, v in headers.items() if k not in dropped}
     name = check_name(headers.get("task"), captured=rules.captured)
     raw_id = headers.get("id")
     if rules.captured:
@@ -240,7 +246,7 @@ def _check_call(headers: Any, body: Any, *, rules: TaskRules, shallow: bool, sto
             except TypeError as e:
                 raise Bad(f"arguments do not fit task {name}: {storable_text(str(e), limit=300)}") from None
     return TaskCall(name=name, task_id=task_id, headers=out_headers, args=list(args), kwargs=dict(kwargs),
-                    embed=None if embed is None else dict(embed))
+                    embed=None if embed is None else dict(embed), dropped_trace_headers=dropped)
 
 
 def _check_headers(headers: Mapping[str, Any], *, task_id: str, rules: TaskRules) -> dict[str, Any]:

@@ -31,7 +31,12 @@ check (the current span for the writer, the global provider for relay and consum
   one hook for every process: the ``Outbox`` calls it where it is built (web, ``outbox relay``,
   ``celery beat``) and again in each Celery worker pool process after the fork (``celery/tracing_hook.py``).
 
-Nothing here may fail the work it observes: an error inside OpenTelemetry is logged and ignored.
+Nothing here may fail the work it observes: an error inside OpenTelemetry is logged and ignored, and
+trace headers are optional metadata. An unusable one (``TRACE_HEADERS``: not text, over
+``HEADER_MAX_CHARS``, a NUL or a lone surrogate) is never a reason to refuse or dead-letter a message:
+the task rule table drops it from a task message at both doors (``task_rules``), ``DroppedTraceHeaders``
+counts it and logs the first, and the task runs without it (a new trace); an envelope's is not read
+(``SafeGetter``) and the delivery runs. docs/operations.md ("Tracing") says the same.
 """
 
 from __future__ import annotations
@@ -47,12 +52,39 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
+from celery_outbox.messages import is_storable
+
 log = logging.getLogger("celery_outbox.tracing")
 
 TRACER_NAME = "celery_outbox"
 TASK_KIND = "task"  # messages.TASK_KIND: a row holding a Celery task message (its headers in "task_headers")
 MESSAGING_SYSTEM = "celery"  # every outbox message is a Celery task message (messages.py)
 HEADER_MAX_CHARS = 8192  # longest header value handed to the propagator (W3C baggage's own limit)
+# The headers the default propagators read (W3C trace context and baggage): optional metadata.
+TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
+
+
+def unusable_trace_headers(headers: Mapping[str, Any]) -> tuple[str, ...]:
+    """The trace headers of ``headers`` no propagator can use and no database column stores: not text,
+    longer than ``HEADER_MAX_CHARS``, or holding a NUL or a lone surrogate (module docstring)."""
+    return tuple(name for name in TRACE_HEADERS if name in headers and not (
+        isinstance(value := headers[name], str) and len(value) <= HEADER_MAX_CHARS and is_storable(value)))
+
+
+class DroppedTraceHeaders:
+    """How many messages one door (the worker's gate, the enqueue capture) dropped an unusable trace header
+    of; the first is logged, the rest only counted (a flood of them must not flood the log)."""
+
+    def __init__(self, *, where: str) -> None:
+        self.where = where
+        self.count = 0
+
+    def note(self, names: Sequence[str], *, task: str) -> None:
+        self.count += 1
+        if self.count == 1:
+            log.warning("outbox: %s dropped unusable trace header(s) %s of a %r message (not text, too long, or a "
+                        "NUL or lone surrogate); the task runs without them. Tracing is optional: later ones are "
+                        "counted, not logged", self.where, ", ".join(names), task[:200])
 
 
 class _Api:

@@ -288,6 +288,7 @@ class Interceptor:
         # What the writes with a dedup key did, while ``recording_dedup`` runs (``Outbox.enqueue`` reads it).
         self.deduped: ContextVar[list[dedup.Deduplicated] | None] = ContextVar("celery_outbox_deduped", default=None)
         self.in_beat = False  # set by ``beat_init`` in a ``celery beat`` process (``on_beat_init``)
+        self.trace_headers_dropped = tracing.DroppedTraceHeaders(where="the outbox's task capture")
 
     def on_beat_init(self, sender: Any = None, **kwargs: Any) -> None:
         """This process runs ``celery beat``: its ticks of outbox periodic tasks are rows (celery/beat.py)."""
@@ -456,6 +457,8 @@ class Interceptor:
             call = check_call(merged, body, rules=self.rules(name))
         except MalformedMessageError as e:
             raise ValidationError(f"task {name[:200]!r}: {e}; nothing was written") from None
+        if call.dropped_trace_headers:
+            self.trace_headers_dropped.note(call.dropped_trace_headers, task=name)
         message_id = uuid.UUID(call.task_id)
         properties = dict(_properties)
         if properties.get("correlation_id") == task_headers.get("id"):

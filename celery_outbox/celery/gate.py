@@ -37,6 +37,7 @@ from typing import Any
 from celery import bootsteps
 from vine import promise
 
+from celery_outbox import tracing
 from celery_outbox.celery import events
 from celery_outbox.celery.config import consumer_time_limits
 from celery_outbox.celery.consumer_tasks import DeadLettered
@@ -91,6 +92,7 @@ class Gate:
         self.outbox = outbox
         self.app = outbox.app
         self.settings = outbox.settings
+        self.trace_headers_dropped = tracing.DroppedTraceHeaders(where="the worker's task gate")
 
     def rules_for(self, task: Any) -> TaskRules:
         """The rule table's view of ``task`` from this worker (``task_rules`` says what each strength means)."""
@@ -184,6 +186,8 @@ class Gate:
         call = check_message(headers, raw, content_type=getattr(message, "content_type", None),
                              content_encoding=getattr(message, "content_encoding", None),
                              max_bytes=body_limit(self.settings), rules=rules)
+        if call.dropped_trace_headers:
+            self.trace_headers_dropped.note(call.dropped_trace_headers, task=name)
         properties = dict(mapping_attr(message, "properties"))
         if properties.get("correlation_id") == headers.get("id"):
             properties["correlation_id"] = call.task_id

@@ -82,6 +82,10 @@ CALLS = [
     Call("a chain step's argument nested one level too deep",
          options={"chain": [dict(signature(NAME, args=(nested(MAX_DEPTH + 1),)))]}),
     Call("a number that overflows to infinity (1e400)", args=[float("inf")], raw=b"[[1e400],{},null]"),
+    Call("NUL in traceparent (dropped, not refused)", options={"headers": {"traceparent": "00-\x00"}}, refused=False),
+    Call("lone surrogate in traceparent (dropped, not refused)", options={"headers": {"traceparent": "00-\ud800"}},
+         refused=False),
+    Call("NUL in tracestate (dropped, not refused)", options={"headers": {"tracestate": "k=\x00"}}, refused=False),
     Call("a countdown", options={"countdown": 30}, refused=False),
     Call("a shadow name over 200 characters", options={"shadow": "s" * 201}),
 ]
@@ -190,3 +194,29 @@ def test_tasks_the_outbox_does_not_carry_get_only_the_rules_that_keep_the_worker
                                   ({**headers, "timelimit": [0, "x"]}, body), ({**headers, "retries": -1}, body)):
         with pytest.raises(OutboxError):
             check_call(bad_headers, bad_body, rules=TaskRules(max_depth=4, captured=False))
+
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def test_the_gate_drops_an_unusable_trace_header_counts_it_and_logs_it_once(
+        rules_app: App, caplog: pytest.LogCaptureFixture) -> None:
+    # Given task messages whose trace headers hold a NUL, a lone surrogate, or are not text, and a good one
+    gate = Gate(rules_app.outbox)
+    bad = [{"traceparent": "00-\x00"}, {"traceparent": "\udc00", "tracestate": "a=1"}, {"tracestate": "k=\x00"},
+           {"baggage": {"k": "v"}}]
+    canonical = []
+    with caplog.at_level("WARNING", logger="celery_outbox.tracing"):
+        for extra in [*bad, {"traceparent": TRACEPARENT}]:
+            headers, properties, body, _ = rules_app.app.amqp.create_task_message(str(uuid.uuid4()), NAME, [1], {})
+            headers.update(extra)
+            message = WireMessage(headers=headers, body=json.dumps(body).encode(), properties=properties)
+            # When the worker's gate checks each
+            canonical.append(gate.check(message, None, NAME, gate.rules_for(rules_app.task)))
+    # Then each runs: the unusable trace header is left out, the rest of the headers kept, a good one kept
+    assert [sorted(k for k in c.headers if k in ("traceparent", "tracestate", "baggage")) for c in canonical] == [
+        [], ["tracestate"], [], [], ["traceparent"]]
+    assert canonical[-1].headers["traceparent"] == TRACEPARENT
+    # And the drops are counted, the first one logged, the others not
+    assert gate.trace_headers_dropped.count == 4
+    assert [r.getMessage().count("dropped unusable trace header") for r in caplog.records] == [1]
