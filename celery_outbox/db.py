@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from celery_outbox.errors import ConfigError, DatabaseError
 from celery_outbox.settings import Settings
@@ -186,6 +186,19 @@ def is_disconnect(error: BaseException) -> bool:
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def resolve_session(session: object, *, verb: str) -> Session:
+    """The ``Session`` an ``Outbox`` verb (``publish``, ``cancel``, ``transaction``, ``enqueue``) works in:
+    ``session`` itself, or the current session of a ``scoped_session`` (Flask-SQLAlchemy's ``db.session``),
+    so every verb takes what the framework hands the application. Anything else is a ``TypeError`` naming
+    the verb."""
+    if isinstance(session, scoped_session):
+        session = session()
+    if not isinstance(session, Session):
+        raise TypeError(f"outbox.{verb}() needs a SQLAlchemy Session or scoped_session (Flask-SQLAlchemy's "
+                        f"db.session), got {type(session).__name__}")
+    return session
 
 
 def is_postgres(session_or_engine: Session | Engine | sa.Connection) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, overload
 
 import sqlalchemy as sa
@@ -50,7 +50,7 @@ from celery_outbox.celery.config import (
 from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
-from celery_outbox.db import SessionSource
+from celery_outbox.db import SessionSource, resolve_session
 from celery_outbox.errors import ConfigError, UnknownEventTypeError, ValidationError
 from celery_outbox.inbox.handle import Handler, Prepare
 from celery_outbox.messages import task_name
@@ -179,15 +179,20 @@ class Outbox:
         self.routes()
 
     # -- write side ------------------------------------------------------------------------------
-    def publish(self, session: Session, event: Event) -> OutboxRow:
-        """Stage ``event`` in ``session``'s transaction; it commits or rolls back with your data."""
+    def publish(self, session: Session | scoped_session[Session], event: Event) -> OutboxRow:
+        """Stage ``event`` in ``session``'s transaction (a ``Session`` or a ``scoped_session`` such as
+        Flask-SQLAlchemy's ``db.session``); it commits or rolls back with your data."""
+        return add(resolve_session(session, verb="publish"), event, tables=self.tables, clock=self.clock,
+                   max_message_bytes=self.settings.max_message_bytes, known_types=self._checked_routes(event.type))
+
+    def _checked_routes(self, event_type: str) -> Mapping[str, tuple[str, ...]]:
+        """``routes()``, after checking that ``event_type`` has a consumer (``UnknownEventTypeError`` if not)."""
         routes = self.routes()
-        if event.type not in routes:
+        if event_type not in routes:
             raise UnknownEventTypeError(
-                f"no consumer is routed for event type {event.type!r}: declare @outbox.consumer({event.type!r}, "
-                f"name=...) or call outbox.route({event.type!r}, 'consumer-name')")
-        return add(session, event, tables=self.tables, clock=self.clock,
-                   max_message_bytes=self.settings.max_message_bytes, known_types=routes)
+                f"no consumer is routed for event type {event_type!r}: declare @outbox.consumer({event_type!r}, "
+                f"name=...) or call outbox.route({event_type!r}, 'consumer-name')")
+        return routes
 
     # -- transactional enqueue (celery_outbox/celery/enqueue.py) -----------------------------------
     @contextmanager
@@ -202,15 +207,12 @@ class Outbox:
 
         Blocks nest (the innermost session wins). Binding only: committing stays the caller's job.
         """
-        if isinstance(session, scoped_session):  # Flask-SQLAlchemy's db.session: this thread's session
-            session = session()
-        if not isinstance(session, Session):
-            raise TypeError(f"outbox.transaction() needs a SQLAlchemy Session, got {type(session).__name__}")
+        bound = resolve_session(session, verb="transaction")
         capture = self._enqueue_interceptor
-        with capture.bind(capture.session_writer(session)):
-            yield session
+        with capture.bind(capture.session_writer(bound)):
+            yield bound
 
-    def enqueue(self, session: Session, signature: Any, *, dedup_key: str | None = None,
+    def enqueue(self, session: Session | scoped_session[Session], signature: Any, *, dedup_key: str | None = None,
                 on_conflict: str = "keep", **options: Any) -> Any:
         """Send ``signature`` (``task.s(...)``, a chain, a group) as outbox rows in ``session``; returns
         Celery's ``AsyncResult``. The task id is the outbox message id.
@@ -218,27 +220,34 @@ class Outbox:
         ``dedup_key``: at most one pending task with this key (a single task's signature only).
         ``on_conflict="keep"`` leaves the pending one and writes nothing, ``"replace"`` deletes it and
         writes this one; the result's id is the key's pending task either way (docs/scheduled.md)."""
+        resolve_session(session, verb="enqueue")
+        return self._enqueue(lambda: self.transaction(session), signature, dedup_key=dedup_key,
+                             on_conflict=on_conflict, options=options)
+
+    def _enqueue(self, bind: Callable[[], AbstractContextManager[Any]], signature: Any, *, dedup_key: str | None,
+                 on_conflict: str, options: dict[str, Any]) -> Any:
+        """``enqueue`` inside ``bind()``: the block whose transaction the rows join (a session's, an ``atomic()``)."""
         if not hasattr(signature, "apply_async"):
             raise TypeError(f"outbox.enqueue() needs a Celery signature (task.s(...)), got {type(signature).__name__}")
         if dedup_key is None:
-            with self.transaction(session):
+            with bind():
                 return signature.apply_async(**options)
         if hasattr(signature, "tasks") or not getattr(signature, "task", None):
             raise ValidationError(f"outbox.enqueue(dedup_key=...): {dedup.ONE_TASK_ONLY}")
         headers = {**(options.pop("headers", None) or {}), dedup.KEY_HEADER: dedup_key,
                    dedup.ON_CONFLICT_HEADER: on_conflict}
-        with self.transaction(session), self._enqueue_interceptor.recording_dedup() as done:
+        with bind(), self._enqueue_interceptor.recording_dedup() as done:
             result = signature.apply_async(headers=headers, **options)
         if len(done) != 1:  # pragma: no cover - the capture writes the one task it was given
             raise ConfigError(f"outbox.enqueue(dedup_key=...): expected one write with the key, saw {len(done)}")
         return self.app.AsyncResult(str(done[0].message_id)) if done[0].outcome == "kept" else result
 
-    def cancel(self, session: Session, task_id: str | uuid.UUID) -> Cancelled:
+    def cancel(self, session: Session | scoped_session[Session], task_id: str | uuid.UUID) -> Cancelled:
         """Cancel a task (or event) still waiting in the outbox, in ``session``'s transaction: its row is
         deleted when you commit, so it never runs, even with every worker down. A task the relay already
         published raises ``AlreadyPublishedError`` (never silently ignored); an unknown id ``NotFoundError``.
         See docs/scheduled.md."""
-        return cancel_row(session, task_id, tables=self.tables)
+        return cancel_row(resolve_session(session, verb="cancel"), task_id, tables=self.tables)
 
     def _install_enqueue(self) -> None:
         self._enqueue_interceptor = task_capture.install(self)

@@ -10,6 +10,9 @@ The extension, in the usual shape (declare at import, bind in the app factory)::
     @outbox.consumer("OrderPlaced", name="notify")
     def notify(session, event): ...
 
+    @outbox.task(name="shop.confirm")                 # importable by any module: a proxy of each app's task
+    def confirm(session, order_id): ...
+
     def create_app():
         app = Flask("shop")
         app.config.from_prefixed_env()            # OUTBOX_*, SQLALCHEMY_DATABASE_URI, CELERY...
@@ -49,6 +52,8 @@ import hmac
 import json
 import os
 import secrets
+import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -57,6 +62,7 @@ from urllib.parse import urlparse
 import click
 import sqlalchemy as sa
 from celery import Celery
+from celery.local import Proxy
 from flask import (
     Blueprint,
     Flask,
@@ -72,9 +78,10 @@ from flask import (
 )
 from markupsafe import Markup
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.orm import Session, scoped_session
+from sqlalchemy.orm import Session
 from werkzeug.wrappers import Response as WerkzeugResponse
 
+from celery_outbox.cancel import Cancelled
 from celery_outbox.celery.config import recommended_celery_config
 from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S as DEFAULT_BROKER_TIMEOUT_S
 from celery_outbox.celery.probe import broker_probe
@@ -506,35 +513,73 @@ def settings_from_config(config: Mapping[str, Any]) -> Settings:
 
 
 class FlaskOutbox:
-    """The Flask extension: ``FlaskOutbox()`` at import (consumers declared on it), ``init_app(app, db=db)``
-    in the app factory (module docstring). Each app gets its own ``Outbox`` (``app.extensions``); the
-    methods here act on the current app's."""
+    """The Flask extension: ``FlaskOutbox()`` at import, ``init_app(app, db=db)`` in the app factory (module
+    docstring). Each app gets its own ``Outbox`` (``app.extensions``); the methods here act on the current app's.
+
+    The verbs are ``Outbox``'s. Declarations (``consumer``, ``task``, ``periodic``, ``route``) can be made at
+    import in any module, before any ``init_app``: each is recorded and made on every app's ``Outbox`` when
+    ``init_app`` builds it (at once on those already built). ``@outbox.task`` returns a proxy of the task
+    (Celery's ``shared_task`` kind): ``.delay()``, ``.s()``, ``.apply()`` act on the current app's task.
+    ``publish``, ``cancel``, ``transaction`` and ``enqueue`` take Flask-SQLAlchemy's ``db.session``."""
 
     def __init__(self, app: Flask | None = None, *, db: Any = None, celery: Celery | None = None) -> None:
         self._db = db
         self._celery = celery
-        self._specs: list[ConsumerSpec] = []
-        self._routes: list[tuple[str, tuple[str, ...]]] = []
+        self._declared: list[Callable[[Outbox], object]] = []
+        self._bound: weakref.WeakSet[Outbox] = weakref.WeakSet()  # the apps' outboxes, not kept alive here
         self._tables: Tables | None = None
         self._last: Outbox | None = None
         if app is not None:
             self.init_app(app)
 
     # -- at import ------------------------------------------------------------------------------
+    def _declare(self, make: Callable[[Outbox], object]) -> None:
+        """Record a declaration for every app's ``Outbox``; make it now on those ``init_app`` already built."""
+        self._declared.append(make)
+        for outbox in list(self._bound):
+            make(outbox)
+
     def consumer(self, event: str | Iterable[str], *, name: str, **options: Any) -> Callable[[Handler], ConsumerSpec]:
         """``@outbox.consumer(...)`` as on ``Outbox``: the consumer joins every app's outbox at ``init_app``."""
         make = consumer(name=name, event=event, **options)
 
         def decorate(handler: Handler) -> ConsumerSpec:
             spec = make(handler)
-            self._specs.append(spec)
+            self._declare(lambda outbox: outbox.include(spec))
             return spec
 
         return decorate
 
     def route(self, event_type: str, *consumers: str) -> None:
         """``Outbox.route``: consumers that live in another service."""
-        self._routes.append((event_type, consumers))
+        self._declare(lambda outbox: outbox.route(event_type, *consumers))
+
+    def task(self, consumer_name: str | Callable[..., Any] | None = None, /, *, name: str | None = None,
+             **options: Any) -> Any:
+        """``Outbox.task``. ``@outbox.task`` / ``@outbox.task(name=..., max_retries=...)`` at import: an
+        idempotent task defined on every app's Celery app at ``init_app``; the decorator returns a proxy
+        that resolves to the current app's task (outside an app context, the last app's).
+        ``outbox.task("billing")``: a proxy of consumer ``billing``'s task."""
+        if isinstance(consumer_name, str):
+            if name is not None or options:
+                raise ConfigError("outbox.task('<consumer>') looks up a consumer's task; to define an idempotent "
+                                  "task use @outbox.task(name=..., ...) on a function")
+            looked_up = consumer_name
+            return Proxy(lambda: self.outbox.task(looked_up))
+
+        def decorate(fn: Callable[..., Any]) -> Any:
+            if not callable(fn):
+                raise ConfigError(f"@outbox.task decorates a function, got {type(fn).__name__}")
+            task_name_ = name if name is not None else f"{fn.__module__}.{fn.__qualname__}"
+            self._declare(lambda outbox: outbox.task(name=task_name_, **options)(fn))
+            return Proxy(lambda: self.outbox.app.tasks[task_name_])
+
+        return decorate if consumer_name is None else decorate(consumer_name)
+
+    def periodic(self, name: str, task: str, schedule: Any, *, args: Any = (),
+                 kwargs: Mapping[str, Any] | None = None, **options: Any) -> None:
+        """``Outbox.periodic``: the beat entry goes into every app's Celery configuration at ``init_app``."""
+        self._declare(lambda outbox: outbox.periodic(name, task, schedule, args=args, kwargs=kwargs, **options))
 
     def define_tables(self, metadata: sa.MetaData, *, prefix: str | None = None) -> Tables:
         """Put the library's tables into your ``metadata`` (``OUTBOX_TABLE_PREFIX`` of the environment, or
@@ -568,16 +613,15 @@ class FlaskOutbox:
         outbox = Outbox(celery_app, engine=engine, settings=settings)
         if self._tables is not None:
             outbox._tables = self._tables  # the tables in the team's metadata, one mapping for every app
-        for spec in self._specs:
-            outbox.include(spec)
-        for event_type, consumers in self._routes:
-            outbox.route(event_type, *consumers)
+        for make in self._declared:
+            make(outbox)
         outbox.check()
         init_app(app, outbox, readiness_path=readiness_path, metrics_path=metrics_path,
                  broker_timeout_s=broker_timeout_s)
         app.extensions[EXT_OUTBOX] = outbox
         app.cli.add_command(flask_cli(), name="outbox")
         self._last = outbox
+        self._bound.add(outbox)
         return outbox
 
     @staticmethod
@@ -611,7 +655,11 @@ class FlaskOutbox:
 
     def publish(self, session: Any, event: Event) -> Any:
         """``Outbox.publish`` on the current app's outbox (``db.session`` works)."""
-        return self.outbox.publish(session() if isinstance(session, scoped_session) else session, event)
+        return self.outbox.publish(session, event)
+
+    def cancel(self, session: Any, task_id: str | uuid.UUID) -> Cancelled:
+        """``Outbox.cancel`` on the current app's outbox (``db.session`` works)."""
+        return self.outbox.cancel(session, task_id)
 
     @contextmanager
     def transaction(self, session: Any) -> Iterator[Session]:
@@ -620,6 +668,7 @@ class FlaskOutbox:
             yield bound
 
     def enqueue(self, session: Any, signature: Any, **options: Any) -> Any:
+        """``Outbox.enqueue`` on the current app's outbox (``db.session`` works)."""
         return self.outbox.enqueue(session, signature, **options)
 
 

@@ -20,20 +20,24 @@ import dataclasses
 import functools
 import os
 import threading
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from celery import Celery
 from sqlalchemy import Engine, pool
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox.cancel import Cancelled
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.db import SessionSource, make_engine, make_session_factory
-from celery_outbox.errors import ConfigError
+from celery_outbox.errors import ConfigError, TransactionRequiredError
 from celery_outbox.outbox import Outbox
 from celery_outbox.schema import DEFAULT_PREFIX
 from celery_outbox.settings import Settings
+from celery_outbox.writer import Event
 
 
 def in_test_environment() -> bool:
@@ -156,6 +160,85 @@ class DjangoOutbox(Outbox):
                 raise ConfigError(f"consumer {spec.name!r} uses Django database {spec.using!r}, this outbox "
                                   f"{self.using!r}: declare it with using={self.using!r}, or leave using out")
         return super().include(spec)
+
+    # -- the verbs on Django's connection (an SQLAlchemy session still works as on Outbox) ------------
+    def _alias(self, using: str | None, verb: str) -> str:
+        """``using`` when it is this outbox's database (or omitted): the relay of this outbox reads that one
+        only, so a row on another alias would never be sent."""
+        if using is not None and using != self.using:
+            raise ConfigError(f"outbox.{verb}(using={using!r}): this DjangoOutbox is on database {self.using!r}, "
+                              f"whose relay would never see the row; leave using out, or build "
+                              f"DjangoOutbox(app, using={using!r})")
+        return self.using
+
+    def consumer(self, event: str | Iterable[str], *, name: str, using: str | None = None,
+                 **options: Any) -> Callable[[Any], ConsumerSpec]:
+        """``@outbox.consumer(event, name=...)`` on Django: ``handler(envelope)`` writes with the ORM, and its
+        writes and the inbox row commit in one ``atomic()`` on this outbox's database
+        (``idempotent_consumer``, then ``include``). Options as on ``idempotent_consumer``."""
+        from celery_outbox.contrib.django.consumer import idempotent_consumer
+
+        make = idempotent_consumer(event, name=name, using=using, **options)
+
+        def decorate(handler: Callable[[Any], object]) -> ConsumerSpec:
+            return self.include(make(handler))
+
+        return decorate
+
+    def publish(self, session: Any, event: Event | None = None, *, using: str | None = None) -> Any:
+        """``outbox.publish(event)``: the event as a row of the ``atomic()`` open on this outbox's database
+        (``TransactionRequiredError`` outside one); returns the ``OutboxMessage``. ``outbox.publish(session,
+        event)`` with an SQLAlchemy session is ``Outbox.publish``."""
+        if event is None and isinstance(session, Event):
+            from celery_outbox.contrib.django.writer import publish
+
+            return publish(session, using=self._alias(using, "publish"), clock=self.clock,
+                           max_message_bytes=self.settings.max_message_bytes,
+                           known_types=self._checked_routes(session.type))
+        if event is None:
+            raise TypeError("outbox.publish(event) inside transaction.atomic(), or outbox.publish(session, event)")
+        return super().publish(session, event)
+
+    def cancel(self, session: Any, task_id: str | uuid.UUID | None = None, *, using: str | None = None) -> Cancelled:
+        """``outbox.cancel(task_id)``: delete the pending row inside the ``atomic()`` open on this outbox's
+        database (``celery_outbox.contrib.django.cancel``). ``outbox.cancel(session, task_id)`` with an
+        SQLAlchemy session is ``Outbox.cancel``."""
+        if task_id is None:
+            from celery_outbox.contrib.django.cancel import cancel
+
+            return cancel(session, using=self._alias(using, "cancel"))
+        return super().cancel(session, task_id)
+
+    @contextmanager
+    def transaction(self, session: Any = None, *, using: str | None = None) -> Iterator[Any]:
+        """``with outbox.transaction():`` is ``transaction.atomic()`` on this outbox's database: what it writes,
+        ``.delay()`` and ``publish`` included, commits at its end or not at all. With an SQLAlchemy session,
+        ``Outbox.transaction``."""
+        if session is None:
+            from django.db import transaction
+
+            with transaction.atomic(using=self._alias(using, "transaction")):
+                yield None
+            return
+        with super().transaction(session) as bound:
+            yield bound
+
+    def enqueue(self, session: Any, signature: Any = None, *, using: str | None = None, dedup_key: str | None = None,
+                on_conflict: str = "keep", **options: Any) -> Any:
+        """``outbox.enqueue(signature, dedup_key=...)``: ``Outbox.enqueue``'s rows in the ``atomic()`` open on this
+        outbox's database (``TransactionRequiredError`` outside one). With an SQLAlchemy session first,
+        ``Outbox.enqueue``."""
+        if signature is not None:
+            return super().enqueue(session, signature, dedup_key=dedup_key, on_conflict=on_conflict, **options)
+        from django.db import transaction
+
+        alias = self._alias(using, "enqueue")
+        if not transaction.get_connection(alias).in_atomic_block:
+            raise TransactionRequiredError(
+                f"outbox.enqueue(signature) must be called inside transaction.atomic() on database {alias!r}: its "
+                "rows commit or roll back with the work that decided them; nothing was sent")
+        return self._enqueue(nullcontext, session, dedup_key=dedup_key,
+                             on_conflict=on_conflict, options=options)
 
     def _worker_defaults(self) -> None:
         """What ``recommended_celery_config`` gives the Flask path, for the app's OWN tasks too: late acks and
