@@ -16,6 +16,7 @@ from celery import Celery
 from celery_outbox.celery import events
 from celery_outbox.celery.config import DRAIN_TASK, RECONCILE_TASK, add_task_routes
 from celery_outbox.celery.kombu_publisher import KombuPublisher
+from celery_outbox.celery.queue_inspector import KombuQueueInspector
 from celery_outbox.relay import lease
 from celery_outbox.relay.loop import DrainResult, RelayLoop
 from celery_outbox.relay.reconcile import ReconcileResult, reconcile
@@ -69,7 +70,8 @@ def relay_loop(ctx: Context, *, listen: bool, max_batches_per_drain: int = 10_00
     return RelayLoop(settings=ctx.settings, tables=ctx.tables, session_factory=ctx.sessions(), publisher=publisher,
                      clock=ctx.clock, crash_points=ctx.crash_points, listen=listen,
                      max_batches_per_drain=max_batches_per_drain, routes=routes,
-                     idempotent_tasks=ctx.idempotent_tasks(), on_reconcile=reconcile_announcer_for(ctx))
+                     idempotent_tasks=ctx.idempotent_tasks(), on_reconcile=reconcile_announcer_for(ctx),
+                     queues=KombuQueueInspector(broker_url=ctx.broker_url()))
 
 
 def reconcile_announcer_for(ctx: Context) -> Callable[[ReconcileResult], None] | None:
@@ -121,6 +123,7 @@ def register(app: Celery, ctx: Context) -> None:
                                namespace=settings.namespace, max_message_bytes=settings.max_message_bytes,
                                older_than_ms=settings.relay_reconcile_after_ms,
                                idempotent_tasks=relay.idempotent_tasks,
-                               plain_older_than_ms=settings.relay_reconcile_plain_tasks_after_ms)
+                               plain_older_than_ms=settings.relay_reconcile_plain_tasks_after_ms,
+                               queues=relay.queues, publish_skew_ms=relay.publish_skew_ms)
         announce_reconcile(app, result, **events.task_sender(self))
         return result.to_dict()

@@ -83,6 +83,7 @@ from celery_outbox.relay.dispatch import (
 )
 from celery_outbox.relay.publisher import Publisher
 from celery_outbox.relay.queries import RelayStatements, next_due
+from celery_outbox.relay.queues import QueueInspector
 from celery_outbox.relay.reconcile import ReconcileResult, reconcile
 from celery_outbox.relay.single_flight import single_flight, sqlite_lock_path
 from celery_outbox.schema import Tables
@@ -249,13 +250,16 @@ class RelayLoop:
                  routes: Mapping[str, Sequence[str]] | None = None,
                  on_drain: Callable[[DrainResult], None] | None = None, pipelined: bool = True,
                  idempotent_tasks: Collection[str] = (),
-                 on_reconcile: Callable[[ReconcileResult], None] | None = None) -> None:
+                 on_reconcile: Callable[[ReconcileResult], None] | None = None,
+                 queues: QueueInspector | None = None) -> None:
         self.settings = settings
         self.tables = tables
         self.routes = settings.routes if routes is None else routes
         # The @outbox.task names (Outbox.idempotent_tasks), passed like routes: the reconciler checks their inbox.
         self.idempotent_tasks = frozenset(idempotent_tasks)
         self.on_reconcile = on_reconcile  # like on_drain, with every reconcile pass that sent something
+        # The reconciler's broker evidence (relay/queues.py); None: the publisher's, if it answers.
+        self.queues = queues
         self.session_factory = session_factory
         self.publisher = publisher
         self.clock = clock or SystemClock()
@@ -604,6 +608,11 @@ class RelayLoop:
         if not self.stopping:
             self.prune_if_due()
 
+    @property
+    def publish_skew_ms(self) -> int:
+        """The longest a published row can be marked after a later one was sent: the publish timeout."""
+        return round(self.settings.relay_publish_timeout_s * 1000)
+
     def reconcile_if_due(self) -> ReconcileResult | None:
         """One reconcile pass (relay/reconcile.py) when this process wins the ``reconcile`` lease.
 
@@ -623,7 +632,8 @@ class RelayLoop:
                                    namespace=self.settings.namespace, max_message_bytes=self.settings.max_message_bytes,
                                    older_than_ms=self.settings.relay_reconcile_after_ms,
                                    idempotent_tasks=self.idempotent_tasks,
-                                   plain_older_than_ms=self.settings.relay_reconcile_plain_tasks_after_ms)
+                                   plain_older_than_ms=self.settings.relay_reconcile_plain_tasks_after_ms,
+                                   queues=self.queues, publish_skew_ms=self.publish_skew_ms)
         except Exception:
             self.stats.errors += 1
             log.exception("reconcile pass failed; retrying after the reconcile interval")

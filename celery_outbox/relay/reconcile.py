@@ -1,36 +1,54 @@
-"""The reconciler: publish again what was published and never reached the other side.
+"""The reconciler: publish again what was published and is lost, never what is only late.
 
 The outbox says what was published; the inbox (and, for plain tasks, the task receipts) what each
 consumer or task committed, so together they see a message lost anywhere between the two: a broker
 that lost acknowledged data, kombu's Redis transport dropping a message popped by a worker (or from
-a Redis server) that died before recording it as unacked (docs/guarantees.md). Three kinds of row:
+a Redis server) that died before recording it as unacked, an operator's purge (docs/guarantees.md).
+Three kinds of row:
 
 * an event: a (message, consumer) pair with no inbox row, no dead letter and no parked copy is
-  published again to that consumer only; the inbox absorbs it if it was merely slow;
+  published again to that consumer only;
 * an ``@outbox.task`` (its name in ``idempotent_tasks``): with no inbox row under its task key
   (``inbox.task_keys.task_key``) and no dead letter of its task id, the stored task message is
-  published again with the SAME task id (``messages.task_row_message``, as the relay sent it), so the
-  inbox absorbs it if it did run;
+  published again with the SAME task id (``messages.task_row_message``, as the relay sent it);
 * a plain task captured by ``.delay()`` (any other task row whose message asks for a receipt,
   ``inbox.receipts``): with no receipt, no inbox row and no dead letter it is published again the
-  same way. It has no inbox, so a re-send of a task that was merely still queued runs it twice: these
-  rows have their own, longer window (``plain_older_than_ms``, never shorter than ``older_than_ms``;
-  0 turns it off).
+  same way. It has no inbox, so its floor is longer (``plain_older_than_ms``, never shorter than
+  ``older_than_ms``; 0 turns it off).
 
-Each kind is checked once, in a window that ends ``older_than_ms`` (plain tasks:
-``plain_older_than_ms``) ago and starts where the previous pass stopped: a keyset watermark
-(published_at_ms, seq) per window, kept in ``outbox_counters``, so every published row is checked
-once, late enough that a healthy consumer has long handled it. A pass pages through its window until
-it is caught up (at most ``max_pages`` pages), committing the watermark after each page. What it
-sends is counted in ``outbox_counters`` (``reconciled`` and one counter per kind) and logged.
+Not recorded is not lost: a consumer that is behind (a database freeze, a deploy, a peak) has
+recorded nothing of its backlog, and re-sending the backlog would add a copy of it to the queue at
+the worst moment (DESIGN rule 16). So a message older than its floor is re-sent only on evidence:
+
+* **the consumer passed it.** Each pass samples, per target (an event consumer, an ``@outbox.task``
+  key, a plain task name), its frontier: the latest publish time among what it recorded. A
+  checkpoint (pass time T, frontier F) is proof, once the frontier exceeds T + floor + skew, that
+  every message published before F - skew was taken before T (queues are FIFO; ``skew``, the publish
+  timeout, covers a batch marked after a later one was sent), and that any copy of it a worker gave
+  back (a retry, a killed worker's redelivery, all within the floor, which on Redis exceeds the
+  visibility timeout) was queued again before what the consumer has since recorded. The checkpoint
+  then moves on and ``horizon`` becomes F - skew. A message with a failed delivery on record
+  (``inbox.attempts``) counts from its last failure, when its retry was queued;
+* **the broker holds no copy** (relay/queues.py): its queue has nothing waiting and, on Redis, its
+  id is not in kombu's unacked hash; on RabbitMQ, which cannot list what consumers hold, the queue
+  has no consumer, or has had nothing waiting at every ask for a whole floor.
+
+A message with neither is waiting, whatever its age: its window stops there and it is checked again
+on the next pass. Each event consumer has its own window (a keyset watermark (published_at_ms, seq)
+in ``outbox_counters``), so a consumer that is behind holds back only its own; ``@outbox.task`` rows
+share one window and plain tasks another. A pass pages through each window (at most ``max_pages``
+pages), committing the watermark after each page. When the broker cannot be asked, only the
+consumers' progress counts: logged, counted (``reconcile_probe_failures``), nothing re-sent on age.
+What it sends is counted in ``outbox_counters`` (``reconciled`` and one counter per kind) and logged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -49,18 +67,50 @@ from celery_outbox.inbox.receipts import wants_receipt
 from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.messages import Envelope, TaskMessage, celery_task_messages, is_task_row, task_row_message
 from celery_outbox.relay.publisher import Publisher
+from celery_outbox.relay.queues import QueueInspector, QueueState
 from celery_outbox.schema import Tables
 from celery_outbox.sql import insert_for
 
 log = logging.getLogger("celery_outbox.relay.reconcile")
 
+# Before each event consumer had its own window, one watermark covered events and @outbox.task rows: a
+# window with no watermark of its own starts from it.
 WATERMARK = "reconciled_through_ms"
 WATERMARK_SEQ = "reconciled_through_seq"  # with the ms: a keyset, so rows sharing one ms are never skipped
+TASK_WATERMARK = "reconciled_tasks_through_ms"
+TASK_WATERMARK_SEQ = "reconciled_tasks_through_seq"
 PLAIN_WATERMARK = "reconciled_plain_through_ms"
 PLAIN_WATERMARK_SEQ = "reconciled_plain_through_seq"
+SAMPLED = "reconcile_sampled_through_ms"  # progress read from the inbox and the receipts up to here
+PROBE_FAILURES = "reconcile_probe_failures"  # passes that could not ask the broker about its queues
 KINDS = {"event": counters.RECONCILED_EVENTS, "task": counters.RECONCILED_TASKS,
          "plain_task": counters.RECONCILED_PLAIN_TASKS}
 _ALL = 2**63 - 1
+_NEVER = -(2**62)
+
+
+def _digest(text: str) -> str:
+    """A counter name fits 64 characters whatever the consumer, task or queue name: its digest."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+def event_watermark(consumer: str) -> tuple[str, str]:
+    """The counter names of event consumer ``consumer``'s watermark (ms, seq)."""
+    d = _digest(f"event:{consumer}")
+    return f"rw:{d}:ms", f"rw:{d}:seq"
+
+
+def _progress_name(target: str, part: str) -> str:
+    return f"rp:{_digest(target)}:{part}"
+
+
+def _quiet_name(queue: str) -> str:
+    return f"rq:{_digest(queue)}"
+
+
+def plain_target(name: str) -> str:
+    """The progress key of a plain task name (event consumers and task keys are their inbox names)."""
+    return f"plain:{name}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,44 +124,114 @@ class Resent:
 
 @dataclass(kw_only=True)
 class ReconcileResult:
-    checked: int = 0  # published rows looked at in the events + @outbox.task window
+    checked: int = 0  # published rows looked at in the events + @outbox.task windows
     plain_checked: int = 0  # published rows looked at in the plain-task window
     republished: int = 0  # messages sent again, all kinds
     events: int = 0  # (event, consumer) pairs sent again
     tasks: int = 0  # @outbox.task messages sent again
     plain_tasks: int = 0  # plain task messages sent again
+    waiting: int = 0  # windows held at a message not recorded and not proved lost (a consumer behind)
     pages: int = 0
     watermark_ms: int = 0
     plain_watermark_ms: int | None = None  # None: the plain-task window is off
     broker_unavailable: bool = False
+    probe_failed: bool = False  # the broker could not be asked about its queues this pass
     resent: list[Resent] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The pass as a task result shows it (Flower): counts, not the list of messages."""
         return {"checked": self.checked, "plain_checked": self.plain_checked, "republished": self.republished,
                 "events": self.events, "tasks": self.tasks, "plain_tasks": self.plain_tasks, "pages": self.pages,
-                "watermark_ms": self.watermark_ms, "plain_watermark_ms": self.plain_watermark_ms,
-                "broker_unavailable": self.broker_unavailable}
+                "waiting": self.waiting, "watermark_ms": self.watermark_ms,
+                "plain_watermark_ms": self.plain_watermark_ms, "broker_unavailable": self.broker_unavailable,
+                "probe_failed": self.probe_failed}
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Window:
-    """One watermark and the rows it covers: events + @outbox.task rows, or plain task rows."""
+    """One watermark and the rows it covers: one consumer's events, @outbox.task rows, or plain task rows."""
 
-    plain: bool
+    kind: str  # "event" | "task" | "plain_task"
     mark_ms: str
     mark_seq: str
     older_than_ms: int
+    consumer: str = ""  # an event window's consumer
+    types: frozenset[str] = frozenset()  # event: the types routed to it; task: the @outbox.task names
+
+    @property
+    def plain(self) -> bool:
+        return self.kind == "plain_task"
+
+
+@dataclass(kw_only=True)
+class _Evidence:
+    """What a pass knows beyond the database rows: per target the horizon its progress proved
+    (``horizons``, by the target's digest), per queue what the broker said (``states``; None: it could
+    not be asked) and since when a RabbitMQ queue with consumers has had nothing waiting (``quiet``, by
+    counter name)."""
+
+    now: int
+    floor_ms: int
+    horizons: dict[str, int]
+    quiet: dict[str, int]
+    inspector: QueueInspector | None
+    states: dict[str, QueueState | None] = field(default_factory=dict)
+    probe_failed: bool = False
+
+    def ask(self, queues: Collection[str]) -> None:
+        missing = sorted({q for q in queues if q not in self.states})
+        if not missing:
+            return
+        if self.inspector is None:
+            self.states.update(dict.fromkeys(missing))
+            return
+        try:
+            found = self.inspector.queue_states(missing)
+        except Exception as e:  # a broker that cannot be asked is no evidence, never a failed pass
+            if not self.probe_failed:
+                log.warning("reconcile: cannot ask the broker what its queues hold (%s); this pass re-sends only "
+                            "what the consumers' progress proves lost", e)
+            self.probe_failed = True
+            self.states.update(dict.fromkeys(missing))
+            return
+        for q in missing:
+            self.states[q] = found.get(q)
+
+    def broker_holds_no_copy(self, queue: str, message_id: str) -> bool:
+        state = self.states.get(queue)
+        if state is None:
+            return False
+        answer = state.holds_no_copy_of(message_id)
+        if answer is None:  # RabbitMQ with consumers: empty for a whole floor, at every ask
+            since = self.quiet.get(_quiet_name(queue))
+            return since is not None and since <= self.now - self.floor_ms
+        return answer
+
+
+def _read_counters(session: Session, names: Collection[str] = (), *, prefixes: Collection[str] = (),
+                   tables: Tables, lock: bool = False) -> dict[str, int]:
+    c = tables.counters
+    match = [c.name.in_(list(names))] if names else []
+    match += [c.name.like(f"{p}%") for p in prefixes]
+    stmt = sa.select(c.name, c.value).where(c.consumer == counters.RELAY, sa.or_(*match))
+    return {name: int(value) for name, value in session.execute(stmt.with_for_update() if lock else stmt)}
+
+
+def _write_counters(session: Session, values: Mapping[str, int], *, tables: Tables) -> None:
+    """Set counters ``values`` in one upsert (the caller commits)."""
+    if not values:
+        return
+    stmt = insert_for(session, tables.counters).values(
+        [{"consumer": counters.RELAY, "name": name, "value": value} for name, value in values.items()])
+    session.execute(stmt.on_conflict_do_update(index_elements=["consumer", "name"],
+                                               set_={"value": stmt.excluded.value}))
 
 
 def _watermark(session: Session, window: _Window, *, tables: Tables) -> tuple[int, int] | None:
     """(published_at_ms, seq) checked through; a watermark without its seq covers that whole ms.
     Both counters in one read (a pass runs every few seconds, found something or not), locked on Postgres
     until the caller's transaction ends: a concurrent pass waits, then reads what this one wrote."""
-    c = tables.counters
-    found = {name: int(value) for name, value in session.execute(
-        sa.select(c.name, c.value).where(c.consumer == counters.RELAY, c.name.in_((window.mark_ms, window.mark_seq)))
-        .with_for_update())}
+    found = _read_counters(session, (window.mark_ms, window.mark_seq), tables=tables, lock=True)
     ms = found.get(window.mark_ms)
     if ms is None:
         return None
@@ -120,11 +240,7 @@ def _watermark(session: Session, window: _Window, *, tables: Tables) -> tuple[in
 
 def _set_watermark(session: Session, window: _Window, value: tuple[int, int], *, tables: Tables) -> None:
     """Both counters in one upsert (the caller commits)."""
-    stmt = insert_for(session, tables.counters).values(
-        [{"consumer": counters.RELAY, "name": window.mark_ms, "value": value[0]},
-         {"consumer": counters.RELAY, "name": window.mark_seq, "value": value[1]}])
-    session.execute(stmt.on_conflict_do_update(index_elements=["consumer", "name"],
-                                               set_={"value": stmt.excluded.value}))
+    _write_counters(session, {window.mark_ms: value[0], window.mark_seq: value[1]}, tables=tables)
 
 
 def _forget_watermark(session: Session, window: _Window, *, tables: Tables) -> bool:
@@ -135,6 +251,62 @@ def _forget_watermark(session: Session, window: _Window, *, tables: Tables) -> b
     return bool(getattr(done, "rowcount", 0))
 
 
+def _sample_progress(session: Session, now: int, *, tables: Tables, floor_ms: int, skew_ms: int,
+                     plain: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """Move every target's progress on by what it recorded since the last sample; its proved horizons.
+
+    Per target (progress key): ``F`` its frontier (the latest publish time among what it recorded),
+    ``T``/``C`` a checkpoint (pass time, frontier then), ``H`` the horizon: every message published
+    before it was taken, and any copy given back queued again, before something the target has since
+    recorded (module docstring). Reads only what was recorded since the previous sample (a little
+    more: a commit can carry an earlier time), through ``ix_<prefix>inbox_processed`` and
+    ``ix_<prefix>receipts_at``. Returns the horizons and, read in the same statement, the RabbitMQ queues'
+    quiet marks (``_Evidence.quiet``). Commits."""
+    o, i, r = tables.outbox, tables.inbox, tables.receipts
+    with wrap_driver_errors("reading the consumers' progress"):
+        stored = _read_counters(session, (SAMPLED,), prefixes=("rp:", "rq:"), tables=tables, lock=True)
+        since = max(stored.get(SAMPLED, now - floor_ms), now - floor_ms) - floor_ms // 4
+        latest: dict[str, int] = {}
+        for consumer, top in session.execute(
+                sa.select(i.consumer, sa.func.max(o.published_at_ms)).select_from(i)
+                .join(o, o.message_id == i.message_id)
+                .where(i.processed_at_ms > since).group_by(i.consumer)):
+            if top is not None:
+                latest[consumer] = int(top)
+        if plain:
+            for name, top in session.execute(
+                    sa.select(o.type, sa.func.max(o.published_at_ms)).select_from(r)
+                    .join(o, o.message_id == r.task_id)
+                    .where(r.received_at_ms > since).group_by(o.type)):
+                if top is not None:
+                    latest[plain_target(name)] = int(top)
+        changed: dict[str, int] = {SAMPLED: now}
+        keys = {name.split(":")[1] for name in stored if name.startswith("rp:")}
+        by_key = {_digest(t): t for t in latest}
+        horizons: dict[str, int] = {}
+        for key in keys | set(by_key):
+            def get(part: str, key: str = key) -> int | None:
+                return stored.get(f"rp:{key}:{part}")
+
+            frontier = max(get("F") or _NEVER, latest.get(by_key.get(key, ""), _NEVER))
+            at, checkpoint, horizon = get("T"), get("C"), get("H")
+            if frontier == _NEVER:
+                continue
+            if at is None or checkpoint is None:
+                at, checkpoint = now, frontier
+            elif frontier > at + floor_ms + skew_ms:  # recorded something queued after every give-back
+                horizon = max(horizon if horizon is not None else _NEVER, checkpoint - skew_ms)
+                at, checkpoint = now, frontier
+            for part, value in (("F", frontier), ("T", at), ("C", checkpoint), ("H", horizon)):
+                if value is not None and stored.get(f"rp:{key}:{part}") != value:
+                    changed[f"rp:{key}:{part}"] = value
+            if horizon is not None:
+                horizons[key] = horizon
+        _write_counters(session, changed, tables=tables)
+        session.commit()
+    return horizons, {name: value for name, value in stored.items() if name.startswith("rq:")}
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Plan:
     """What one page sends again: the messages and, per message, its kind and target."""
@@ -143,32 +315,59 @@ class _Plan:
     resent: list[Resent]
 
 
-def _page(session: Session, window: _Window, since: tuple[int, int], upto: int, *, tables: Tables,
-          routes: Mapping[str, Sequence[str]], idempotent_tasks: Collection[str], namespace: str,
-          max_message_bytes: int, limit: int) -> tuple[int, tuple[int, int], _Plan]:
-    """Read one page of ``window`` after ``since``; (rows checked, the next watermark, what to send)."""
+@dataclass(frozen=True, kw_only=True)
+class _Candidate:
+    """A row its target has not recorded: the message to send if it is lost, where it would wait."""
+
+    row: Any
+    target: str  # progress key
+    message: TaskMessage
+    queue: str
+    since_ms: int  # its publish time, or its last failed delivery's
+
+
+def _belongs(window: _Window, row: Any, idempotent_tasks: Collection[str]) -> bool:
+    """Whether ``row`` (already filtered by type for event and task windows) is one of ``window``'s."""
+    task = is_task_row(row.headers)
+    if window.kind == "event":
+        return not task
+    if window.kind == "task":
+        return task
+    return task and row.type not in idempotent_tasks and wants_receipt((row.headers or {}).get("task_headers"))
+
+
+def _target(window: _Window, row: Any) -> str:
+    """The progress key of ``row`` in ``window``: the event consumer, the task key, the plain task name."""
+    if window.kind == "event":
+        return window.consumer
+    return task_key(row.type) if window.kind == "task" else plain_target(row.type)
+
+
+def _page(session: Session, window: _Window, since: tuple[int, int], upto: int, evidence: _Evidence, *,
+          tables: Tables, idempotent_tasks: Collection[str], namespace: str, max_message_bytes: int,
+          limit: int) -> tuple[int, tuple[int, int], _Plan, bool]:
+    """Read one page of ``window`` after ``since``; (rows checked, the next watermark, what to send,
+    whether the window stopped at a message not proved lost)."""
     since_ms, since_seq = since
     o = tables.outbox
     published = o.published_at_ms
-    rows = session.execute(
-        sa.select(o.seq, o.message_id, o.type, o.headers, o.created_at_ms, published)
-        # The redundant ``published >= since_ms`` bounds the index scan on ix_<prefix>published from
-        # below; without it Postgres walks every row published before the watermark (the OR is a filter).
-        .where(published.is_not(None), published <= upto, published >= since_ms,
-               sa.or_(published > since_ms, sa.and_(published == since_ms, o.seq > since_seq)))
-        .order_by(published, o.seq).limit(limit)
-    ).all()
+    query = (sa.select(o.seq, o.message_id, o.type, o.headers, o.created_at_ms, published)
+             # The redundant ``published >= since_ms`` bounds the index scan on ix_<prefix>published from
+             # below; without it Postgres walks every row published before the watermark (the OR is a filter).
+             .where(published.is_not(None), published <= upto, published >= since_ms,
+                    sa.or_(published > since_ms, sa.and_(published == since_ms, o.seq > since_seq))))
+    if window.kind != "plain_task":
+        query = query.where(o.type.in_(sorted(window.types)))
+    rows = session.execute(query.order_by(published, o.seq).limit(limit)).all()
     # A full page means more rows in the window: stop at the last (ms, seq) checked, never inside a ms.
     next_mark = (int(rows[-1].published_at_ms), int(rows[-1].seq)) if len(rows) == limit else (upto, _ALL)
     candidates = []
     for r in rows:
-        if not is_task_row(r.headers) or r.type in idempotent_tasks:  # an event or an @outbox.task
-            if not window.plain:
-                candidates.append(r)
-        elif window.plain and wants_receipt((r.headers or {}).get("task_headers")):  # a plain task
+        if _belongs(window, r, idempotent_tasks):
             candidates.append(r)
+    empty = _Plan(messages=[], resent=[])
     if not candidates:
-        return len(rows), next_mark, _Plan(messages=[], resent=[])
+        return len(rows), next_mark, empty, False
     ids = [r.message_id for r in candidates]
     seen = {(m, c) for m, c in session.execute(sa.select(tables.inbox.message_id, tables.inbox.consumer)
                                                .where(tables.inbox.message_id.in_(ids)))}
@@ -182,55 +381,87 @@ def _page(session: Session, window: _Window, since: tuple[int, int], upto: int, 
     if window.plain:
         received = set(session.execute(sa.select(tables.receipts.task_id)
                                        .where(tables.receipts.task_id.in_(ids))).scalars())
-    lost: list[tuple[Any, list[str]]] = []  # (row, missing consumers; [] for a task)
+    failed = {(m, c): int(at) for m, c, at in session.execute(
+        sa.select(tables.attempts.message_id, tables.attempts.consumer, tables.attempts.last_failed_at_ms)
+        .where(tables.attempts.message_id.in_(ids)))}
+    missing = []
     for r in candidates:
-        if is_task_row(r.headers):
-            # A dead letter of this task id under any key (the task's, a poison gate's) is a person's job.
-            if (r.message_id, task_key(r.type)) in seen or str(r.message_id) in dead_ids or r.message_id in received:
+        if window.kind == "event":
+            if (r.message_id, window.consumer) in seen or (str(r.message_id), window.consumer) in dead:
                 continue
-            lost.append((r, []))
-        else:
-            missing = [c for c in routes.get(r.type, ()) if (r.message_id, c) not in seen
-                       and (str(r.message_id), c) not in dead]
-            if missing:
-                lost.append((r, missing))
-    if not lost:
-        return len(rows), next_mark, _Plan(messages=[], resent=[])
+        # A dead letter of this task id under any key (the task's, a poison gate's) is a person's job.
+        elif (r.message_id, task_key(r.type)) in seen or str(r.message_id) in dead_ids or r.message_id in received:
+            continue
+        missing.append(r)
+    if not missing:
+        return len(rows), next_mark, empty, False
     payloads: dict[int, Any] = {seq: payload for seq, payload in session.execute(
-        sa.select(o.seq, o.payload).where(o.seq.in_([r.seq for r, _ in lost])))}
-    plan = _Plan(messages=[], resent=[])
-    for r, missing in lost:
+        sa.select(o.seq, o.payload).where(o.seq.in_([r.seq for r in missing])))}
+    lost: list[_Candidate] = []
+    for r in missing:
         headers = dict(r.headers or {})
         try:
-            if not missing:
-                plan.messages.append(task_row_message(message_id=r.message_id, type=r.type, payload=payloads[r.seq],
-                                                      headers=headers, max_bytes=max_message_bytes))
-                plan.resent.append(Resent(kind="plain_task" if window.plain else "task", message_id=str(r.message_id),
-                                          target=r.type))
-                continue
-            envelope = Envelope(message_id=r.message_id, type=r.type, payload=payloads[r.seq], headers=headers,
-                                created_at_ms=r.created_at_ms)
-            plan.messages.extend(celery_task_messages(envelope, targets=[(c, f"{namespace}.{c}") for c in missing],
-                                                      max_bytes=max_message_bytes))
-            plan.resent.extend(Resent(kind="event", message_id=str(r.message_id), target=c) for c in missing)
+            if window.kind == "event":
+                envelope = Envelope(message_id=r.message_id, type=r.type, payload=payloads[r.seq], headers=headers,
+                                    created_at_ms=r.created_at_ms)
+                [message] = celery_task_messages(envelope, targets=[(window.consumer, f"{namespace}.{window.consumer}")],
+                                                 max_bytes=max_message_bytes)
+            else:
+                message = task_row_message(message_id=r.message_id, type=r.type, payload=payloads[r.seq],
+                                           headers=headers, max_bytes=max_message_bytes)
         except (SerializationError, MessageTooLargeError, MalformedMessageError) as e:  # the relay sent it: unlikely
             log.warning("reconcile: cannot rebuild %s: %s", r.message_id, e)
-    return len(rows), next_mark, plan
+            continue
+        target = _target(window, r)
+        inbox_key = window.consumer if window.kind == "event" else task_key(r.type)
+        since_ms = max(int(r.published_at_ms), failed.get((r.message_id, inbox_key), _NEVER))
+        queue = message.queue.name if message.queue is not None else message.routing_key
+        lost.append(_Candidate(row=r, target=target, message=message, queue=queue, since_ms=since_ms))
+    evidence.ask({c.queue for c in lost if not c.since_ms < evidence.horizons.get(_digest(c.target), _NEVER)})
+    plan = _Plan(messages=[], resent=[])
+    for c in lost:
+        passed = c.since_ms < evidence.horizons.get(_digest(c.target), _NEVER)
+        if not passed and not (c.since_ms <= upto and evidence.broker_holds_no_copy(c.queue, c.message.message_id)):
+            # Not recorded and not proved lost: waiting behind a backlog, or in a retry. Stop here; the rows
+            # before it are done, this one and the rest of the page are checked again next pass.
+            before = [r for r in rows if (r.published_at_ms, r.seq) < (c.row.published_at_ms, c.row.seq)]
+            mark = (int(before[-1].published_at_ms), int(before[-1].seq)) if before else since
+            return len(rows), mark, plan, True
+        plan.messages.append(c.message)
+        plan.resent.append(Resent(kind=window.kind, message_id=str(c.row.message_id),
+                                  target=window.consumer if window.kind == "event" else c.row.type))
+    return len(rows), next_mark, plan, False
 
 
 def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: Tables, routes: Mapping[str, Sequence[str]],
               namespace: str, max_message_bytes: int, older_than_ms: int, idempotent_tasks: Collection[str] = (),
-              plain_older_than_ms: int = 0, limit: int = 1000, max_pages: int = 100) -> ReconcileResult:
-    """One pass over both windows; commits after every page. The first pass of a window only sets its
+              plain_older_than_ms: int = 0, limit: int = 1000, max_pages: int = 100,
+              queues: QueueInspector | None = None, publish_skew_ms: int = 10_000) -> ReconcileResult:
+    """One pass over every window; commits after every page. The first pass of a window only sets its
     watermark (history is not re-checked). ``idempotent_tasks``: the ``@outbox.task`` names this app
-    defines (the relay passes them as it passes ``routes``); ``plain_older_than_ms`` 0: plain tasks off."""
+    defines (the relay passes them as it passes ``routes``); ``plain_older_than_ms`` 0: plain tasks off.
+    ``queues``: the broker's queue probe (relay/queues.py); None: the publisher's, if it has one, else no
+    broker evidence. ``publish_skew_ms``: the longest a publish can be marked after a later one was sent
+    (the relay's publish timeout)."""
     now = clock.now_ms()
     result = ReconcileResult(watermark_ms=now - older_than_ms)
-    windows = [_Window(plain=False, mark_ms=WATERMARK, mark_seq=WATERMARK_SEQ, older_than_ms=older_than_ms)]
-    plain = _Window(plain=True, mark_ms=PLAIN_WATERMARK, mark_seq=PLAIN_WATERMARK_SEQ,
-                    older_than_ms=plain_older_than_ms)
+    if queues is None and isinstance(publisher, QueueInspector):
+        queues = publisher
+    consumers: dict[str, set[str]] = {}
+    for event_type, names in routes.items():
+        for name in names:
+            consumers.setdefault(name, set()).add(event_type)
+    windows = []
+    for consumer, types in sorted(consumers.items()):
+        mark_ms, mark_seq = event_watermark(consumer)
+        windows.append(_Window(kind="event", mark_ms=mark_ms, mark_seq=mark_seq, older_than_ms=older_than_ms,
+                               consumer=consumer, types=frozenset(types)))
+    if idempotent_tasks:
+        windows.append(_Window(kind="task", mark_ms=TASK_WATERMARK, mark_seq=TASK_WATERMARK_SEQ,
+                               older_than_ms=older_than_ms, types=frozenset(idempotent_tasks)))
+    plain = _Window(kind="plain_task", mark_ms=PLAIN_WATERMARK, mark_seq=PLAIN_WATERMARK_SEQ,
+                    older_than_ms=max(plain_older_than_ms, older_than_ms))  # never before the events'
     if plain_older_than_ms > 0:
-        plain = replace(plain, older_than_ms=max(plain_older_than_ms, older_than_ms))  # never before the events'
         windows.append(plain)
         result.plain_watermark_ms = now - plain.older_than_ms
     else:
@@ -241,17 +472,47 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
             log.warning("plain-task reconcile is off here (OUTBOX_RELAY_RECONCILE_PLAIN_TASKS_AFTER_MS=0): its "
                         "watermark was reset. If another relay or beat still has it on, each of its passes now "
                         "starts afresh and lost plain tasks are never sent again: set the same value everywhere")
+    horizons, quiet = _sample_progress(session, now, tables=tables, floor_ms=older_than_ms,
+                                       skew_ms=publish_skew_ms, plain=plain_older_than_ms > 0)
+    evidence = _Evidence(now=now, floor_ms=older_than_ms, horizons=horizons, inspector=queues, quiet=quiet)
     for window in windows:
-        if not _run_window(session, publisher, window, now - window.older_than_ms, result, tables=tables,
-                           routes=routes, idempotent_tasks=frozenset(idempotent_tasks), namespace=namespace,
+        if not _run_window(session, publisher, window, now - window.older_than_ms, result, evidence, tables=tables,
+                           idempotent_tasks=frozenset(idempotent_tasks), namespace=namespace,
                            max_message_bytes=max_message_bytes, limit=limit, max_pages=max_pages):
             break
+    _remember_quiet(session, evidence, stored=quiet, tables=tables)
+    if evidence.probe_failed:
+        result.probe_failed = True
+        with wrap_driver_errors("counting a failed queue probe"):
+            counters.stage_increment(session, counters.RELAY, PROBE_FAILURES, 1, tables=tables)
+            session.commit()
     return result
 
 
-def _run_window(session: Session, publisher: Publisher, window: _Window, upto: int, result: ReconcileResult, *,
-                tables: Tables, routes: Mapping[str, Sequence[str]], idempotent_tasks: Collection[str],
-                namespace: str, max_message_bytes: int, limit: int, max_pages: int) -> bool:
+def _remember_quiet(session: Session, evidence: _Evidence, *, stored: Mapping[str, int], tables: Tables) -> None:
+    """Since when each asked RabbitMQ queue with consumers has had nothing waiting; forgotten when it has."""
+    keep: dict[str, int] = {}
+    drop: list[str] = []
+    for queue, state in evidence.states.items():
+        name = _quiet_name(queue)
+        if state is not None and state.ready == 0 and state.holds_no_copy_of("") is None:
+            if name not in stored:
+                keep[name] = evidence.now
+        elif state is not None and name in stored:
+            drop.append(name)
+    if not keep and not drop:
+        return
+    with wrap_driver_errors("writing the reconcile queue marks"):
+        _write_counters(session, keep, tables=tables)
+        if drop:
+            session.execute(sa.delete(tables.counters).where(tables.counters.consumer == counters.RELAY,
+                                                             tables.counters.name.in_(drop)))
+        session.commit()
+
+
+def _run_window(session: Session, publisher: Publisher, window: _Window, upto: int, result: ReconcileResult,
+                evidence: _Evidence, *, tables: Tables, idempotent_tasks: Collection[str], namespace: str,
+                max_message_bytes: int, limit: int, max_pages: int) -> bool:
     """Page through ``window`` up to ``upto``; False when the broker was unavailable (stop the pass).
 
     The watermark only moves forward. Two passes can disagree on ``upto`` (a clock ahead or behind on
@@ -263,15 +524,22 @@ def _run_window(session: Session, publisher: Publisher, window: _Window, upto: i
         with wrap_driver_errors("reconciling the outbox with the inbox"):
             since = _watermark(session, window, tables=tables)
             if since is None:
-                _set_watermark(session, window, (upto, _ALL), tables=tables)
+                legacy = None
+                if window.kind != "plain_task":  # one watermark used to cover events and @outbox.task rows
+                    found = _read_counters(session, (WATERMARK, WATERMARK_SEQ), tables=tables)
+                    if WATERMARK in found:
+                        legacy = (found[WATERMARK], found.get(WATERMARK_SEQ, _ALL))
+                _set_watermark(session, window, min(legacy, (upto, _ALL)) if legacy else (upto, _ALL), tables=tables)
                 session.commit()
-                return True
+                if legacy is None:
+                    return True
+                continue
             if since >= (upto, _ALL):  # another pass checked past this window's end
                 session.rollback()
                 return True
-            checked, next_mark, plan = _page(session, window, since, upto, tables=tables, routes=routes,
-                                             idempotent_tasks=idempotent_tasks, namespace=namespace,
-                                             max_message_bytes=max_message_bytes, limit=limit)
+            checked, next_mark, plan, held = _page(session, window, since, upto, evidence, tables=tables,
+                                                   idempotent_tasks=idempotent_tasks, namespace=namespace,
+                                                   max_message_bytes=max_message_bytes, limit=limit)
             if plan.messages:
                 session.rollback()  # hold no locks across the publish
         result.pages += 1
@@ -291,7 +559,7 @@ def _run_window(session: Session, publisher: Publisher, window: _Window, upto: i
                             sent.message_id, sent.target)
         per_kind = {kind: sum(1 for s in plan.resent if s.kind == kind) for kind in KINDS}
         with wrap_driver_errors("advancing the reconcile watermark"):
-            # Nothing sent: still in the transaction that read (and locked) ``since``, and next_mark > since.
+            # Nothing sent: still in the transaction that read (and locked) ``since``.
             current = _watermark(session, window, tables=tables) if plan.messages else since
             if current is None or current < next_mark:
                 _set_watermark(session, window, next_mark, tables=tables)
@@ -307,7 +575,10 @@ def _run_window(session: Session, publisher: Publisher, window: _Window, upto: i
         if window.plain:
             result.plain_watermark_ms = next_mark[0]
         else:
-            result.watermark_ms = next_mark[0]
+            result.watermark_ms = min(result.watermark_ms, next_mark[0])
+        if held:
+            result.waiting += 1
+            return True
         if next_mark[1] == _ALL:  # caught up with the window
             return True
     return True

@@ -11,13 +11,14 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
 from celery_outbox.errors import BrokerUnavailableError
 from celery_outbox.messages import TaskMessage
 from celery_outbox.relay.publisher import PublishReport
+from celery_outbox.relay.queues import QueueState
 
 
 class PublisherCrashed(BaseException):
@@ -33,8 +34,46 @@ class _Rejection:
     times: int | None  # None: forever
 
 
+class InMemoryQueues:
+    """The reconciler's view of the broker's queues (relay/queues.py), scripted.
+
+    By default every queue holds nothing (an in-memory broker whose messages were all delivered):
+    a published message no consumer recorded is then lost as soon as it is older than the reconcile
+    floor. ``set`` scripts a backlog, unacked messages or attached consumers; ``fail`` makes the next
+    asks raise, like a broker that cannot be reached.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[str, QueueState] = {}
+        self._failures = 0
+        self.asked: list[tuple[str, ...]] = []
+
+    def set(self, queue: str, *, ready: int = 0, unacked: Sequence[str] | None = (),
+            consumers: int | None = None) -> None:
+        """``queue`` now holds ``ready`` waiting messages and the ``unacked`` ids (None: the broker cannot
+        list them, as RabbitMQ), with ``consumers`` attached (None: not counted, as Redis)."""
+        with self._lock:
+            self._states[queue] = QueueState(ready=ready, consumers=consumers,
+                                             unacked=None if unacked is None else frozenset(unacked))
+
+    def fail(self, times: int = 1) -> None:
+        """The next ``times`` asks raise ``BrokerUnavailableError``."""
+        with self._lock:
+            self._failures += times
+
+    def queue_states(self, queues: Sequence[str]) -> Mapping[str, QueueState]:
+        with self._lock:
+            self.asked.append(tuple(queues))
+            if self._failures:
+                self._failures -= 1
+                raise BrokerUnavailableError("broker unavailable: queue probe refused")
+            return {q: self._states.get(q, QueueState(ready=0, unacked=frozenset())) for q in queues}
+
+
 class InMemoryPublisher:
-    """Records published messages; see the module docstring for the failure scripts."""
+    """Records published messages; see the module docstring for the failure scripts. Its ``queues``
+    (``InMemoryQueues``) answer the reconciler's questions about the broker's queues."""
 
     def __init__(self, *, before_publish: Callable[[Sequence[TaskMessage]], None] | None = None) -> None:
         self.published: list[TaskMessage] = []
@@ -47,6 +86,7 @@ class InMemoryPublisher:
         self._rejections: dict[str, _Rejection] = {}
         self._crashes = 0
         self._partial: list[int] = []
+        self.queues = InMemoryQueues()
 
     # -- scripting -------------------------------------------------------------------------------
     def fail_unavailable(self, times: int = 1, *, error: str = "connection refused") -> None:
@@ -145,6 +185,10 @@ class InMemoryPublisher:
                 self._crashes -= 1
                 raise PublisherCrashed("the relay died after the broker got the batch")
             return PublishReport(count=len(messages), rejected=rejected)
+
+    def queue_states(self, queues: Sequence[str]) -> Mapping[str, QueueState]:
+        """The reconciler's question about the broker (relay/queues.py), answered by ``self.queues``."""
+        return self.queues.queue_states(queues)
 
     def close(self) -> None:
         self.closed = True

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import Tables, counters
 from celery_outbox.clock import ManualClock
 from celery_outbox.messages import TaskMessage
-from celery_outbox.relay.reconcile import WATERMARK, WATERMARK_SEQ, ReconcileResult, reconcile
+from celery_outbox.relay.reconcile import ReconcileResult, event_watermark, reconcile
 from celery_outbox.testing.memory import InMemoryPublisher
 
 pytestmark = pytest.mark.postgres
@@ -34,10 +34,11 @@ def run(sessions: sessionmaker[Session], clock: ManualClock, tables: Tables,
 
 def watermark(sessions: sessionmaker[Session], tables: Tables) -> tuple[int, int]:
     c = tables.counters
+    mark_ms, mark_seq = event_watermark("shipping")
     with sessions() as s:
         found = {name: value for name, value in s.execute(sa.select(c.name, c.value).where(
-            c.consumer == counters.RELAY, c.name.in_((WATERMARK, WATERMARK_SEQ))))}
-    return int(found[WATERMARK]), int(found[WATERMARK_SEQ])
+            c.consumer == counters.RELAY, c.name.in_((mark_ms, mark_seq))))}
+    return int(found[mark_ms]), int(found[mark_seq])
 
 
 def published_event(sessions: sessionmaker[Session], tables: Tables, published_at_ms: int) -> uuid.UUID:

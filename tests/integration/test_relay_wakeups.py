@@ -353,7 +353,7 @@ def test_the_relay_builds_its_claim_and_mark_once_not_per_wake_up(
     loop.close()
 
 
-def test_a_reconcile_pass_that_finds_nothing_reads_and_writes_each_watermark_once(
+def test_a_reconcile_pass_that_finds_nothing_reads_and_writes_each_watermark_once(  # and its progress sample
         pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
     from celery_outbox.relay.reconcile import reconcile
 
@@ -373,12 +373,13 @@ def test_a_reconcile_pass_that_finds_nothing_reads_and_writes_each_watermark_onc
     # When the next pass runs (every few seconds, under the lease)
     with Recorder(pg_engine) as seen:
         run()
-    # Then per window: one read of its watermark (ms and seq, locked), its page (the events window: the inbox,
-    # parked and dead-letter reads of its one row), one upsert of the watermark, and the commit, in one
-    # transaction (nothing to publish: no lock held across a broker call)
+    # Then first the consumers' progress: one read of its counters, one upsert, one commit; then per window:
+    # one read of its watermark (ms and seq, locked), its page (the events window: the inbox, parked and
+    # dead-letter reads of its one row), one upsert of the watermark, and the commit, in one transaction
+    # (nothing to publish: no lock held across a broker call)
     reads = [k for k in seen.kinds if "OUTBOX_COUNTERS" in k]
-    assert [k.split(" ", 1)[0] for k in reads] == ["SELECT", "INSERT", "SELECT", "INSERT"]
-    assert seen.ends == ["BEGIN", "COMMIT"] * 2
+    assert [k.split(" ", 1)[0] for k in reads] == ["SELECT", "INSERT"] * 3
+    assert seen.ends == ["BEGIN", "COMMIT"] * 3
     # And the watermarks moved: a second run over the same window checks nothing again
     with pg_sessions() as s:
         again = reconcile(s, InMemoryPublisher(), clock, tables=tables, routes={"OrderPlaced": ("shipping",)},

@@ -225,3 +225,33 @@ def test_the_standalone_relay_reconciles_tasks_and_hands_what_it_resent_to_its_c
         assert [(r.kind, r.message_id, r.target) for a in announced for r in a.resent] == [("task", lost, ia.RECORD)]
     finally:
         loop.close()
+
+
+def test_tasks_still_queued_behind_a_backlog_are_never_sent_again_and_lost_ones_are_once_it_drains(
+        built: ia.TaskApp, sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    # Given a reconciler that has run once, and an @outbox.task and a plain task the relay published while
+    # their workers are stopped: the broker holds both, waiting in their queue
+    pub = InMemoryPublisher()
+    run(built, sqlite_sessions, clock, pub, tables)
+    clock.advance(1_000)
+    [idem] = enqueue(built, sqlite_sessions, built.record, "idem")
+    [plain] = enqueue(built, sqlite_sessions, built.plain, "plain")
+    first = publish(built, sqlite_sessions, clock, tables)
+    queues = {m.queue.name if m.queue is not None else m.routing_key for m in first.published}
+    for queue in queues:
+        pub.queues.set(queue, ready=len(first.published), unacked=())
+    # When the reconciler passes every interval for twice the plain-task window
+    for _ in range(2 * PLAIN_AFTER // 5_000):
+        clock.advance(5_000)
+        run(built, sqlite_sessions, clock, pub, tables)
+    # Then neither is sent again: both were late, neither was lost
+    assert pub.published == []
+    # And when their queue turns out empty with neither recorded (taken and lost), both are sent again, once
+    for queue in queues:
+        pub.queues.set(queue, ready=0, unacked=())
+    clock.advance(5_000)
+    result = run(built, sqlite_sessions, clock, pub, tables)
+    assert (result.tasks, result.plain_tasks) == (1, 1)
+    assert sorted(m.headers["id"] for m in pub.published) == sorted([idem, plain])
+    clock.advance(5_000)
+    assert run(built, sqlite_sessions, clock, pub, tables).republished == 0

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import counters
 from celery_outbox.clock import ManualClock
 from celery_outbox.relay.loop import RelayLoop
-from celery_outbox.relay.reconcile import WATERMARK, reconcile
+from celery_outbox.relay.reconcile import event_watermark, reconcile
 from celery_outbox.schema import Tables
 from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
@@ -36,7 +36,7 @@ def make_loop(tmp_path: Path, sqlite_url: str, sessions: sessionmaker[Session], 
 def watermark(sessions: sessionmaker[Session], tables: Tables) -> int | None:
     with sessions() as s:
         value = s.scalar(sa.select(tables.counters.value).where(tables.counters.consumer == counters.RELAY,
-                                                                tables.counters.name == WATERMARK))
+                                                                tables.counters.name == event_watermark("shipping")[0]))
     return None if value is None else int(value)
 
 

@@ -56,7 +56,7 @@ def test_lost_messages_are_sent_again_to_the_consumer_that_missed_them(
     clock.advance(AFTER // 2)
     assert run(sqlite_sessions, pub, clock, tables) == (0, 0)
     clock.advance(AFTER)
-    assert run(sqlite_sessions, pub, clock, tables) == (3, 2)
+    assert run(sqlite_sessions, pub, clock, tables) == (6, 2)  # each consumer's window reads the three
     assert {(m.properties["message_id"], m.consumer) for m in pub.published} == lost
     assert {m.routing_key for m in pub.published} == {"ns.billing", "ns.shipping"}
     # And each row is checked once: the next pass sends nothing
@@ -82,7 +82,7 @@ def test_dead_letters_are_not_sent_again(settings: Settings, outbox: Outbox, sql
     # When the reconciler passes after the deadline
     clock.advance(2 * AFTER)
     pub = InMemoryPublisher()
-    assert run(sqlite_sessions, pub, clock, tables) == (1, 0)  # dead letters are a person's job, not re-sent
+    assert run(sqlite_sessions, pub, clock, tables) == (2, 0)  # dead letters are a person's job, not re-sent
     assert pub.published == [] and str(mid)
 
 
@@ -103,8 +103,8 @@ def test_a_down_broker_keeps_the_window_for_the_next_pass(sqlite_sessions: sessi
     with sqlite_sessions() as s:
         r = reconcile(s, pub, clock, tables=tables, routes=ROUTES, namespace="ns", max_message_bytes=100_000, older_than_ms=AFTER)
     assert r.broker_unavailable and r.republished == 0
-    # Then the next pass re-sends the same window: nothing skipped
-    assert run(sqlite_sessions, pub, clock, tables) == (1, 2)
+    # Then the next pass re-sends the same window: nothing skipped (each consumer's window reads the row)
+    assert run(sqlite_sessions, pub, clock, tables) == (2, 2)
     assert {m.properties["message_id"] for m in pub.published} == {str(mid)}
 
 
@@ -124,6 +124,7 @@ def test_rows_sharing_one_published_instant_across_a_full_page_are_all_checked(
     first = run(sqlite_sessions, pub, clock, tables, max_pages=1)
     second = run(sqlite_sessions, pub, clock, tables, max_pages=1)
     third = run(sqlite_sessions, pub, clock, tables, max_pages=1)
-    # Then every row is checked exactly once, none skipped at the page boundary inside the shared instant
-    assert (first, second, third) == ((1000, 2000), (500, 1000), (0, 0))
+    # Then every row is checked exactly once per consumer's window, none skipped at the page boundary inside
+    # the shared instant
+    assert (first, second, third) == ((2000, 2000), (1000, 1000), (0, 0))
     assert len(set(pub.deliveries())) == 3000 and pub.duplicates() == 0
