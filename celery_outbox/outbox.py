@@ -70,6 +70,7 @@ class Outbox:
                  clock: Clock | None = None) -> None:
         self.app = app
         self.settings = settings if settings is not None else Settings.from_env()
+        self.settings_error: ConfigError | None = None  # DjangoOutbox: settings.py's error, raised at first use
         if engine is None and session_factory is None:
             self.sessions = SessionSource(url=self.settings.effective_database_url, settings=self.settings)
         else:
@@ -175,13 +176,23 @@ class Outbox:
         return out
 
     def check(self) -> None:
-        """Raise ``ConfigError`` for a route that would skip a consumer; called when the app finalizes."""
+        """Raise ``ConfigError`` for unusable settings or a route that would skip a consumer; a worker of the
+        app runs it at boot, the ``outbox`` command before any command."""
+        self.require_settings()
         self.routes()
+
+    def require_settings(self) -> None:
+        """Raise the ``ConfigError`` the settings were refused with, when they were (a ``DjangoOutbox`` is built
+        whatever settings.py says, so ``manage.py check`` can report it as ``celery_outbox.E001``): the first use
+        of the outbox (publish, cancel, a task sent, the relay, a worker, a command) fails with that message."""
+        if self.settings_error is not None:
+            raise ConfigError(str(self.settings_error))
 
     # -- write side ------------------------------------------------------------------------------
     def publish(self, session: Session | scoped_session[Session], event: Event) -> OutboxRow:
         """Stage ``event`` in ``session``'s transaction (a ``Session`` or a ``scoped_session`` such as
         Flask-SQLAlchemy's ``db.session``); it commits or rolls back with your data."""
+        self.require_settings()
         return add(resolve_session(session, verb="publish"), event, tables=self.tables, clock=self.clock,
                    max_message_bytes=self.settings.max_message_bytes, known_types=self._checked_routes(event.type))
 
@@ -207,6 +218,7 @@ class Outbox:
 
         Blocks nest (the innermost session wins). Binding only: committing stays the caller's job.
         """
+        self.require_settings()
         bound = resolve_session(session, verb="transaction")
         capture = self._enqueue_interceptor
         with capture.bind(capture.session_writer(bound)):
@@ -227,6 +239,7 @@ class Outbox:
     def _enqueue(self, bind: Callable[[], AbstractContextManager[Any]], signature: Any, *, dedup_key: str | None,
                  on_conflict: str, options: dict[str, Any]) -> Any:
         """``enqueue`` inside ``bind()``: the block whose transaction the rows join (a session's, an ``atomic()``)."""
+        self.require_settings()
         if not hasattr(signature, "apply_async"):
             raise TypeError(f"outbox.enqueue() needs a Celery signature (task.s(...)), got {type(signature).__name__}")
         if dedup_key is None:
@@ -247,6 +260,7 @@ class Outbox:
         deleted when you commit, so it never runs, even with every worker down. A task the relay already
         published raises ``AlreadyPublishedError`` (never silently ignored); an unknown id ``NotFoundError``.
         See docs/scheduled.md."""
+        self.require_settings()
         return cancel_row(resolve_session(session, verb="cancel"), task_id, tables=self.tables)
 
     def _install_enqueue(self) -> None:
@@ -275,6 +289,7 @@ class Outbox:
 
     def relay_loop(self, *, listen: bool = True) -> RelayLoop:
         """A standalone relay (``outbox relay`` runs one); close it and its publisher when done."""
+        self.require_settings()
         return relay_tasks.relay_loop(self, listen=listen)
 
     @overload

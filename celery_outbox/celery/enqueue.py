@@ -355,6 +355,7 @@ class Interceptor:
         return self._original
 
     def __call__(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
+        self.outbox.require_settings()  # settings refused at build (DjangoOutbox): nothing is sent or written
         headers = message[0]
         if self.in_beat and not self.direct.get():
             tick = beat.tick_of({**headers, **(options.get("headers") or {})}, self.outbox.clock.now_ms())

@@ -2,7 +2,9 @@
 what would otherwise surface as a 500, a worker that refuses to start or a task nobody runs.
 
 =======================  ===========================================================================================
-``celery_outbox.E001``   the outbox settings are invalid (``OUTBOX = {...}``, ``OUTBOX_*`` or the environment)
+``celery_outbox.E001``   the outbox settings are invalid (``OUTBOX = {...}``, ``OUTBOX_*``, the environment, or a
+                         value the Celery app's broker rules out); ``DjangoOutbox`` is built anyway and raises
+                         this message at its first use
 ``celery_outbox.E002``   an ``OUTBOX_*`` name in settings.py that no outbox setting has (a typo, otherwise ignored)
 ``celery_outbox.E003``   ``OUTBOX_INSTANCE`` does not name an ``Outbox``
 ``celery_outbox.E004``   a route names a consumer this project neither declares nor routes to another service
@@ -45,11 +47,20 @@ def settings_check(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
             f"settings.{name} is not an outbox setting, so it has no effect",
             hint=f"did you mean {close[0]}?" if close else "see docs/settings.md for the names",
             obj=f"settings.{name}", id="celery_outbox.E002"))
+    from celery_outbox.contrib.django import dead_letters
+
+    refused: ConfigError | None = None
     try:
         outbox_settings()
     except ConfigError as e:
-        errors.append(checks.Error(f"the outbox settings are invalid: {_one_line(str(e))}",
-                                   hint="fix the OUTBOX / OUTBOX_* value in settings.py or the environment",
+        refused = e
+    registered = dead_letters.registered()
+    if refused is None and registered is not None:
+        refused = registered.settings_error  # e.g. a setting the Celery app's broker rules out
+    if refused is not None:
+        errors.append(checks.Error(f"the outbox settings are invalid: {_one_line(str(refused))}",
+                                   hint="fix the OUTBOX / OUTBOX_* value in settings.py or the environment; until "
+                                        "then the outbox refuses every use with this message",
                                    obj="settings.OUTBOX", id="celery_outbox.E001"))
     return errors
 
@@ -71,6 +82,8 @@ def outbox_check(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMes
             return [checks.Error(_one_line(str(e)), hint="OUTBOX_INSTANCE = 'proj.celery:outbox' names the Outbox "
                                  "proj/celery.py builds", obj=f"settings.{dead_letters.SETTING}",
                                  id="celery_outbox.E003")]
+    if outbox.settings_error is not None:
+        return []  # E001 (settings_check) reports it; routes and queues built on refused settings mean nothing
     errors: list[checks.CheckMessage] = []
     try:
         outbox.check()

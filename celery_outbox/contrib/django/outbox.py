@@ -36,7 +36,7 @@ from celery_outbox.db import SessionSource, make_engine, make_session_factory
 from celery_outbox.errors import ConfigError, TransactionRequiredError
 from celery_outbox.outbox import Outbox
 from celery_outbox.schema import DEFAULT_PREFIX
-from celery_outbox.settings import Settings
+from celery_outbox.settings import Settings, broker_relation_problems
 from celery_outbox.writer import Event
 
 
@@ -114,7 +114,13 @@ class DjangoOutbox(Outbox):
     """An ``Outbox`` configured by Django: ``Settings`` from settings.py (``outbox_settings()``, or
     ``settings=`` given), the database of ``DATABASES[using]`` through ``DjangoSessionSource``, and the
     enqueue of ``.delay()`` in ``atomic()`` on that same alias. It also becomes Celery's default app in
-    this process (``@shared_task`` uses it in every thread) and the Outbox the admin acts through."""
+    this process (``@shared_task`` uses it in every thread) and the Outbox the admin acts through.
+
+    Building it never raises for a bad ``OUTBOX_*`` value in settings.py: every ``manage.py`` command must
+    start, so ``manage.py check`` can report the value (``celery_outbox.E001``: the setting, the value, what
+    is allowed). The outbox is built on the default settings meanwhile, and its first use (publish,
+    ``.delay()``, cancel, the relay, a worker's boot, ``manage.py outbox``) raises that same message
+    (``Outbox.require_settings``)."""
 
     def __init__(self, app: Celery, *, using: str | None = None, settings: Settings | None = None,
                  clock: Clock | None = None) -> None:
@@ -123,13 +129,24 @@ class DjangoOutbox(Outbox):
         from celery_outbox.contrib.django import dead_letters, task_runner
         from celery_outbox.contrib.django.conf import outbox_settings
 
-        resolved = settings if settings is not None else outbox_settings()
+        refused: ConfigError | None = None
+        if settings is not None:
+            resolved = settings
+        else:
+            try:
+                resolved = outbox_settings()
+                problems = broker_relation_problems(resolved, str(app.conf.broker_url or ""))
+                if problems:
+                    raise ConfigError("; ".join(problems))
+            except ConfigError as e:  # reported by `manage.py check` (E001), raised at first use (require_settings)
+                refused, resolved = e, Settings()
         self.using = using or DEFAULT_DB_ALIAS
         self._django_sessions = DjangoSessionSource(using=self.using, settings=resolved)
         # Outbox wants an engine, a factory or a URL; an unbound factory stands in until the line after,
         # and nothing opens a session in between.
         super().__init__(app, session_factory=sessionmaker(), settings=resolved, clock=clock)
         self.sessions = self._django_sessions
+        self.settings_error = refused
         app.set_default()
         self._on_commit_methods()
         self._worker_defaults()
@@ -164,7 +181,9 @@ class DjangoOutbox(Outbox):
     # -- the verbs on Django's connection (an SQLAlchemy session still works as on Outbox) ------------
     def _alias(self, using: str | None, verb: str) -> str:
         """``using`` when it is this outbox's database (or omitted): the relay of this outbox reads that one
-        only, so a row on another alias would never be sent."""
+        only, so a row on another alias would never be sent. Every Django-side verb passes here, so refused
+        settings raise first (``require_settings``)."""
+        self.require_settings()
         if using is not None and using != self.using:
             raise ConfigError(f"outbox.{verb}(using={using!r}): this DjangoOutbox is on database {self.using!r}, "
                               f"whose relay would never see the row; leave using out, or build "
