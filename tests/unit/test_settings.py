@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 
 from celery_outbox import Settings as LibrarySettings
 from celery_outbox import exit_on_config_error
+from celery_outbox.config.masking import mask_url
+from celery_outbox.config.rules import FloatRule, IntRule
 from celery_outbox.errors import ConfigError
 from celery_outbox.names import check_name
-from celery_outbox.settings import FloatRule, IntRule, mask_url
 from celeryconfig import DEFAULT_ROUTES, Settings, celery_config
 
 FUZZ = hsettings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,8 +7,9 @@ from celery import Celery
 
 from celery_outbox import Outbox
 from celery_outbox import Settings as LibrarySettings
+from celery_outbox.config.declare import BrokerRelation, broker_kind
 from celery_outbox.errors import ConfigError
-from celery_outbox.settings import LIBRARY_RELATIONS, BrokerRelation, broker_kind
+from celery_outbox.settings import LIBRARY_RELATIONS
 
 
 def fast(broker_url: str = "", database_url: str = "") -> LibrarySettings:

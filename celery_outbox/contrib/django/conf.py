@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from celery_outbox.config.masking import mask_url
 from celery_outbox.errors import ConfigError
-from celery_outbox.settings import Settings, mask_url
+from celery_outbox.settings import Settings
 
 NOT_SETTINGS = frozenset({"OUTBOX_INSTANCE"})
 """``OUTBOX_*`` Django settings that are not fields of ``Settings`` (read by the admin)."""
@@ -65,7 +66,7 @@ def outbox_settings(*, environ: Mapping[str, str] | None = None, **overrides: An
     > defaults. A text value in settings.py (``os.environ["..."]``) is read as the environment variable would be."""
     from django.conf import settings as django_settings
 
-    from celery_outbox.settings import _Invalid
+    from celery_outbox.config.rules import Invalid
 
     rules = Settings.RULES
     values: dict[str, Any] = {}
@@ -74,7 +75,7 @@ def outbox_settings(*, environ: Mapping[str, str] | None = None, **overrides: An
         if isinstance(value, str):
             try:
                 value = rules[name].parse(value)
-            except _Invalid as e:
+            except Invalid as e:
                 errors.append(f"OUTBOX_{name.upper()} {e}, got {rules[name].shown(value)}")
                 continue
         values[name] = value

@@ -1,0 +1,69 @@
+"""Secrets never shown: a URL's password masked, a configuration error as one masked line at an entry point."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+from celery_outbox.errors import ConfigError
+
+MASK = "***"
+
+_SECRET_QUERY = re.compile(r"(?i)([?&;](?:password|passwd|pwd|pass|secret|token|api_key|apikey|sslpassword|"
+                           r"sslkey|access_key|secret_key)=)[^&;#]*")
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password (and any password-like query parameter) replaced by ``***``.
+
+    Conservative: everything between the user name and the last ``@`` before the path is hidden, so
+    a password with an unescaped ``@`` or ``/`` is hidden too; several URLs separated by ``;``
+    (kombu failover) are masked one by one.
+    """
+    if ";" in url and "://" in url.split(";", 1)[1]:
+        return ";".join(mask_url(part) for part in url.split(";"))
+    scheme, sep, rest = url.partition("://")
+    if not sep:  # not a URL: hide whatever could be user info
+        at = url.rfind("@")
+        return _SECRET_QUERY.sub(rf"\1{MASK}", url if at < 0 else MASK + url[at:])
+    at = rest.rfind("@")
+    if at >= 0:
+        userinfo, host = rest[:at], rest[at + 1:]
+        user, colon, _password = userinfo.partition(":")
+        if "/" in user:  # an unescaped '/' in the user info: hide all of it
+            user, colon = MASK, ""
+        rest = f"{user}:{MASK}@{host}" if colon else f"{user}@{host}"
+    return _SECRET_QUERY.sub(rf"\1{MASK}", f"{scheme}://{rest}")
+
+
+def bounded_repr(value: Any, limit: int = 80) -> str:
+    """One line, bounded: a value as an error message shows it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...(truncated)"
+
+
+@contextmanager
+def exit_on_config_error(code: int = 2) -> Iterator[None]:
+    """At an entry point (a Celery ``-A`` module, a WSGI module): a ``ConfigError`` becomes one line
+    ``bad configuration: ...`` on stderr and exit status ``code`` (2, like the ``outbox`` CLI), never
+    a traceback. Under gunicorn pass ``code=4``: its master stops on a worker that exits 4 ("App
+    failed to load") instead of starting workers again for ever.
+    """
+    try:
+        yield
+    except ConfigError as e:
+        _exit(e, code)
+
+
+_URL_PASSWORD = re.compile(r"""([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@'"]*):[^\s@'"]*@""")
+
+
+def _exit(error: ConfigError, code: int) -> NoReturn:
+    # one line whatever the message holds, and no URL password even from an error raised elsewhere
+    message = _URL_PASSWORD.sub(rf"\1:{MASK}@", " ".join(str(error).split()))
+    sys.stderr.write(f"bad configuration: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code) from None
