@@ -228,7 +228,8 @@ class UrlRule(Rule):
     secret = True
 
     def allowed(self) -> str:
-        return f"empty or {self.text}" + ("; several separated by `;` (failover)" if self.broker else "")
+        text = self.text if self.text.startswith("empty") else f"empty or {self.text}"
+        return text + ("; several separated by `;` (failover)" if self.broker else "")
 
     def problem(self, value: Any, owner: Owner) -> str | None:
         trouble = _text_problem(value, 4096)
