@@ -145,11 +145,16 @@ class Settings:
         doc="larger events are refused at write time and dead-lettered by relay and consumers")
     relay_reconcile_after_ms: int = setting(
         40_000, IntRule(1, 30 * DAY_MS),
-        doc="a published event a consumer has not recorded, or an `@outbox.task` with no inbox row, this long "
-            "after its publish is re-sent (the event to that consumer only, the task with its own task id; "
-            "relay/reconcile.py). On Redis it must exceed the visibility timeout (plus kombu's restore scans), so "
-            "the broker's own redelivery comes first. A message lost between broker and worker is back within "
-            "after + interval (+ a poll): about 45 s")
+        doc="the floor: a published event a consumer has not recorded, or an `@outbox.task` with no inbox row, "
+            "older than this is re-sent (the event to that consumer only, the task with its own task id; "
+            "relay/reconcile.py) once there is evidence it is lost: its consumer recorded messages queued after "
+            "any copy of it could have been given back, or its queue holds no copy (docs/guarantees.md, \"When "
+            "the reconciler re-sends\"); never on age alone, so a backlog is not re-sent. On Redis it must exceed "
+            "the visibility timeout (plus kombu's restore scans), so the broker's own redelivery comes first. A "
+            "message lost between broker and worker is back: on an otherwise idle queue within after + interval "
+            "(+ a poll), about 45 s (RabbitMQ with consumers attached: one more floor); while its queue keeps "
+            "flowing within 2 x (after + `OUTBOX_RELAY_PUBLISH_TIMEOUT_S` + interval) + interval after its "
+            "consumer reached it, about 2 min; a consumer behind by L adds about 2 L")
     relay_reconcile_interval_s: float = setting(
         5.0, FloatRule(1.0, 86_400.0),
         doc="one reconcile pass per interval wherever the relay runs (beat task `celery_outbox.reconcile` or "
@@ -157,7 +162,8 @@ class Settings:
     relay_reconcile_plain_tasks_after_ms: int = setting(
         600_000, IntRule(0, 30 * DAY_MS, zero="0 = off: plain tasks are never sent again"),
         doc="a plain `@app.task` enqueued through the outbox that no worker has received (no receipt) this long "
-            "after its publish is re-sent; never sooner than `OUTBOX_RELAY_RECONCILE_AFTER_MS`. Longer on purpose: "
+            "after its publish is re-sent, on the same evidence as an event (never while its queue still holds "
+            "it); never sooner than `OUTBOX_RELAY_RECONCILE_AFTER_MS`. Longer on purpose: "
             "a plain task has no inbox, so re-sending one that is merely still queued runs it twice. Set it the "
             "same in every relay and beat: a pass with 0 resets the window, so beside one with it on the window "
             "starts afresh every time (logged as a warning)")
