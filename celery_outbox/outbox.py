@@ -44,8 +44,10 @@ from celery_outbox.celery.config import (
     add_task_routes,
     beat_schedule,
     broker_is_rabbitmq,
+    is_sentinel_url,
     queue_arguments,
     redis_transport_options,
+    sentinel_options,
 )
 from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
@@ -369,6 +371,9 @@ class Outbox:
         options = dict(conf.broker_transport_options or {})
         if broker.startswith(("redis://", "rediss://", "redis+socket://")):
             conf.broker_transport_options = {**redis_transport_options(self.settings), **options}
+        elif is_sentinel_url(broker):
+            conf.broker_transport_options = {**redis_transport_options(self.settings),
+                                             **sentinel_options(self.settings, broker, options), **options}
         elif broker_is_rabbitmq(broker):
             conf.broker_transport_options = {"confirm_publish": True, **options}
 

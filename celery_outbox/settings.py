@@ -81,9 +81,10 @@ class Settings:
         "", UrlRule(("sqlite", "postgresql"), "sqlite:// or postgresql://"),
         doc="`postgresql://...` or `sqlite:///...`; empty: the engine or session factory given to `Outbox`")
     broker_url: str = setting(
-        "", UrlRule(("redis", "rediss", "redis+socket", "amqp", "pyamqp", "amqps", "memory"),
-                    "redis://... or amqp://...", broker=True),
-        doc="`redis://...` or `amqp://...`; empty: the Celery app's own `broker_url`")
+        "", UrlRule(("redis", "rediss", "redis+socket", "sentinel", "amqp", "pyamqp", "amqps", "memory"),
+                    "redis://..., sentinel://... or amqp://...", broker=True),
+        doc="`redis://...`, `sentinel://...` (with `OUTBOX_BROKER_SENTINEL_MASTER`) or `amqp://...`; empty: the "
+            "Celery app's own `broker_url`")
     namespace: str = setting(
         "outbox", PatternRule(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
                               "non-empty, without ' /#*': 1-64 letters, digits, '_', '-' or '.', starting with a "
@@ -270,6 +271,16 @@ class Settings:
             "`x-delivery-limit` = max(20, 2 x `OUTBOX_CONSUMER_MAX_DELIVERIES`): celery/config.py); an error with "
             "Redis. A cluster's broker URL lists every node: "
             "`amqp://u:p@node1:5672//;amqp://u:p@node2:5672//;amqp://u:p@node3:5672//` (docs/scaling.md)")
+    broker_sentinel_master: str = setting(
+        "", PatternRule(r"(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,63})?",
+                        "empty or the Sentinel master's name: 1-64 letters, digits, '_', '-' or '.', starting with a "
+                        "letter or digit"), brokers=REDIS,
+        doc="Redis behind Sentinel: the master's name (the `<name>` of the sentinels' `sentinel monitor <name> "
+            "...`), needed with a `sentinel://` broker URL, which lists every sentinel: "
+            "`sentinel://:pass@s1:26379/0;sentinel://:pass@s2:26379/0;sentinel://:pass@s3:26379/0`. Every "
+            "connection the library opens gets it as kombu's `master_name` transport option; the Celery app's "
+            "own `broker_transport_options={'master_name': ...}` wins (celery/config.py `sentinel_options`, "
+            "docs/deployment.md)")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # ``@dataclass`` on a subclass would generate a repr showing every value, passwords included;

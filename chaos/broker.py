@@ -249,6 +249,8 @@ class TcpProxy:
                     time.sleep(0.05)
                     continue
                 readable, _, _ = select.select([a, b], [], [], 0.2)
+                if self._frozen.is_set():  # frozen while waiting: what arrived stays unread too
+                    continue
                 for src in readable:
                     data = src.recv(65536)
                     if not data:

@@ -57,7 +57,7 @@ def queue_arguments(settings: Settings, broker_url: str) -> dict[str, Any]:
     """
     if settings.broker_queue_type != "quorum":
         return {}
-    if broker_url.startswith(("redis://", "rediss://", "redis+socket://")):
+    if broker_url.startswith(("redis://", "rediss://", "redis+socket://")) or is_sentinel_url(broker_url):
         from celery_outbox.errors import ConfigError
 
         raise ConfigError("OUTBOX_BROKER_QUEUE_TYPE=quorum needs RabbitMQ (amqp://); Redis has no quorum queues")
@@ -89,6 +89,37 @@ def redis_transport_options(settings: Settings) -> dict[str, Any]:
         "unacked_restore_throttle": 1,
         "unacked_mutex_expire": interval,
     }
+
+
+def is_sentinel_url(url: object) -> bool:
+    """A kombu ``sentinel://`` broker URL (Redis behind Sentinel; ``;``-separated, one per sentinel)."""
+    return isinstance(url, str) and url.split(";", 1)[0].strip().lower().startswith("sentinel://")
+
+
+SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")  # kombu's, for sentinel://
+
+
+def sentinel_options(settings: Settings, broker_url: str, app_options: Mapping[str, Any] | None = None
+                     ) -> dict[str, Any]:
+    """What a kombu connection to a ``sentinel://`` broker needs beyond its URL (``{}`` for any other broker).
+
+    kombu finds the master through the sentinels by name and takes the name only from the transport
+    options (``master_name``), never from the URL. Every connection the library opens (the Celery app,
+    the relay's publisher, the readiness and queue probes) gets it from one place: the app's own
+    ``broker_transport_options`` when they name it, else ``OUTBOX_BROKER_SENTINEL_MASTER``; neither is
+    a ``ConfigError`` (one line at start-up, not a kombu ``ValueError`` at the first connection).
+    """
+    if not is_sentinel_url(broker_url):
+        return {}
+    found = {k: v for k, v in (app_options or {}).items() if k in SENTINEL_OPTIONS}
+    if "master_name" not in found and settings.broker_sentinel_master:
+        found["master_name"] = settings.broker_sentinel_master
+    if not found.get("master_name"):
+        from celery_outbox.errors import ConfigError
+
+        raise ConfigError("a sentinel:// broker needs its master's name: set OUTBOX_BROKER_SENTINEL_MASTER or "
+                          "broker_transport_options={'master_name': ...} on the Celery app")
+    return found
 
 
 def consumer_time_limits(settings: Settings) -> tuple[float, float]:
@@ -184,7 +215,7 @@ def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename
         # as a message arrives, so it bounds nothing but idle wake-ups).
         "broker_transport_options": {"confirm_publish": True}
         if broker_is_rabbitmq(broker_url)
-        else redis_transport_options(settings),
+        else {**redis_transport_options(settings), **sentinel_options(settings, broker_url)},
         "beat_schedule": beat_schedule(settings),
         **({"beat_schedule_filename": beat_schedule_filename} if beat_schedule_filename else {}),
         "worker_hijack_root_logger": False,

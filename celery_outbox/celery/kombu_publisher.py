@@ -26,7 +26,7 @@ from typing import Any
 from kombu import Connection, Exchange, Producer, Queue
 from kombu.exceptions import KombuError
 
-from celery_outbox.celery.config import broker_is_rabbitmq, celery_config
+from celery_outbox.celery.config import broker_is_rabbitmq, celery_config, sentinel_options
 from celery_outbox.errors import BrokerUnavailableError, ConfigError
 from celery_outbox.messages import QueueSpec, TaskMessage
 from celery_outbox.relay.publisher import PublishReport
@@ -69,8 +69,10 @@ class KombuPublisher:
             self.exchange = Exchange(exchange_name, type="direct", durable=True)
             self.queues = [Queue(q, self.exchange, routing_key=q, durable=True) for q in queue_names]
         options: dict[str, Any] = {}
-        if not self.is_rabbitmq and broker_url.startswith(("redis", "rediss")):
+        if not self.is_rabbitmq and broker_url.startswith(("redis", "rediss", "sentinel")):
             options.update(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
+        if settings is not None:  # a sentinel:// broker's master name (config.sentinel_options)
+            options.update(sentinel_options(settings, broker_url))
         options.update(transport_options or {})
         options["confirm_publish"] = False  # we confirm per batch ourselves, never per message
         self._transport_options = options

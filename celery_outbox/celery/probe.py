@@ -6,24 +6,29 @@ imports kombu. One attempt per failover URL, no sleeping between them, bounded b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from kombu import Connection
 
+from celery_outbox.celery.config import sentinel_options
 from celery_outbox.ops.health import BrokerProbe
+from celery_outbox.settings import Settings
 
 DEFAULT_TIMEOUT_S = 2.0  # under the 3 s a container healthcheck typically allows
 
 
 @contextmanager
-def connected(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Connection]:
+def connected(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+              transport_options: Mapping[str, Any] | None = None) -> Iterator[Connection]:
     """A kombu connection to the broker at ``url``, connected within ``timeout_s`` (one attempt per failover
-    URL, no sleeping), released on exit; raises when it cannot connect."""
+    URL, no sleeping), released on exit; raises when it cannot connect. ``transport_options``: what the
+    URL cannot say (a ``sentinel://`` broker's ``master_name``: ``config.sentinel_options``)."""
     options: dict[str, Any] = {}
-    if url.startswith(("redis", "rediss")):
+    if url.startswith(("redis", "rediss", "sentinel")):
         options.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    options.update(transport_options or {})
     conn = Connection(url, connect_timeout=timeout_s, transport_options=options)
     try:
         # Virtual transports (Redis) open a channel to connect, and the Redis channel PINGs the server.
@@ -34,17 +39,22 @@ def connected(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Con
         conn.release()
 
 
-def ping_broker(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def ping_broker(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                transport_options: Mapping[str, Any] | None = None) -> None:
     """Return when the broker at ``url`` accepts a connection (Redis: answers PING); raise otherwise."""
-    with connected(url, timeout_s=timeout_s):
+    with connected(url, timeout_s=timeout_s, transport_options=transport_options):
         pass
 
 
-def broker_probe(url: str | Callable[[], str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> BrokerProbe:
+def broker_probe(url: str | Callable[[], str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 settings: Settings | None = None) -> BrokerProbe:
     """A probe for ``health.readiness``; ``url`` may be a callable (``outbox.broker_url``), asked at each
-    probe, so a missing broker setting is a failed check, not a crash at start-up."""
+    probe, so a missing broker setting is a failed check, not a crash at start-up. ``settings``: where a
+    ``sentinel://`` broker's master name comes from."""
 
     def probe() -> None:
-        ping_broker(url() if callable(url) else url, timeout_s=timeout_s)
+        found = url() if callable(url) else url
+        options = sentinel_options(settings, found) if settings is not None else {}
+        ping_broker(found, timeout_s=timeout_s, transport_options=options)
 
     return probe

@@ -11,17 +11,19 @@ most that long and reports ``outbox_queue_probe_up 0``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from celery_outbox.celery.config import sentinel_options
 from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S, connected
 from celery_outbox.ops.metrics import QueueDepth, QueueProbe
 from celery_outbox.runtime import Context
 
 
-def queue_depths(url: str, queues: Sequence[tuple[str, str]], *, timeout_s: float = DEFAULT_TIMEOUT_S
-                 ) -> list[QueueDepth]:
+def queue_depths(url: str, queues: Sequence[tuple[str, str]], *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 transport_options: Mapping[str, Any] | None = None) -> list[QueueDepth]:
     """``(queue, consumer)`` pairs -> their depths on the broker at ``url``; raises when it cannot connect."""
-    with connected(url, timeout_s=timeout_s) as conn:
+    with connected(url, timeout_s=timeout_s, transport_options=transport_options) as conn:
         counts_consumers = conn.transport.driver_type not in ("redis", "memory")
         found: list[QueueDepth] = []
         channel = conn.channel()
@@ -46,7 +48,8 @@ def queue_probe(ctx: Context, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> QueueP
 
     def probe() -> list[QueueDepth]:
         namespace = ctx.settings.namespace
-        return queue_depths(ctx.broker_url(), [(f"{namespace}.{c}", c) for c in ctx.known_consumers()],
-                            timeout_s=timeout_s)
+        url = ctx.broker_url()
+        return queue_depths(url, [(f"{namespace}.{c}", c) for c in ctx.known_consumers()], timeout_s=timeout_s,
+                            transport_options=sentinel_options(ctx.settings, url))
 
     return probe

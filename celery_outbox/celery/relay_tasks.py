@@ -14,7 +14,7 @@ from typing import Any
 from celery import Celery
 
 from celery_outbox.celery import events
-from celery_outbox.celery.config import DRAIN_TASK, RECONCILE_TASK, add_task_routes
+from celery_outbox.celery.config import DRAIN_TASK, RECONCILE_TASK, add_task_routes, sentinel_options
 from celery_outbox.celery.kombu_publisher import KombuPublisher
 from celery_outbox.celery.queue_inspector import KombuQueueInspector
 from celery_outbox.relay import lease
@@ -66,7 +66,11 @@ def relay_loop(ctx: Context, *, listen: bool, max_batches_per_drain: int = 10_00
     """A relay loop for ``ctx`` with a kombu publisher to its broker (the caller closes both)."""
     routes = ctx.routes()
     consumers = tuple(dict.fromkeys(c for names in routes.values() for c in names))
-    publisher = KombuPublisher(broker_url=ctx.broker_url(), settings=ctx.settings, consumers=consumers)
+    url = ctx.broker_url()
+    app = getattr(ctx, "app", None)  # a Celery app's own broker_transport_options may name the Sentinel master
+    app_options = app.conf.broker_transport_options if isinstance(app, Celery) else None
+    publisher = KombuPublisher(broker_url=url, settings=ctx.settings, consumers=consumers,
+                               transport_options=sentinel_options(ctx.settings, url, app_options))
     return RelayLoop(settings=ctx.settings, tables=ctx.tables, session_factory=ctx.sessions(), publisher=publisher,
                      clock=ctx.clock, crash_points=ctx.crash_points, listen=listen,
                      max_batches_per_drain=max_batches_per_drain, routes=routes,

@@ -40,7 +40,7 @@ def check(ctx: click.Context, no_broker: bool, timeout_ms: int, as_json: bool) -
     if timeout_ms <= 0:
         raise click.BadParameter("must be > 0", param_hint="--timeout")
     outbox = get_outbox(ctx)
-    probe = None if no_broker else broker_probe(outbox.broker_url, timeout_s=timeout_ms / 1000)
+    probe = None if no_broker else broker_probe(outbox.broker_url, timeout_s=timeout_ms / 1000, settings=outbox.settings)
     result = health.readiness(outbox.sessions(), prefix=outbox.settings.table_prefix, broker=probe)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))

@@ -477,7 +477,7 @@ def _mount_readiness(app: Flask, outbox: Outbox, path: str, broker_timeout_s: fl
     the broker accepts a connection; else 503 naming the failed checks. The answer is built from check
     names and fixed reasons only (``health.Readiness.public_dict``): no host, port, user or driver text;
     the details go to the server log."""
-    probe = broker_probe(outbox.broker_url, timeout_s=broker_timeout_s)
+    probe = broker_probe(outbox.broker_url, timeout_s=broker_timeout_s, settings=outbox.settings)
 
     def readyz() -> Response:
         result = health.readiness(outbox.sessions(), prefix=outbox.settings.table_prefix, broker=probe)
