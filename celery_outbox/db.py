@@ -84,6 +84,18 @@ def postgres_connect_args(settings: Settings | None = None, *, driver: str = "ps
     return args
 
 
+def _sqlite_directory(path: str) -> None:
+    """The SQLite file's directory, created when missing; one that cannot be (``/proc/nope``, a file in the
+    way, no permission) is a ``ConfigError`` naming it, not an ``OSError`` traceback at import."""
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or e.__class__.__name__
+        raise ConfigError(f"OUTBOX_DATABASE_URL: the SQLite database {path!r} cannot be created: its directory "
+                          f"{str(parent)!r} cannot be made ({why})") from None
+
+
 def make_engine(url: str, *, settings: Settings | None = None, echo: bool = False, **kwargs: Any) -> Engine:
     """An engine with the settings this system relies on (public: build your own engine with it).
 
@@ -100,7 +112,7 @@ def make_engine(url: str, *, settings: Settings | None = None, echo: bool = Fals
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _sqlite_directory(path)
         engine = sa.create_engine(url, echo=echo, connect_args={"timeout": 30, **kwargs.pop("connect_args", {})},
                                   **kwargs)
 

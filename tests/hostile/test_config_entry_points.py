@@ -85,6 +85,20 @@ def test_routes_to_an_unknown_consumer_stop_the_worker_at_import_in_one_line(tmp
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+def test_importing_the_wsgi_module_with_a_sqlite_file_it_cannot_create_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    # Given a SQLite URL whose directory cannot be made (the web app builds its engine at import)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update({"OUTBOX_HOME": str(tmp_path / "var"), "OUTBOX_BROKER_URL": "memory://",
+                "OUTBOX_DATABASE_URL": "sqlite:////proc/nope/x.db"})
+    # When the module is imported outside gunicorn (a 23-line traceback before)
+    proc = subprocess.run([sys.executable, "-c", "import orders.wsgi"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    # Then one line naming the variable and exit 2 (a bad configuration, as in the outbox CLI), no traceback
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "OUTBOX_DATABASE_URL" in proc.stderr
+    assert proc.stderr.startswith("bad configuration: ") and "Traceback" not in proc.stdout + proc.stderr
+
+
 def test_a_good_configuration_still_imports(tmp_path: Path) -> None:
     # Given a valid configuration, the same modules import (the guard is not a blanket exit)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}

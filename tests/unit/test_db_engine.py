@@ -16,6 +16,7 @@ from sqlalchemy import exc
 from celery_outbox import Outbox, Settings, make_engine
 from celery_outbox.celery.config import consumer_time_limits
 from celery_outbox.db import SessionSource
+from celery_outbox.errors import ConfigError
 from celery_outbox.messages import task_name
 from celery_outbox.relay.loop import _PgListener
 from tests.support.blackhole_proxy import BlackholeProxy
@@ -215,3 +216,12 @@ def test_a_consumer_task_has_a_time_limit_and_requeues_a_hard_kill(outbox: Outbo
         # And the kill rejects the message with requeue (Celery >= 5.7 reads acks_on_timeout) instead of
         # acking it, so it comes back marked redelivered and the delivery is counted
         assert task.acks_late is True and task.acks_on_timeout is False and task.reject_on_worker_lost is True
+
+
+@pytest.mark.parametrize(("url", "why"), [("sqlite:////proc/nope/x.db", "No such file or directory"),
+                                          ("sqlite:////dev/null/x.db", "a file is in the way")])
+def test_a_sqlite_file_whose_directory_cannot_be_made_is_a_config_error(url: str, why: str) -> None:
+    # Given a SQLite URL whose directory cannot be created; When the engine is built
+    # Then a ConfigError naming the variable and why (an entry point prints it as one line), not an OSError
+    with pytest.raises(ConfigError, match=rf"OUTBOX_DATABASE_URL: .* cannot be made \({why}\)"):
+        make_engine(url)
