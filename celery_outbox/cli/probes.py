@@ -19,7 +19,7 @@ import click
 
 from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S, broker_probe
 from celery_outbox.cli.common import Duration, get_outbox, handle_errors, one_line
-from celery_outbox.ops import health
+from celery_outbox.ops import health, postgres_checks
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -35,18 +35,30 @@ EXIT_PROBLEM = 3
 @click.pass_context
 @handle_errors
 def check(ctx: click.Context, no_broker: bool, timeout_ms: int, as_json: bool) -> None:
-    """Readiness: database reachable, schema at this library's head revision, broker reachable.
+    """Readiness: database reachable, schema at this library's head revision, broker reachable; on Postgres
+    also the role's grants (a missing one fails), its timeouts and a transaction pooler in between (warnings).
     Exit 0 when all pass, 3 with one line per failed check otherwise (see docs/operations.md, "Probes and exit codes")."""
     if timeout_ms <= 0:
         raise click.BadParameter("must be > 0", param_hint="--timeout")
     outbox = get_outbox(ctx)
     probe = None if no_broker else broker_probe(outbox.broker_url, timeout_s=timeout_ms / 1000, settings=outbox.settings)
     result = health.readiness(outbox.sessions(), prefix=outbox.settings.table_prefix, broker=probe)
+    # On Postgres, once it answers: the role's grants, its timeouts and a pooler in between (ops/postgres_checks.py)
+    findings = (postgres_checks.production_checks(outbox.sessions(), tables=outbox.tables, settings=outbox.settings)
+                if result.checks[0].ok else [])
+    ok = result.ok and all(f.ok for f in findings)
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
-    elif result.ok:
+        doc = result.to_dict()
+        doc["ready"] = ok
+        doc["findings"] = [f.to_dict() for f in findings]
+        doc["failed"] = [*doc["failed"], *(f.name for f in findings if not f.ok)]
+        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+    elif ok:
         click.echo("ready: " + ", ".join(f"{c.name} ok" for c in result.checks))
     for c in result.failed:
         click.echo(one_line(c.line()), err=True)  # one_line masks a password a driver message might carry
-    if not result.ok:
+    for f in findings:
+        if f.level != "ok":
+            click.echo(("" if f.level == "failed" else "warning: ") + one_line(f.line()), err=True)
+    if not ok:
         raise click.exceptions.Exit(EXIT_PROBLEM)

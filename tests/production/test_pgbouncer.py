@@ -7,6 +7,8 @@ receipts) know only the pooler's URL; the checks read the database directly.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -20,11 +22,14 @@ from celery_outbox.schema import Tables
 from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
 from chaos.environment import ChaosEnvironment
+from chaos.processes import BIN
 from devtools.processes import wait_until
 from tests.outbox_rows import insert_pending
 from tests.production import pipeline
 from tests.production.pgbouncer import PgBouncer
 from tests.services import require_service
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
 
@@ -113,3 +118,32 @@ def test_a_direct_listen_url_wakes_a_relay_whose_sessions_go_through_the_pooler(
     finally:
         stop_loop(loop, thread)
         engine.dispose()
+
+
+def outbox_check(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    variables = {**os.environ, "OUTBOX_HOME": str(tmp_path / "home"), "OUTBOX_NAMESPACE": "checked",
+                 **{f"OUTBOX_{k.upper()}": v for k, v in env.items()}}
+    return subprocess.run([str(BIN / "outbox"), "-A", "relay.app", "check", "--no-broker"], env=variables,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_check_warns_that_the_relays_listen_would_go_through_a_transaction_pooler(
+        pgbouncer: PgBouncer, pg_url: str, tmp_path: Path) -> None:
+    # Given a process whose database URL goes through the transaction pooler, with no listen URL
+    # When the check runs
+    done = outbox_check(tmp_path, database_url=pgbouncer.url(pg_url))
+    # Then it is ready (everything else works through the pooler) and one warning names the LISTEN and the fix
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ready: database ok, schema ok"
+    [line] = done.stderr.splitlines()
+    assert line.startswith("warning: pooler: a transaction pooler is between this process and Postgres; the relay's "
+                           "LISTEN through the database URL would hear no NOTIFY"), line
+    assert "OUTBOX_RELAY_LISTEN_URL" in line
+    # And with a direct listen URL, or connected directly, there is nothing to warn about
+    direct_listen = outbox_check(tmp_path, database_url=pgbouncer.url(pg_url), relay_listen_url=pg_url)
+    assert (direct_listen.returncode, direct_listen.stderr) == (0, "")
+    direct = outbox_check(tmp_path, database_url=pg_url)
+    assert (direct.returncode, direct.stderr) == (0, "")
+    # And a listen URL that goes through the pooler as well is named as such
+    pooled_listen = outbox_check(tmp_path, database_url=pg_url, relay_listen_url=pgbouncer.url(pg_url))
+    assert "a transaction pooler is behind OUTBOX_RELAY_LISTEN_URL" in pooled_listen.stderr, pooled_listen.stderr
