@@ -20,7 +20,7 @@ from chaos.invariants import InvariantReport
 
 UNATTRIBUTED = "not attributable to one fault"
 TOTAL = "all faults"
-SUMMED = ("lost", "duplicate_deliveries", "duplicate_effects")  # the columns that add up to the total
+SUMMED = ("lost", "duplicate_deliveries", "duplicate_effects", "resent_not_lost")  # they add up to the total
 
 
 class FinishedRun(Protocol):
@@ -52,6 +52,14 @@ class FinishedRun(Protocol):
     def db_freeze_s(self) -> float: ...
     @property
     def db_freeze_connections(self) -> int: ...
+    @property
+    def consumers_stop_s(self) -> float: ...
+    @property
+    def consumers_stop_peak_queued(self) -> int: ...
+    @property
+    def resent(self) -> Sequence[Any]: ...
+    @property
+    def resent_not_lost(self) -> Sequence[Any]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,12 +72,13 @@ class FaultFigures:
     lost: int | None
     duplicate_deliveries: int | None
     duplicate_effects: int | None
+    resent_not_lost: int | None = None  # messages the reconciler published again that were late, not lost
     notes: str = ""
 
 
 def _kill_row(fault: str, times: int, what: str) -> FaultFigures:
     return FaultFigures(fault=fault, provoked=times, affected=None, lost=None, duplicate_deliveries=None,
-                        duplicate_effects=None,
+                        duplicate_effects=None, resent_not_lost=None,
                         notes=f"{what}; which messages a SIGKILL held is not recorded per kill: its losses and "
                               "duplicates are in the unattributable row")
 
@@ -105,24 +114,32 @@ def fault_figures(r: FinishedRun) -> list[FaultFigures]:
             duplicate_deliveries=None, duplicate_effects=None,
             notes=f"every process's connections to Postgres stalled {r.db_freeze_s:.1f} s (loopback proxy, "
                   "nothing forwarded, nothing closed); affected: connections open or opened during the freeze"))
+    if r.consumers_stop_s:
+        rows.append(FaultFigures(
+            fault="consumers stopped", provoked=1, affected=r.consumers_stop_peak_queued, lost=None,
+            duplicate_deliveries=None, duplicate_effects=None,
+            notes=f"every consumer worker stopped (SIGSTOP, connections kept) {r.consumers_stop_s:.0f} s while orders "
+                  "kept coming; affected: the most messages their queues held meanwhile"))
     lost_in_take = r.invariants.lost_never_recorded
     rows.append(FaultFigures(
         fault="take-window loss", provoked=r.take_rounds, affected=len(r.taken_and_lost), lost=lost_in_take,
-        duplicate_deliveries=None, duplicate_effects=None,
+        duplicate_deliveries=None, duplicate_effects=None, resent_not_lost=0,
         notes=f"{r.take_how}; affected: messages removed from the broker; lost: those never recorded after "
-              f"all (the reconciler re-sent {snap.reconciled} message(s) in the whole run)"))
+              f"all (the reconciler re-sent {snap.reconciled} message(s) in the whole run, "
+              f"{len(r.resent) - len(r.resent_not_lost)} of them removed here)"))
     rows.append(FaultFigures(
         fault="duplicates injected", provoked=1 if r.duplicates_injected else 0, affected=r.duplicates_injected,
-        lost=0, duplicate_deliveries=r.duplicates_injected, duplicate_effects=None,
+        lost=0, duplicate_deliveries=r.duplicates_injected, duplicate_effects=None, resent_not_lost=0,
         notes="rows re-published and one event sent twice at once; each extra copy is one duplicate delivery "
               "(the invariant checks the inbox counted at least as many)"))
     total = FaultFigures(
         fault=TOTAL, provoked=sum(row.provoked for row in rows), affected=None,
         lost=snap.missing_effects, duplicate_deliveries=snap.duplicates_absorbed,
-        duplicate_effects=snap.extra_effects,
+        duplicate_effects=snap.extra_effects, resent_not_lost=len(r.resent_not_lost),
         notes=f"{snap.committed_orders} committed orders x {len(snap.effects)} deliveries; lost: "
               "(order, consumer or e-mail) pairs with no effect at the end; duplicate deliveries: the inbox's "
-              "counters; duplicate effects: effects beyond the first (must be 0)")
+              "counters; duplicate effects: effects beyond the first (must be 0); re-sent, not lost: the "
+              "reconciler's re-sends of messages the run did not remove from the broker (must be 0)")
 
     def rest(column: str) -> int:
         attributed = sum(getattr(row, column) or 0 for row in rows)
@@ -131,6 +148,7 @@ def fault_figures(r: FinishedRun) -> list[FaultFigures]:
     rows.append(FaultFigures(
         fault=UNATTRIBUTED, provoked=0, affected=None, lost=rest("lost"),
         duplicate_deliveries=rest("duplicate_deliveries"), duplicate_effects=rest("duplicate_effects"),
+        resent_not_lost=rest("resent_not_lost"),
         notes="the rest of each total: kills, the outage, the second relay, redeliveries and re-sends all "
               "cause duplicate deliveries the inbox counts without their cause"))
     rows.append(total)
@@ -149,15 +167,16 @@ def to_markdown(rows: Sequence[FaultFigures], *, title: str, command: str) -> st
     """The table as markdown, with the command that produced it and the caveat about the machine."""
     lines = [f"### {title}", "", f"`{command}`", "",
              "| fault | provoked | messages affected | messages lost | duplicate deliveries | duplicate effects "
-             "| notes |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             "| re-sent, not lost | notes |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         name = f"**{row.fault}**" if row.fault == TOTAL else row.fault
         lines.append(f"| {name} | {row.provoked} | {_cell(row.affected)} | {_cell(row.lost)} | "
                      f"{_cell(row.duplicate_deliveries)} | {_cell(row.duplicate_effects)} | "
-                     f"{row.notes.replace('|', '/')} |")
-    lines += ["", "`-`: not observed for this fault alone (see the notes). Lost, duplicate deliveries and duplicate "
-              "effects add up to the totals; messages affected do not (one message can meet several faults)."]
+                     f"{_cell(row.resent_not_lost)} | {row.notes.replace('|', '/')} |")
+    lines += ["", "`-`: not observed for this fault alone (see the notes). Lost, duplicate deliveries, duplicate "
+              "effects and re-sent-not-lost add up to the totals; messages affected do not (one message can meet "
+              "several faults)."]
     return "\n".join(lines) + "\n"
 
 
@@ -166,10 +185,12 @@ def render(rows: Sequence[FaultFigures], *, title: str) -> object:
     from rich.table import Table
 
     table = Table(title=title, show_lines=True)
-    for name in ("fault", "provoked", "affected", "lost", "duplicate deliveries", "duplicate effects"):
+    for name in ("fault", "provoked", "affected", "lost", "duplicate deliveries", "duplicate effects",
+                 "re-sent, not lost"):
         table.add_column(name, justify="left" if name == "fault" else "right")
     table.add_column("notes")
     for row in rows:
         table.add_row(row.fault, str(row.provoked), _cell(row.affected), _cell(row.lost),
-                      _cell(row.duplicate_deliveries), _cell(row.duplicate_effects), row.notes)
+                      _cell(row.duplicate_deliveries), _cell(row.duplicate_effects), _cell(row.resent_not_lost),
+                      row.notes)
     return table

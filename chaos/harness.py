@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import tempfile
 import time
@@ -103,6 +104,17 @@ class ChaosReport:
     db_freeze_s: float = 0.0  # how long the processes' connections to Postgres stalled (0: not provoked)
     db_freeze_connections: int = 0  # connections open or opened while it lasted
     figures: list[FaultFigures] = field(default_factory=list)  # loss and duplicates per fault (chaos/figures.py)
+    consumers_stop_s: float = 0.0  # how long the consumer workers were stopped (SIGSTOP) while orders kept coming
+    consumers_stop_peak_queued: int = 0  # the most messages their queues held meanwhile
+    resent: list[LostMessage] = field(default_factory=list)  # what the reconciler published again (its log lines)
+    email_provider_calls: int = 0  # calls of the e-mail provider (keys are idempotent: e-mails sent once)
+
+    @property
+    def resent_not_lost(self) -> list[LostMessage]:
+        """Re-sends of messages the run did not remove from the broker: the only losses it provokes (a Redis
+        server is killed only once its queues are empty), so each of these was late, not lost."""
+        taken = {(m.delivery, m.message_id) for m in self.taken_and_lost}
+        return [m for m in self.resent if (m.delivery, m.message_id) not in taken]
 
     @property
     def ok(self) -> bool:
@@ -156,6 +168,23 @@ def lose_in_take_window(env: ChaosEnvironment, *, workers: Sequence[ManagedProce
     return lost
 
 
+RESENT_LINE = re.compile(r"reconcile: (event|task|plain task) (\S+) never reached (\S+); published again")
+
+
+def resent_in_logs(log_dir: Path) -> list[LostMessage]:
+    """Every re-send the reconciler logged (relay/reconcile.py, one WARNING line per message) in the run's
+    process logs: the e-mail task's as ``email``, an event's under its consumer."""
+    found: list[LostMessage] = []
+    for path in sorted(log_dir.glob("*")):
+        if not path.is_file():
+            continue
+        for match in RESENT_LINE.finditer(path.read_text(errors="replace")):
+            kind, message_id, target = match.groups()
+            delivery = invariants.EMAIL if kind != "event" and target == invariants.CONFIRMATION else target
+            found.append(LostMessage(delivery=delivery, message_id=message_id))
+    return found
+
+
 def quiet_outage(env: ChaosEnvironment, *, relays: Sequence[ManagedProcess], settle_s: float = 10.0) -> None:
     """Take the broker down. On Redis, first freeze the relays (SIGSTOP) and let the consumer queues
     empty: kombu's Redis transport pops a message before it records it as unacked, so a Redis server
@@ -184,13 +213,17 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
               workdir: Path | None = None, pg_admin_url: str = PG_ADMIN_URL, poison: int = 2,
               duplicates: int = 5, outage_s: float = 3.0, timeout_s: float = 180.0,
               relay: str = "standalone", takes: int | None = None, beat_kills: int | None = None,
-              db_freeze_s: float = 3.0, progress: Progress | None = None) -> ChaosReport:
+              db_freeze_s: float = 3.0, consumers_stop_s: float = 0.0, orders_per_s: float | None = None,
+              progress: Progress | None = None) -> ChaosReport:
     """Run the chaos scenario (see the module docstring) and return what was provoked and seen.
 
     ``relay``: ``standalone`` or ``beat`` (module docstring). ``takes``: take-window rounds, each losing
     one e-mail task and one event (default one per 100 orders, at least one). ``beat_kills``: SIGKILLs
     of beat in beat mode (default a quarter of ``kills``, at least two). ``db_freeze_s``: how long the
-    processes' connections to Postgres stall, once, at two thirds of the order stream (0: never)."""
+    processes' connections to Postgres stall, once, at two thirds of the order stream (0: never).
+    ``consumers_stop_s``: how long the consumer workers are stopped (SIGSTOP, connections kept), once, from a
+    fifth of the order stream, while orders keep coming (0: never). ``orders_per_s``: the order writer's
+    rate (default: the stream lasts long enough for the kill plan)."""
     if relay not in RELAY_MODES:
         from celery_outbox.errors import ConfigError
 
@@ -211,6 +244,8 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
     poison_consumers = [rng.choice(("shipping", "billing", "search")) for _ in range(poison)]
     longest = max((len(q) for q in kill_plan.values()), default=0)
     interval_ms = max(10, int(1000 * (4 + 2.5 * longest) / max(orders, 1)))
+    if orders_per_s:
+        interval_ms = max(1, int(1000 / orders_per_s))
     report.take_rounds = max(1, orders // 100) if takes is None else takes
     take_plan = deque(plan_takes(report.take_rounds, extra_rng))
     report.beat_kills_planned = 0 if relay != "beat" else (max(2, kills // 4) if beat_kills is None else beat_kills)
@@ -257,6 +292,8 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
         kill_deadline: float | None = None
         freeze_at: float | None = None
         freeze_done = db_freeze_s <= 0
+        stop_at: float | None = None
+        stop_done = consumers_stop_s <= 0
 
         def committed() -> int:
             return env.count(Order)
@@ -340,7 +377,8 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                         f"{repended_tasks} e-mail tasks re-published, 1 event sent twice at once)")
             broker_up = outage_at is None or outage_done
             db_frozen = freeze_at is not None and not freeze_done  # a round would wait out its TAKE_WAIT_S
-            if take_plan and broker_up and not db_frozen and (frac >= take_plan[0] or orders_done):
+            stopped = stop_at is not None and not stop_done  # a round would thaw the stopped consumers
+            if take_plan and broker_up and not db_frozen and not stopped and (frac >= take_plan[0] or orders_done):
                 deliveries = [invariants.EMAIL, extra_rng.choice(env.consumers)]
                 lost = lose_in_take_window(env, workers=workers, deliveries=deliveries,
                                            exclude={*touched, *(m.message_id for m in report.taken_and_lost)})
@@ -370,6 +408,24 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                     outage_done = True
                     say(f"broker back after {report.outage_s:.1f}s")
 
+            if not stop_done:
+                if stop_at is None and (frac >= 0.2 or orders_done):
+                    stop_at = time.monotonic()
+                    say(f"consumers stopped for {consumers_stop_s:.0f}s while orders keep coming")
+                if stop_at is not None and time.monotonic() - stop_at < consumers_stop_s:
+                    for proc in workers:  # a worker restarted after a kill is stopped too
+                        if proc.alive() and not proc.is_frozen:
+                            proc.freeze()
+                    report.consumers_stop_peak_queued = max(report.consumers_stop_peak_queued,
+                                                            sum(env.queue_depths().values()))
+                elif stop_at is not None:
+                    for proc in workers:
+                        proc.thaw()
+                    report.consumers_stop_s = time.monotonic() - stop_at
+                    stop_done = True
+                    say(f"consumers resumed after {report.consumers_stop_s:.1f}s "
+                        f"(up to {report.consumers_stop_peak_queued} messages queued)")
+
             if env.db_proxy is not None and not freeze_done:
                 if freeze_at is None and outage_done and (frac >= 0.65 or orders_done):
                     env.db_proxy.freeze()
@@ -384,7 +440,8 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                         f"{report.db_freeze_connections} connection(s) stalled")
 
             # 4. done provoking? the stream is over and every kill fired (or had its chance)
-            if orders_done and outage_done and freeze_done and dup_done and relay2_done and not take_plan and not beat_plan:
+            provoked = outage_done and freeze_done and stop_done and dup_done and relay2_done
+            if orders_done and provoked and not take_plan and not beat_plan:
                 if all(not q for q in kill_plan.values()) and all(not p.armed for p in roles.values()
                                                                    if p.name != "orders"):
                     break
@@ -439,6 +496,14 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                                                  poison=poison_set, min_duplicates=min_dups,
                                                  now_ms=int(time.time() * 1000),
                                                  lost=[(m.inbox_consumer, m.message_id) for m in report.taken_and_lost])
+            report.email_provider_calls = invariants.email_provider_calls(s)
+        report.resent = resent_in_logs(base / "logs")
+        late = report.resent_not_lost
+        if late:  # DESIGN rule 16: a recovery mechanism acts on evidence of loss, never on age alone
+            report.invariants.violations.append(invariants.Violation(
+                invariant="re-sent only what was lost",
+                detail=f"the reconciler re-sent {len(late)} message(s) the run never removed from the broker "
+                       f"(late, not lost), e.g. {', '.join(f'{m.delivery} {m.message_id}' for m in late[:5])}"))
         report.matrix = build_matrix(report)
         report.figures = fault_figures(report)
         report.duration_s = time.monotonic() - started
@@ -509,6 +574,13 @@ def build_matrix(r: ChaosReport) -> list[MatrixRow]:
         violated(v, "taken and lost") + (
             [] if r.taken_and_lost else [invariants.Violation(invariant="taken and lost",
                                                               detail="nothing was lost: not provoked")]))
+    behind = [f"a {r.db_freeze_s:.0f} s database freeze"] if r.db_freeze_s else []
+    behind += [f"a {r.outage_s:.0f} s broker outage"] if r.outage_s else []
+    behind += [f"consumers stopped {r.consumers_stop_s:.0f} s"] if r.consumers_stop_s else []
+    add("consumers behind (freeze, outage, stopped consumers)", ", ".join(behind) or "-", len(behind),
+        f"the reconciler re-sent {len(r.resent)} message(s), {len(r.resent_not_lost)} of them late, not lost; "
+        f"{r.email_provider_calls} e-mail provider call(s) for {snap.effects.get(invariants.EMAIL, 0)} e-mail(s)",
+        violated(v, "re-sent only what was lost"))
     if r.relay_mode == "beat":
         add("beat killed (the relay driven by beat)",
             "SIGKILL `celery beat` at random moments, restarted 0.2-2 s later; relay-queue workers run its "

@@ -33,6 +33,7 @@ class ManagedProcess:
     incarnation: int = 0
     armed: str = ""
     sigkills: list[str] = field(default_factory=list)  # crash-point spec of each incarnation killed
+    frozen_pid: int | None = None  # the incarnation ``freeze`` stopped
 
     @property
     def log_path(self) -> Path:
@@ -95,10 +96,19 @@ class ManagedProcess:
     def freeze(self) -> bool:
         """SIGSTOP the incarnation's whole process group (it holds whatever it was doing); False if
         nothing runs. ``thaw`` resumes it."""
-        return self._signal_group(signal.SIGSTOP)
+        done = self._signal_group(signal.SIGSTOP)
+        if done:
+            self.frozen_pid = self.pid
+        return done
 
     def thaw(self) -> bool:
+        self.frozen_pid = None
         return self._signal_group(signal.SIGCONT)
+
+    @property
+    def is_frozen(self) -> bool:
+        """This incarnation was stopped by ``freeze`` and not thawed since (a restarted one is not)."""
+        return self.frozen_pid is not None and self.frozen_pid == self.pid
 
     def _signal_group(self, sig: int) -> bool:
         if not self.alive() or self.proc is None:

@@ -25,6 +25,11 @@ def report_json(report: ChaosReport) -> dict[str, Any]:
         "db_freeze": {"seconds": round(report.db_freeze_s, 1), "connections": report.db_freeze_connections},
         "armed_not_reached": report.armed_not_reached,
         "taken_and_lost": [{"delivery": m.delivery, "message_id": m.message_id} for m in report.taken_and_lost],
+        "consumers_stop": {"seconds": round(report.consumers_stop_s, 1),
+                           "peak_queued": report.consumers_stop_peak_queued},
+        "resent": [{"delivery": m.delivery, "message_id": m.message_id} for m in report.resent],
+        "resent_not_lost": len(report.resent_not_lost),
+        "email_provider_calls": report.email_provider_calls,
         "reconciled": {"all": report.invariants.snapshot.reconciled,
                        "events": report.invariants.snapshot.reconciled_events,
                        "tasks": report.invariants.snapshot.reconciled_tasks},
@@ -51,6 +56,11 @@ def report_json(report: ChaosReport) -> dict[str, Any]:
 @click.option("--db-freeze", "db_freeze_s", type=click.FloatRange(min=0), default=3.0, show_default=True,
               help="Seconds the processes' connections to Postgres stall once mid-run (a loopback proxy stops "
                    "forwarding, connections kept); 0: no freeze, no proxy.")
+@click.option("--consumers-stop", "consumers_stop_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Seconds every consumer worker is stopped (SIGSTOP, connections kept) once, from a fifth of the "
+                   "order stream, while orders keep coming; 0: never.")
+@click.option("--orders-per-s", "orders_per_s", type=click.FloatRange(min=0.1), default=None,
+              help="The order writer's rate (default: the stream lasts long enough for the kill plan).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Reproduces the run's plan.")
 @click.option("--pg-admin-url", default=None, help="Postgres URL allowed to CREATE/DROP DATABASE "
               "(default OUTBOX_TEST_PG_ADMIN_URL or postgresql://postgres@127.0.0.1:5432/postgres).")
@@ -63,9 +73,9 @@ def report_json(report: ChaosReport) -> dict[str, Any]:
               help="Also write the loss and duplicate figures per fault to this file, as markdown, with the "
                    "command that produced them.")
 @handle_errors
-def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, db_freeze_s: float, seed: int,
-          pg_admin_url: str | None, workdir: Path | None, timeout_s: float, as_json: bool,
-          markdown: Path | None) -> None:
+def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, db_freeze_s: float,
+          consumers_stop_s: float, orders_per_s: float | None, seed: int, pg_admin_url: str | None,
+          workdir: Path | None, timeout_s: float, as_json: bool, markdown: Path | None) -> None:
     """Kill processes at crash points, cut the broker, freeze the database, inject poison and duplicates,
     lose messages in the take window; check invariants.
 
@@ -87,13 +97,16 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, d
         markdown.touch()
     report = run_chaos(orders=orders, kills=kills, broker=broker, seed=seed, workdir=workdir,
                        pg_admin_url=pg_admin_url or PG_ADMIN_URL, timeout_s=timeout_s,
-                       relay=relay, takes=takes, db_freeze_s=db_freeze_s,
-                       progress=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
+                       relay=relay, takes=takes, db_freeze_s=db_freeze_s, consumers_stop_s=consumers_stop_s,
+                       orders_per_s=orders_per_s, progress=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
     assert report.invariants is not None
     if markdown is not None:
         command = (f"python -m devtools chaos --orders {orders} --kills {kills} --broker {broker} --relay {relay} "
                    f"--seed {seed}" + (f" --takes {takes}" if takes is not None else "")
-                   + (f" --db-freeze {db_freeze_s:g}" if db_freeze_s != 3.0 else "") + f" --markdown {markdown}")
+                   + (f" --db-freeze {db_freeze_s:g}" if db_freeze_s != 3.0 else "")
+                   + (f" --consumers-stop {consumers_stop_s:g}" if consumers_stop_s else "")
+                   + (f" --orders-per-s {orders_per_s:g}" if orders_per_s else "")
+                   + (f" --timeout {timeout_s:g}" if timeout_s != 240.0 else "") + f" --markdown {markdown}")
         verdict = "every invariant held" if report.ok else "INVARIANTS VIOLATED"
         markdown.write_text(to_markdown(report.figures, command=command,
                                         title=f"{broker}, relay {relay}, seed {seed}: {orders} orders, "

@@ -54,17 +54,19 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     assert report.invariants.snapshot.effects[invariants.EMAIL] == report.invariants.snapshot.committed_orders
     assert report.beat_kills == report.beat_kills_planned == (2 if relay == "beat" else 0)
     rows = {row.failure: row for row in report.matrix}
-    assert len(rows) == (13 if relay == "beat" else 12) and all(row.ok for row in report.matrix)
+    assert len(rows) == (14 if relay == "beat" else 13) and all(row.ok for row in report.matrix)
+    # and nothing that was only late (behind the outage or the freeze) was re-sent
+    assert report.resent_not_lost == [] and rows["consumers behind (freeze, outage, stopped consumers)"].ok
     assert rows["worker killed between taking a message and recording it"].times == 2
     # and the per-fault figures are written, as JSON and markdown, and add up
     assert_fault_figures(report, tmp_path / "figures.md")
 
 
 def markdown_rows(text: str) -> dict[str, list[str]]:
-    """fault -> its cells (provoked .. duplicate effects), read back from the markdown table."""
+    """fault -> its cells (provoked .. re-sent, not lost), read back from the markdown table."""
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
              if line.startswith("| ") and not line.startswith("| fault")]
-    return {c[0].strip("*"): c[1:6] for c in cells}
+    return {c[0].strip("*"): c[1:7] for c in cells}
 
 
 def assert_fault_figures(report: ChaosReport, path: Path) -> None:
@@ -82,7 +84,7 @@ def assert_fault_figures(report: ChaosReport, path: Path) -> None:
     assert total.provoked == sum(row.provoked for row in parts)
     kills = sum(by_fault[f].provoked for f in ("hard kill: order writer", "hard kill: relay", "hard kill: worker"))
     assert kills == sum(report.kills.values())
-    assert total.lost == 0 and total.duplicate_effects == 0  # the run held its invariants
+    assert total.lost == 0 and total.duplicate_effects == 0 and total.resent_not_lost == 0  # it held its invariants
     assert total.duplicate_deliveries == report.invariants.snapshot.duplicates_absorbed
     take = by_fault["take-window loss"]
     assert (take.affected, take.lost) == (len(report.taken_and_lost), 0)
@@ -93,7 +95,8 @@ def assert_fault_figures(report: ChaosReport, path: Path) -> None:
     path.write_text(figures.to_markdown(report.figures, title="short run", command="python -m devtools chaos"))
     table = markdown_rows(path.read_text())
     assert list(table) == [row.fault for row in report.figures]
-    for i, column in enumerate(("provoked", "affected", "lost", "duplicate_deliveries", "duplicate_effects")):
+    for i, column in enumerate(("provoked", "affected", "lost", "duplicate_deliveries", "duplicate_effects",
+                                "resent_not_lost")):
         assert [r[i] for r in table.values()] == [
             "-" if getattr(row, column) is None else str(getattr(row, column)) for row in report.figures]
 
@@ -111,6 +114,8 @@ def test_fault_figures_attribute_what_they_can_and_leave_the_rest_unattributed()
                          kills=Counter({"after_mark": 1, "consumer_before_commit": 2}), outage_s=1.0,
                          taken_and_lost=[LostMessage(delivery=invariants.EMAIL, message_id="a"),
                                          LostMessage(delivery="shipping", message_id="b")],
+                         resent=[LostMessage(delivery=invariants.EMAIL, message_id="a"),
+                                 LostMessage(delivery="billing", message_id="b")],
                          invariants=invariants.InvariantReport(snapshot=snap, lost_never_recorded=1))
     # When: the figures are built
     rows = {row.fault: row for row in figures.fault_figures(report)}
@@ -119,10 +124,12 @@ def test_fault_figures_attribute_what_they_can_and_leave_the_rest_unattributed()
     rest, total = rows[figures.UNATTRIBUTED], rows[figures.TOTAL]
     assert (rest.lost, rest.duplicate_deliveries, rest.duplicate_effects) == (2, 6, 1)
     assert (total.lost, total.duplicate_deliveries, total.duplicate_effects) == (3, 10, 1)
+    # and a re-send of a message the run never removed (b to billing: only shipping lost it) is late, not lost
+    assert (rows["take-window loss"].resent_not_lost, rest.resent_not_lost, total.resent_not_lost) == (0, 1, 1)
     assert rows["hard kill: worker"].provoked == 2 and rows["hard kill: worker"].lost is None
     assert "database freeze" not in rows and "hard kill: beat" not in rows  # not provoked in this run
     table = markdown_rows(figures.to_markdown(list(rows.values()), title="t", command="c"))
-    assert table["hard kill: relay"] == ["1", "-", "-", "-", "-"]
+    assert table["hard kill: relay"] == ["1", "-", "-", "-", "-", "-"]
 
 
 def test_kill_plan_is_reproducible_and_covers_every_crash_point() -> None:
