@@ -198,9 +198,12 @@ class TcpProxy:
     every connection stays open and nothing is forwarded either way until ``thaw`` (a server that
     stalls, a network that stops delivering for a while), then everything flows again."""
 
-    def __init__(self, *, target: tuple[str, int], port: int | None = None) -> None:
+    def __init__(self, *, target: tuple[str, int], port: int | None = None, freeze_only: bytes = b"") -> None:
         self.target = target
         self.port = port or free_port()
+        # non-empty: a freeze holds only the connections whose client has sent these bytes (b"SYNC": a Redis
+        # replica's replication stream), every other connection keeps flowing
+        self.freeze_only = freeze_only
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -243,18 +246,21 @@ class TcpProxy:
             threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        held = not self.freeze_only  # does a freeze hold this connection (``freeze_only``)?
         try:
             while not self._stop.is_set():
-                if self._frozen.is_set():  # read nothing: the peers' bytes wait in their kernels' buffers
+                if held and self._frozen.is_set():  # read nothing: the peers' bytes wait in their kernels' buffers
                     time.sleep(0.05)
                     continue
                 readable, _, _ = select.select([a, b], [], [], 0.2)
-                if self._frozen.is_set():  # frozen while waiting: what arrived stays unread too
+                if held and self._frozen.is_set():  # frozen while waiting: what arrived stays unread too
                     continue
                 for src in readable:
                     data = src.recv(65536)
                     if not data:
                         return
+                    if src is a and not held and self.freeze_only in data:
+                        held = True
                     (b if src is a else a).sendall(data)
         except (OSError, ValueError):
             return

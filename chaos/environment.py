@@ -26,6 +26,7 @@ from celeryconfig import TASK_QUEUES, Settings
 from chaos.broker import RabbitBroker, RedisBroker, TakenMessage, TcpProxy, make_broker
 from chaos.cluster import ClusterBroker
 from chaos.processes import ManagedProcess, ProcessGroup, beat_argv, orders_argv, relay_argv, worker_argv
+from chaos.sentinel import SentinelBroker
 from devtools.processes import wait_until
 from orders import migrate
 
@@ -65,7 +66,7 @@ class ChaosEnvironment:
     def __init__(self, *, broker: str, workdir: Path, pg_admin_url: str = PG_ADMIN_URL,
                  namespace: str | None = None, extra_env: Mapping[str, str] | None = None,
                  tables: Tables | None = None, db_proxy: bool = False,
-                 broker_impl: ClusterBroker | None = None) -> None:
+                 broker_impl: ClusterBroker | SentinelBroker | None = None) -> None:
         self.kind = broker
         self.workdir = workdir
         self.pg_admin_url = pg_admin_url
@@ -82,8 +83,9 @@ class ChaosEnvironment:
             self.db_proxy = TcpProxy(target=(url.host or "127.0.0.1", url.port or 5432))
             self.process_database_url = url.set(host="127.0.0.1", port=self.db_proxy.port).render_as_string(
                 hide_password=False)
-        # ``broker_impl``: a broker started outside the environment (a RabbitMQ cluster, chaos/cluster.py)
-        self.broker: RedisBroker | RabbitBroker | ClusterBroker = (
+        # ``broker_impl``: a broker started outside the environment (a RabbitMQ cluster, chaos/cluster.py;
+        # Redis behind Sentinel, chaos/sentinel.py)
+        self.broker: RedisBroker | RabbitBroker | ClusterBroker | SentinelBroker = (
             broker_impl if broker_impl is not None else make_broker(broker, data_dir=workdir / "redis"))
         self.processes = ProcessGroup()
         self.extra_env = dict(extra_env or {})

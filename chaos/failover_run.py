@@ -24,7 +24,11 @@ primary:
   confirmation e-mail task) refuses such a message: it ends in the dead-letter store
   (``ghost_dead_letters``).
 
-Used by tests/production/test_pg_failover.py and bench/failover.py (figures in docs/deployment.md).
+``run_sentinel_failover`` (chaos/sentinel.py): the broker is a Redis primary and replica watched by three
+sentinels, every process on the ``sentinel://`` URL; see its docstring.
+
+Used by tests/production/test_pg_failover.py, tests/production/test_redis_sentinel.py and
+bench/failover.py (figures in docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from chaos.environment import REPO, ChaosEnvironment
 from chaos.load import make_plan
 from chaos.pg_pair import PgPair
 from chaos.processes import ManagedProcess, frozen
+from chaos.sentinel import MASTER, SentinelBroker, SentinelGroup
 from consumers.models import Shipment
 from orders.models import Order
 
@@ -78,6 +83,7 @@ class FailoverReport:
     ghost_effects: int = 0  # effects for orders that are gone
     ghost_dead_letters: int = 0  # dead letters of messages whose outbox row is gone (a consumer refused them)
     resent: int = 0  # messages the reconciler published again
+    published_in_window: int = 0  # rows marked published while replication was paused (their messages at risk)
     duplicates_absorbed: int = 0
     writer_errors: int = 0  # failed order attempts (retried) during the failover
     recovery: Recovery = field(default_factory=Recovery)
@@ -265,6 +271,79 @@ def run_pg_failover(*, pair: PgPair, orders: int, workdir: Path, tables: Tables 
                                    if line.startswith("order "))
         gone = _tally(env, report, seen=seen)
         report.lost_in_window = sum(1 for o in gone if seen[o] >= paused_ms)
+        if not report.ok:
+            say(env.logs())
+    report.duration_s = time.monotonic() - started
+    return report
+
+
+def run_sentinel_failover(*, group: SentinelGroup, orders: int, workdir: Path, tables: Tables | None = None,
+                          writer_s: float = 30.0, pause_s: float = 1.0, timeout_s: float = 180.0,
+                          progress: Progress | None = None) -> FailoverReport:
+    """Redis behind Sentinel (chaos/sentinel.py): the writer, the relay and two workers on the group's
+    ``sentinel://`` URL with its master's name. At a third of the orders the workers are frozen and the
+    replica's stream paused, so what the relay publishes for about a second reaches the primary only; then
+    the primary is SIGKILLed, and so is worker 2 (frozen, holding whatever it had taken); the sentinels
+    promote the replica, worker 1 resumes, worker 2 is started again. The messages of that second are
+    gone from Redis while their rows are marked published: only the reconciler can bring them back
+    (``resent``). Then quiescence, and from the database: every order's effects exactly once."""
+    say = progress or (lambda _m: None)
+    interval_ms = max(1, int(writer_s * 1000 / max(orders, 1)))
+    report = FailoverReport(engine="redis-sentinel", orders=orders, replication="async",
+                            url_form="sentinel://:pass@s1:26379/0;sentinel://:pass@s2:26379/0;"
+                                     "sentinel://:pass@s3:26379/0 + OUTBOX_BROKER_SENTINEL_MASTER")
+    started = time.monotonic()
+    plan = make_plan(orders, prefix="sf")
+    committed = workdir / "committed.tsv"
+    env = ChaosEnvironment(broker="redis", workdir=workdir, tables=tables, extra_env=SentinelBroker.ENV,
+                           broker_impl=SentinelBroker(group))
+    with env:
+        report.setup_s = time.monotonic() - started
+        relay, w1, w2 = env.relay("relay"), env.worker("worker-1"), env.worker("worker-2")
+        writer = _writer(env, plan, interval_ms=interval_ms, committed=committed)
+        for proc in (relay, w1, w2, writer):
+            proc.start()
+        say(f"database {env.db_name}, broker {group.url} (master {MASTER}), logs {workdir / 'logs'}")
+        env.wait(lambda: len(_read_committed(committed)) >= orders // 3 or not writer.alive(), timeout_s=timeout_s,
+                 what=f"{orders // 3} orders committed")
+        outbox = env.tables.outbox
+        old_port = group.master_port() or 0
+        with frozen((w1, w2)):
+            group.pause_replication()
+            paused_ms = int(time.time() * 1000)
+            time.sleep(pause_s)
+            kill_ms = int(time.time() * 1000)
+            group.kill_primary()
+            w2.kill()
+            report.faults.append(f"Redis primary SIGKILLed after {pause_s:.1f}s with its replication paused and the "
+                                 "workers frozen; worker 2 SIGKILLed with it")
+            report.recovery.promote_s = group.wait_failover(old_port)
+        w2.start()
+        window = report.published_in_window = env.count(outbox, outbox.published_at_ms >= paused_ms,
+                                                        outbox.published_at_ms <= kill_ms)
+        say(f"primary killed with {window} row(s) published while replication was paused; sentinels promoted the "
+            f"replica in {report.recovery.promote_s:.2f}s")
+        rec = report.recovery
+        rec.relay_s = _first_after(env, lambda t: sa.select(sa.func.min(outbox.published_at_ms))
+                                   .where(outbox.published_at_ms > t), since_ms=kill_ms, timeout_s=60)
+        rec.workers_s = _first_after(env, lambda t: sa.select(sa.func.min(Shipment.created_at_ms))
+                                     .where(Shipment.created_at_ms > t), since_ms=kill_ms, timeout_s=60)
+        code = writer.wait_exit(timeout_s=timeout_s)
+        if code != 0:
+            report.unexpected_exits.append(f"order writer exited {code}")
+        seen = _read_committed(committed)
+        rec.writer_s = next((max(0.0, (ms - kill_ms) / 1000) for ms in sorted(seen.values()) if ms > kill_ms), None)
+        last_order = time.monotonic()
+        _settle(env, report, (relay, w1, w2), timeout_s=timeout_s)
+        report.drain_s = time.monotonic() - last_order
+        report.committed_seen = len(seen)
+        report.writer_errors = sum(1 for line in writer.log_path.read_text(errors="replace").splitlines()
+                                   if line.startswith("order "))
+        _tally(env, report, seen=seen)
+        if report.lost_commits or report.ghost_effects or report.ghost_dead_letters:
+            report.violations.append(f"the database lost nothing here, yet {report.lost_commits} order(s) are gone, "
+                                     f"{report.ghost_effects} ghost effect(s), {report.ghost_dead_letters} ghost "
+                                     "dead letter(s)")
         if not report.ok:
             say(env.logs())
     report.duration_s = time.monotonic() - started

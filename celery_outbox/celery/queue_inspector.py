@@ -39,12 +39,14 @@ def _unacked_ids(channel: Any) -> frozenset[str]:
 class KombuQueueInspector:
     """``QueueInspector`` for the broker at ``broker_url``, each ask bounded by ``timeout_s``."""
 
-    def __init__(self, *, broker_url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, *, broker_url: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 transport_options: Mapping[str, Any] | None = None) -> None:
         self.broker_url = broker_url
         self.timeout_s = timeout_s
+        self.transport_options = dict(transport_options or {})  # a sentinel:// broker's master name
 
     def queue_states(self, queues: Sequence[str]) -> Mapping[str, QueueState]:
-        with connected(self.broker_url, timeout_s=self.timeout_s) as conn:
+        with connected(self.broker_url, timeout_s=self.timeout_s, transport_options=self.transport_options) as conn:
             redis = conn.transport.driver_type == "redis"
             states: dict[str, QueueState] = {}
             channel = conn.channel()

@@ -69,13 +69,13 @@ def relay_loop(ctx: Context, *, listen: bool, max_batches_per_drain: int = 10_00
     url = ctx.broker_url()
     app = getattr(ctx, "app", None)  # a Celery app's own broker_transport_options may name the Sentinel master
     app_options = app.conf.broker_transport_options if isinstance(app, Celery) else None
-    publisher = KombuPublisher(broker_url=url, settings=ctx.settings, consumers=consumers,
-                               transport_options=sentinel_options(ctx.settings, url, app_options))
+    options = sentinel_options(ctx.settings, url, app_options)
+    publisher = KombuPublisher(broker_url=url, settings=ctx.settings, consumers=consumers, transport_options=options)
     return RelayLoop(settings=ctx.settings, tables=ctx.tables, session_factory=ctx.sessions(), publisher=publisher,
                      clock=ctx.clock, crash_points=ctx.crash_points, listen=listen,
                      max_batches_per_drain=max_batches_per_drain, routes=routes,
                      idempotent_tasks=ctx.idempotent_tasks(), on_reconcile=reconcile_announcer_for(ctx),
-                     queues=KombuQueueInspector(broker_url=ctx.broker_url()))
+                     queues=KombuQueueInspector(broker_url=url, transport_options=options))
 
 
 def reconcile_announcer_for(ctx: Context) -> Callable[[ReconcileResult], None] | None:
