@@ -17,11 +17,15 @@ fills ``consumer.strategies``, on every connection restart too) and
 
 Whatever fails, the message is handed, as a canonical message built from scratch, to ONE library
 task, ``celery_outbox.poison`` (``POISON_TASK``), with a ``messages.MalformedDelivery`` (raw bytes
-kept, the reason, sanitised headers) as its one argument. That task runs in the pool under the
-consumer time limits: it writes the dead letter (the consumer dead-letter store, under the task's
-key ``task:<name>``, so ``outbox dead-letters replay`` re-sends a well-formed one as that task with
-its task id), sends ``outbox-dead-lettered``, and rejects the message; if the database is down it
-retries with the consumer backoff, so an outage costs a redelivery, never the message. Nothing here
+kept whole, however large: a replay sends exactly what was received; the reason, sanitised headers)
+as its one argument. That task runs in the pool under the consumer time limits: it writes the dead
+letter (the consumer dead-letter store, under the task's key ``task:<name>``, so ``outbox
+dead-letters replay`` re-sends a well-formed one as that task with its task id), sends
+``outbox-dead-lettered``, and rejects the message; if the database is down it retries with the
+consumer backoff, so an outage costs a redelivery, never the message. A retry is a message of its own
+and must pass this gate's size check, so a delivery too large for that (``poison_retry_limit``) is not
+re-sent: after a pause of the first backoff step the original message is rejected back to the broker
+(``Reject(requeue=True)``), which delivers it again whole. Nothing here
 touches the database in the worker's main process, and the gate never raises into Celery's loop:
 the worker stays alive whatever the bytes, and no message loops (a poison message is dead-lettered
 on its first delivery; its own message is checked like any other, and a bad one is dead-lettered
@@ -31,10 +35,12 @@ directly, never re-sent).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery import bootsteps
+from celery.exceptions import Reject
 from vine import promise
 
 from celery_outbox import tracing
@@ -216,7 +222,7 @@ class Gate:
             raw = f"<body unreadable: {e.__class__.__name__}>".encode()
         headers = _headers(message)
         tid = stable_task_id(headers.get("id"), raw)
-        arg = malformed_text(message, raw, headers, tid, error, self.settings)
+        arg = malformed_text(message, raw, headers, tid, error, self.settings, whole=True)
         info = mapping_attr(message, "delivery_info")
         route_exchange, route_key = info.get("exchange"), info.get("routing_key")
         return CanonicalMessage(
@@ -267,6 +273,7 @@ def define_poison_task(outbox: Any) -> Any:
     settings = outbox.settings
     soft_limit, hard_limit = consumer_time_limits(settings)
     backoff = RetryPolicy().resolve(settings, broker_url=str(settings.broker_url or app.conf.broker_url or ""))
+    retry_limit = poison_retry_limit(settings)
 
     @app.task(  # type: ignore[untyped-decorator]
         name=POISON_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, acks_on_timeout=False,
@@ -285,6 +292,13 @@ def define_poison_task(outbox: Any) -> Any:
             if not isinstance(e, DatabaseError) and retries + 1 >= backoff.max_deliveries:
                 log.exception("outbox: giving up on recording the dead letter of %s (%s)", name, message_id)
                 raise
+            if len(text) > retry_limit:  # too big to travel again as a message of its own (module docstring)
+                if not isinstance(e, DatabaseError):
+                    log.exception("outbox: giving up on recording the dead letter of %s (%s)", name, message_id)
+                    raise
+                time.sleep(min(backoff.delay_s(1), soft_limit / 2))
+                raise Reject(f"the database is down ({_error(e)}): the broker delivers the message again",
+                             requeue=True) from None
             raise self.retry(countdown=backoff.delay_s(retries + 1), max_retries=None,
                              exc=DatabaseError(_error(e))) from None
         if recorded:
@@ -293,6 +307,17 @@ def define_poison_task(outbox: Any) -> Any:
         raise DeadLettered(storable_text(f"dead-lettered for {key}: {malformed.error}", limit=1000))
 
     return poison
+
+
+# What the poison task's message adds around its one argument: ``[["<text>"], {}, <embed>]``.
+_POISON_FRAME_BYTES = 4096
+
+
+def poison_retry_limit(settings: Any) -> int:
+    """The longest malformed-delivery text the poison task re-sends as a retry: its message must pass the
+    gate's size check (``check_poison``) again. A longer one (a body of a few hundred KiB or more, kept whole)
+    is not re-sent: the original message is rejected back to the broker and dead-lettered on redelivery."""
+    return int(body_limit(settings)) - _POISON_FRAME_BYTES
 
 
 def record_poison(outbox: Any, malformed: MalformedDelivery, *, name: str, key: str, message_id: str) -> bool:

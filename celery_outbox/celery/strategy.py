@@ -288,8 +288,12 @@ def _finite(text: str) -> float:
 _ENVELOPE_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
-def malformed_text(message: Any, raw: bytes, headers: Any, tid: str, error: str, settings: Settings) -> str:
-    keep = raw[: settings.max_message_bytes]
+def malformed_text(message: Any, raw: bytes, headers: Any, tid: str, error: str, settings: Settings, *,
+                   whole: bool = False) -> str:
+    """The ``MalformedDelivery`` argument of a malformed message. A consumer task carries it through its own
+    retries, so its body is cut to ``max_message_bytes`` (the error says so); ``whole`` keeps every byte
+    (the task gate's poison task writes it at once: celery/gate.py)."""
+    keep = raw if whole else raw[: settings.max_message_bytes]
     if len(keep) < len(raw):
         error += f" (body cut to its first {len(keep)} of {len(raw)} bytes)"
 

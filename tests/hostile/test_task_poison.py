@@ -155,10 +155,8 @@ def test_every_hostile_task_message_is_a_dead_letter_and_the_worker_lives(env: E
     with env.sessions() as s:
         rows = list(s.execute(sa.select(letters)).scalars())
         assert ia.effect_count(s, ia.RECORD) + ia.effect_count(s, ia.PLAIN) == 2  # nothing hostile ran
-    limit = env.built.settings.max_message_bytes
-    for case in all_cases:
-        kept = case.body[:limit]
-        found = [r for r in rows if r.consumer == case.dead_letter_key and body_bytes(r.body) == kept]
+    for case in all_cases:  # every byte, the huge ones too (a replay sends what was received)
+        found = [r for r in rows if r.consumer == case.dead_letter_key and body_bytes(r.body) == case.body]
         assert len(found) == 1, f"{case.name} ({case.task}, {case.queue}): {[(r.consumer, r.last_error) for r in rows]}"
         assert found[0].delivery_count == 1 and found[0].last_error, case.name
         if case.task_id != "not-a-uuid":

@@ -244,6 +244,27 @@ def test_a_full_disk_stops_the_purge_before_the_batch_is_deleted(
     assert not set(ids["billing"][:2]) & left_ids(any_sessions, tables)
 
 
+def test_an_archive_that_cannot_be_written_is_refused_before_anything_is_deleted(
+        any_sessions: sessionmaker[Session], tables: Tables, clock: ManualClock, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a file the purge may not write (as a non-root user sees a read-only one; root writes anything)
+    with any_sessions() as s:
+        two_groups(s, tables)
+        gid = by_consumer(groups.list_groups(s, tables=tables))["billing"].id
+    before = left_ids(any_sessions, tables)
+    real_open = os.open
+
+    def refuse(path: str, flags: int, mode: int = 0o777) -> int:
+        if str(path).endswith("locked.jsonl"):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(ArchiveError, match=r"cannot be written .*nothing was deleted"):
+        groups.purge_group(any_sessions, gid, tables=tables, clock=clock, archive=tmp_path / "locked.jsonl", rate=FAST)
+    assert left_ids(any_sessions, tables) == before
+
+
 def bad_archives(tmp_path: Path) -> dict[str, tuple[str, str]]:
     """An archive path each, and what the one line must say."""
     binary = tmp_path / "core.bin"

@@ -8,19 +8,24 @@ wire for that call. A verdict is "refused" or the task id the message runs under
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import pytest
 import sqlalchemy as sa
 from celery import Celery, signature
+from celery.exceptions import Reject, Retry
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import ManualClock, Outbox, Settings, Tables, ValidationError
+from celery_outbox.celery import gate as gate_mod
 from celery_outbox.celery.gate import Gate
-from celery_outbox.errors import OutboxError, SerializationError
+from celery_outbox.errors import DatabaseError, OutboxError, SerializationError
+from celery_outbox.messages import MalformedDelivery
 from celery_outbox.task_rules import TaskRules, canonical_task_id, check_call
 
 MAX_DEPTH = 8
@@ -220,3 +225,59 @@ def test_the_gate_drops_an_unusable_trace_header_counts_it_and_logs_it_once(
     # And the drops are counted, the first one logged, the others not
     assert gate.trace_headers_dropped.count == 4
     assert [r.getMessage().count("dropped unusable trace header") for r in caplog.records] == [1]
+
+
+def malformed_wire(rules_app: App, raw: bytes) -> WireMessage:
+    headers, properties, _, _ = rules_app.app.amqp.create_task_message(str(uuid.uuid4()), NAME, [1], {})
+    return WireMessage(headers=headers, body=raw, properties=properties)
+
+
+@pytest.mark.parametrize("size", [300 * 1024, 2 * 1024 * 1024])
+def test_a_large_malformed_task_body_is_handed_to_the_poison_task_whole(rules_app: App, size: int) -> None:
+    # Given a task message body over max_message_bytes (256 KiB), malformed (a NUL escape in its argument)
+    raw = b'[["' + b"x" * size + b'\\u0000"],{},null]'
+    assert len(raw) > rules_app.outbox.settings.max_message_bytes
+    gate = Gate(rules_app.outbox)
+    # When the gate hands it to the poison task
+    canonical = gate.poison_message(malformed_wire(rules_app, raw), "headers hold a NUL character")
+    (text,), _, _ = canonical.payload
+    delivery = MalformedDelivery.decode(text)
+    # Then the dead letter it writes keeps every byte (a replay sends what was received), and says nothing was cut
+    assert delivery is not None and delivery.body == raw and "cut" not in delivery.error
+
+
+def test_a_poison_delivery_too_large_to_retry_goes_back_to_the_broker_while_the_database_is_down(
+        rules_app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a malformed delivery too large to travel again as a retry message, and a database that is down
+    gate = Gate(rules_app.outbox)
+    raw = b'[["' + b"x" * (400 * 1024) + b'"],{},null]'
+    (text,), _, _ = gate.poison_message(malformed_wire(rules_app, raw), "over the limit").payload
+    assert len(text) > gate_mod.poison_retry_limit(rules_app.outbox.settings)
+
+    def down(*args: Any, **kwargs: Any) -> bool:
+        raise DatabaseError("connection refused")
+
+    pauses: list[float] = []
+    monkeypatch.setattr(gate_mod, "record_poison", down)
+    monkeypatch.setattr(time, "sleep", pauses.append)
+    retried = mock.patch.object(rules_app.app.tasks[gate_mod.POISON_TASK], "retry",
+                                side_effect=AssertionError("re-sent as a retry message"))
+    # When the poison task runs, Then it rejects the original message back to the broker (whole), not a cut retry
+    with retried, pytest.raises(Reject) as e:
+        rules_app.app.tasks[gate_mod.POISON_TASK](text)
+    assert e.value.requeue is True and len(pauses) == 1
+
+
+def test_a_small_poison_delivery_still_retries_while_the_database_is_down(
+        rules_app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate(rules_app.outbox)
+    (text,), _, _ = gate.poison_message(malformed_wire(rules_app, b'{"a":1}'), "not a list").payload
+
+    def down(*args: Any, **kwargs: Any) -> bool:
+        raise DatabaseError("connection refused")
+
+    monkeypatch.setattr(gate_mod, "record_poison", down)
+    task = rules_app.app.tasks[gate_mod.POISON_TASK]
+    with mock.patch.object(task, "retry", side_effect=Retry("retrying")) as retry, pytest.raises(Retry):
+        task(text)
+    assert retry.call_count == 1
