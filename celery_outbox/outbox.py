@@ -63,14 +63,20 @@ from celery_outbox.schema import OutboxRow, Tables, define_tables
 from celery_outbox.settings import Settings, broker_relation_problems
 from celery_outbox.writer import Event, add
 
+Ambient = Callable[["Outbox"], "task_capture.Writer | None"]
+"""A framework's open transaction as a task writer for an outbox (None: no such transaction here)."""
+
 
 class Outbox:
     """The outbox, inbox and consumers of one application, on its own Celery app."""
 
     def __init__(self, app: Celery, *, engine: sa.Engine | None = None,
                  session_factory: sessionmaker[Session] | None = None, settings: Settings | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, ambient: Ambient | None = None) -> None:
         self.app = app
+        # Where a task sent with no ``outbox.transaction`` bound goes first: a framework's own open transaction
+        # (``DjangoOutbox`` hands in Django's ``atomic()``: contrib/django/enqueue.py), asked by the capture.
+        self.ambient = ambient
         self.settings = settings if settings is not None else Settings.from_env()
         self.settings_error: ConfigError | None = None  # DjangoOutbox: settings.py's error, raised at first use
         if engine is None and session_factory is None:
@@ -264,6 +270,10 @@ class Outbox:
         See docs/scheduled.md."""
         self.require_settings()
         return cancel_row(resolve_session(session, verb="cancel"), task_id, tables=self.tables)
+
+    def ambient_writer(self) -> task_capture.Writer | None:
+        """The writer of the framework transaction open around a ``delay()`` (``ambient=``), or None."""
+        return self.ambient(self) if self.ambient is not None else None
 
     def _install_enqueue(self) -> None:
         self._enqueue_interceptor = task_capture.install(self)

@@ -14,8 +14,8 @@ Where the row goes, in order:
 
 1. ``with outbox.transaction(session):`` (a context variable; nesting allowed, the innermost wins) or
    ``outbox.enqueue(session, signature)``: the SQLAlchemy ``session``;
-2. an ambient transaction a contrib registers (``celery_outbox.contrib.django``: inside
-   ``transaction.atomic()``, through the Django ORM);
+2. an ambient transaction the outbox was given (``Outbox(ambient=...)``; ``DjangoOutbox`` gives its own:
+   inside ``transaction.atomic()``, through the Django ORM);
 3. none (a script, a shell, a command, code after the commit): ``Settings.enqueue_outside_transaction``
    says ``"own_transaction"`` (the default: the row commits at once in a short transaction of its own
    on the outbox's engine, ``OwnTransactionWriter``; durable across a broker outage and a crash, but not
@@ -58,7 +58,6 @@ or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never c
 from __future__ import annotations
 
 import logging
-import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -203,22 +202,6 @@ class OwnTransactionWriter:
                                 f"{e.__class__.__name__}") from e
 
 
-# Ambient transactions the capture asks when no session is bound, as (module, function) pairs: the
-# function returns a writer for an outbox, or None. A module is asked once something imported it
-# (``celery_outbox.contrib.django`` imports its own, and Django imports that for INSTALLED_APPS), so the
-# capture imports no framework and keeps no registry of its own (no module-level mutable state).
-AMBIENT_PROVIDERS = (("celery_outbox.contrib.django.enqueue", "atomic_writer"),)
-
-
-def _ambient_writer(outbox: object) -> Writer | None:
-    for module_name, function in AMBIENT_PROVIDERS:
-        provider = getattr(sys.modules.get(module_name), function, None)
-        found = provider(outbox) if provider is not None else None
-        if found is not None:
-            return found  # type: ignore[no-any-return]
-    return None
-
-
 def interceptor_of(app: Any) -> Interceptor | None:
     """The capture an ``Outbox`` installed on Celery app ``app`` (``install``), or None."""
     current = app.amqp.__dict__.get("send_task_message")
@@ -325,7 +308,7 @@ class Interceptor:
     def bound_writer(self) -> Writer | None:
         """The innermost writer bound by ``Outbox.transaction``, else an ambient transaction's, else None."""
         bound = self.bound.get()
-        return bound[-1] if bound else _ambient_writer(self.outbox)
+        return bound[-1] if bound else self.outbox.ambient_writer()
 
     def insert_statement(self) -> sa.Insert:
         """The one ``INSERT`` of this outbox's table, built once: a new statement per ``delay()`` costs its

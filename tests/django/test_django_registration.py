@@ -1,6 +1,6 @@
 """The Outbox the Django admin replays through (``celery_outbox.contrib.django.use``): one per process, seen
-by every thread, the last ``use()`` winning, kept on Django's app registry and not in a module of the
-library (no module-level mutable state). No database: the registration never opens a session."""
+by every thread, the last ``use()`` winning, kept in one declared module global (``REGISTRATION``), the only
+mutable state of the module. No database: the registration never opens a session."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from django.apps import apps
 
 from celery_outbox import Outbox, Settings
 from celery_outbox.contrib.django import dead_letters, use
@@ -40,17 +39,15 @@ def module_state(module: types.ModuleType) -> dict[str, Any]:
                                                                     *IMMUTABLE))}
 
 
-def test_the_registration_lives_on_djangos_app_registry_not_in_the_module(restored: None) -> None:
+def test_the_registration_is_the_module_s_one_declared_global(restored: None) -> None:
     def send(consumer: str, envelope: Any) -> None:
         raise AssertionError("not called")
 
     # Given an Outbox and a test sender registered for the admin
     outbox = make_outbox()
     use(outbox, send=send)
-    # Then the module that registered them keeps no mutable state of its own
-    assert module_state(dead_letters) == {}
-    # And the registration is Django's app registry's, one per process, and the admin acts through it
-    assert vars(apps)[dead_letters.REGISTRATION_KEY] is dead_letters.registration()
+    # Then the module's only mutable state is its declared registration, and the admin acts through it
+    assert module_state(dead_letters) == {"REGISTRATION": dead_letters.registration()}
     assert dead_letters.configured() == (outbox, send)
 
 

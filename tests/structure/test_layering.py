@@ -3,7 +3,10 @@
 - the library imports nothing of the reference deployment or the dev tools;
 - the core (everything but ``celery/``, ``cli/``, ``contrib/``, ``testing/``, the ``Outbox`` facade and
   the package ``__init__``) imports neither celery nor kombu;
-- the reference deployment uses only ``celery_outbox``'s public names (``__all__``) and its contrib modules.
+- the reference deployment uses only ``celery_outbox``'s public names (``__all__``) and its contrib modules;
+- nothing below ``contrib/`` (everything but ``contrib/`` and the ``cli/`` entry point) names a contrib module,
+  by an import or by a string (a ``sys.modules`` lookup, an ``import_module`` call, a table of names): a
+  contrib plugs in from above, handing what it provides to the objects it builds.
 """
 
 from __future__ import annotations
@@ -61,6 +64,45 @@ def test_lower_layers_never_import_the_facade_or_the_cli() -> None:
            if mod in ("celery_outbox.outbox", "celery_outbox.cli") or mod.startswith(("celery_outbox.cli.",
                                                                                       "celery_outbox.contrib"))]
     assert bad == []
+
+
+ABOVE_CONTRIB = ("contrib", "cli")
+CONTRIB = "celery_outbox.contrib"
+
+
+def below_contrib(path: Path) -> bool:
+    return path.relative_to(LIBRARY).parts[0] not in ABOVE_CONTRIB
+
+
+def code_strings(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, text) of every string in ``path``'s code: documentation (a bare string statement) left out."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docs = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            yield node.lineno, node.value
+
+
+def test_nothing_below_contrib_names_a_contrib_module() -> None:
+    below = [p for p in library_files() if below_contrib(p)]
+    assert any(p.name == "enqueue.py" for p in below) and any(p.name == "tasks.py" for p in below)
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in below for line, mod, _ in imports(p)
+           if mod.startswith(CONTRIB)]
+    bad += [f"{p.relative_to(ROOT)}:{line} names {text[:60]!r}" for p in below for line, text in code_strings(p)
+            if CONTRIB in text]
+    assert bad == []
+
+
+def test_a_contrib_module_named_in_a_string_is_caught(tmp_path: Path) -> None:
+    # Given a module that finds a contrib module through sys.modules or import_module by its name
+    sample = tmp_path / "sample.py"
+    sample.write_text('"""Mentions celery_outbox.contrib.django in its docstring: fine."""\n'
+                      'import importlib, sys\n'
+                      'PROVIDERS = (("celery_outbox.contrib.django.enqueue", "atomic_writer"),)\n'
+                      'found = sys.modules.get("celery_outbox.contrib.flask")\n'
+                      'mod = importlib.import_module(f"celery_outbox.contrib.{found}")\n')
+    # Then each of those strings is found, and the docstring is not
+    assert sorted(line for line, text in code_strings(sample) if CONTRIB in text) == [3, 4, 5]
 
 
 def deployment_files() -> list[Path]:

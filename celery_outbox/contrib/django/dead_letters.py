@@ -14,7 +14,7 @@ The admin finds the ``Outbox`` (first match wins):
 
 Without either, the dead letters are still listed (the lists read Django's models), and a replay or
 purge says how to configure it. This module imports no models, so it is safe to import before the
-app registry is ready; the registration lives on that registry (``Registration``), not here.
+app registry is ready. The registration is its one declared global (``REGISTRATION``).
 """
 
 from __future__ import annotations
@@ -35,17 +35,9 @@ SETTING = "OUTBOX_INSTANCE"
 """The Django setting naming the project's ``Outbox`` as ``"module:attribute"``. Not ``CELERY_...``:
 ``app.config_from_object("django.conf:settings", namespace="CELERY")`` would read that as a Celery setting."""
 
-REGISTRATION_KEY = "celery_outbox_registration"
-"""Where ``use()`` keeps its registration: an attribute of Django's app registry (``django.apps.apps``)."""
-
-
 class Registration:
     """The ``Outbox`` the admin acts through in this process, and the test sender of consumer replays.
-
-    Kept on Django's app registry, the process's one registry of installed apps (there before the
-    settings are read, so before ``proj/celery.py`` builds the ``DjangoOutbox`` and calls ``use()``),
-    and not in this module: the library keeps no module-level mutable state. One per process, as
-    before; every thread (the admin's request threads) sees the same one."""
+    One per process (``REGISTRATION``); every thread (the admin's request threads) sees the same one."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -53,14 +45,15 @@ class Registration:
         self.send: dl.Sender | None = None
 
 
-def registration() -> Registration:
-    """This process's ``Registration``, made on first use (``dict.setdefault``: one even when threads race)."""
-    from django.apps import apps
+REGISTRATION = Registration()
+"""This process's one registration: the Django contrib's only process-wide state, declared here as Celery's
+``celery._state`` declares the current app (the library keeps no other module-level mutable state). There
+before the settings are read, so before ``proj/celery.py`` builds the ``DjangoOutbox`` and calls ``use()``."""
 
-    found: Registration | None = vars(apps).get(REGISTRATION_KEY)
-    if found is None:
-        found = vars(apps).setdefault(REGISTRATION_KEY, Registration())
-    return found
+
+def registration() -> Registration:
+    """This process's ``Registration`` (``REGISTRATION``)."""
+    return REGISTRATION
 
 
 def use(outbox: Outbox | None, *, send: dl.Sender | None = None) -> None:

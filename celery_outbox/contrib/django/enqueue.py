@@ -1,8 +1,7 @@
 """Transactional enqueue on Django: inside ``transaction.atomic()``, ``task.delay()`` writes an outbox row.
 
-Asked once ``celery_outbox.contrib.django`` is imported (Django imports it for ``INSTALLED_APPS``;
-``celery.enqueue.AMBIENT_PROVIDERS`` names this module):
-when an ``Outbox``'s Celery app sends a task and no SQLAlchemy session is bound
+``DjangoOutbox`` hands ``atomic_writer`` to its ``Outbox`` (``ambient=``; a plain ``Outbox`` in a Django
+project may be given it too): when that outbox's Celery app sends a task and no SQLAlchemy session is bound
 (``outbox.transaction``), the capture (``celery_outbox.celery.enqueue``) asks this provider; if the
 Django connection the outbox models write to is inside an ``atomic()`` block (ATOMIC_REQUESTS
 included), the task message becomes an ``OutboxMessage`` row on that connection, committed or rolled

@@ -13,10 +13,12 @@ from celery import Celery
 from django.conf import settings
 
 from celery_outbox import Outbox, Settings
-from celery_outbox.contrib.django import database_url
+from celery_outbox.contrib.django import atomic_writer, database_url
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop_project.settings")
 
 app = Celery("shop_project")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-outbox = Outbox(app, settings=Settings(database_url=database_url(), namespace=settings.OUTBOX_NAMESPACE))
+# ambient=: a task sent inside Django's atomic() is a row of that transaction (docs/django.md).
+outbox = Outbox(app, settings=Settings(database_url=database_url(), namespace=settings.OUTBOX_NAMESPACE),
+                ambient=atomic_writer)
