@@ -43,13 +43,13 @@ from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import (
     add_task_routes,
     beat_schedule,
-    broker_is_rabbitmq,
     is_sentinel_url,
     queue_arguments,
     redis_transport_options,
     sentinel_options,
 )
 from celery_outbox.clock import Clock, SystemClock
+from celery_outbox.config.declare import broker_kind
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
 from celery_outbox.db import SessionSource, resolve_session
@@ -379,12 +379,12 @@ class Outbox:
         conf.beat_schedule = {**beat_schedule(self.settings), **(conf.beat_schedule or {})}
         broker = str(self.settings.broker_url or conf.broker_url or "")
         options = dict(conf.broker_transport_options or {})
-        if broker.startswith(("redis://", "rediss://", "redis+socket://")):
-            conf.broker_transport_options = {**redis_transport_options(self.settings), **options}
-        elif is_sentinel_url(broker):
+        if is_sentinel_url(broker):
             conf.broker_transport_options = {**redis_transport_options(self.settings),
                                              **sentinel_options(self.settings, broker, options), **options}
-        elif broker_is_rabbitmq(broker):
+        elif broker_kind(broker) == "redis":
+            conf.broker_transport_options = {**redis_transport_options(self.settings), **options}
+        elif broker_kind(broker) == "rabbitmq":
             conf.broker_transport_options = {"confirm_publish": True, **options}
 
     def _add_queue(self, consumer: str | None) -> None:

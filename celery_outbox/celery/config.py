@@ -5,15 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from celery_outbox.config.declare import broker_kind
 from celery_outbox.settings import Settings
 
 DRAIN_TASK = "celery_outbox.drain"
 RECONCILE_TASK = "celery_outbox.reconcile"
 PRUNE_TASK = "celery_outbox.prune"
-
-
-def broker_is_rabbitmq(url: str) -> bool:
-    return url.startswith(("amqp://", "pyamqp://", "amqps://"))
 
 
 def add_task_routes(app: Any, routes: Mapping[str, Mapping[str, str]]) -> None:
@@ -57,11 +54,11 @@ def queue_arguments(settings: Settings, broker_url: str) -> dict[str, Any]:
     """
     if settings.broker_queue_type != "quorum":
         return {}
-    if broker_url.startswith(("redis://", "rediss://", "redis+socket://")) or is_sentinel_url(broker_url):
+    if broker_kind(broker_url) == "redis":  # sentinel:// included
         from celery_outbox.errors import ConfigError
 
         raise ConfigError("OUTBOX_BROKER_QUEUE_TYPE=quorum needs RabbitMQ (amqp://); Redis has no quorum queues")
-    if not broker_is_rabbitmq(broker_url):
+    if broker_kind(broker_url) != "rabbitmq":
         return {}
     return {"x-queue-type": "quorum", "x-delivery-limit": quorum_delivery_limit(settings)}
 
@@ -214,7 +211,7 @@ def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename
         # Redis: no ``polling_interval`` (kombu 5.7 reads it as the BRPOP timeout; BRPOP returns as soon
         # as a message arrives, so it bounds nothing but idle wake-ups).
         "broker_transport_options": {"confirm_publish": True}
-        if broker_is_rabbitmq(broker_url)
+        if broker_kind(broker_url) == "rabbitmq"
         else {**redis_transport_options(settings), **sentinel_options(settings, broker_url)},
         "beat_schedule": beat_schedule(settings),
         **({"beat_schedule_filename": beat_schedule_filename} if beat_schedule_filename else {}),

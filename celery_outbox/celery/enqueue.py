@@ -114,12 +114,6 @@ class Writer(Protocol):
         ...
 
 
-class DedupWriter(Writer, Protocol):
-    """A writer that can also keep a dedup key unique among pending rows (celery_outbox/dedup.py)."""
-
-    def write_unique(self, values: dict[str, Any], key: str, on_conflict: dedup.OnConflict) -> dedup.Deduplicated: ...
-
-
 def holds_query(tables: Tables, message_id: uuid.UUID) -> sa.Select[Any]:
     """``SELECT 1`` when an outbox row has ``message_id``: the reused-id check of every SQLAlchemy writer."""
     return sa.select(sa.literal(1)).where(tables.table(tables.outbox).c.message_id == message_id).limit(1)

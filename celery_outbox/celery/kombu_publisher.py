@@ -26,7 +26,8 @@ from typing import Any
 from kombu import Connection, Exchange, Producer, Queue
 from kombu.exceptions import KombuError
 
-from celery_outbox.celery.config import broker_is_rabbitmq, celery_config, sentinel_options
+from celery_outbox.celery.config import celery_config, sentinel_options
+from celery_outbox.config.declare import broker_kind
 from celery_outbox.errors import BrokerUnavailableError, ConfigError
 from celery_outbox.messages import QueueSpec, TaskMessage
 from celery_outbox.relay.publisher import PublishReport
@@ -53,7 +54,7 @@ class KombuPublisher:
             raise ConfigError(f"confirm_mode must be one of {', '.join(CONFIRM_MODES)}, got {mode!r}")
         self.broker_url = broker_url
         self.confirm_mode = mode
-        self.is_rabbitmq = broker_is_rabbitmq(broker_url)
+        self.is_rabbitmq = broker_kind(broker_url) == "rabbitmq"
         self.timeout_s = publish_timeout_s or (settings.relay_publish_timeout_s if settings is not None else 10.0)
         self.connect_retries = connect_retries
         if settings is not None:
@@ -69,7 +70,7 @@ class KombuPublisher:
             self.exchange = Exchange(exchange_name, type="direct", durable=True)
             self.queues = [Queue(q, self.exchange, routing_key=q, durable=True) for q in queue_names]
         options: dict[str, Any] = {}
-        if not self.is_rabbitmq and broker_url.startswith(("redis", "rediss", "sentinel")):
+        if broker_kind(broker_url) == "redis":  # sentinel:// included
             options.update(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
         if settings is not None:  # a sentinel:// broker's master name (config.sentinel_options)
             options.update(sentinel_options(settings, broker_url))

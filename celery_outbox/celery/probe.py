@@ -13,6 +13,7 @@ from typing import Any
 from kombu import Connection
 
 from celery_outbox.celery.config import sentinel_options
+from celery_outbox.config.declare import broker_kind
 from celery_outbox.ops.health import BrokerProbe
 from celery_outbox.settings import Settings
 
@@ -26,7 +27,7 @@ def connected(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
     URL, no sleeping), released on exit; raises when it cannot connect. ``transport_options``: what the
     URL cannot say (a ``sentinel://`` broker's ``master_name``: ``config.sentinel_options``)."""
     options: dict[str, Any] = {}
-    if url.startswith(("redis", "rediss", "sentinel")):
+    if broker_kind(url) == "redis":  # sentinel:// included
         options.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     options.update(transport_options or {})
     conn = Connection(url, connect_timeout=timeout_s, transport_options=options)
