@@ -87,6 +87,8 @@ class FailoverReport:
     duplicates_absorbed: int = 0
     writer_errors: int = 0  # failed order attempts (retried) during the failover
     recovery: Recovery = field(default_factory=Recovery)
+    # order commit -> its shipment committed, ms: p50/p99 of the orders before the fault, and of every order
+    latency_ms: dict[str, dict[str, int]] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     unexpected_exits: list[str] = field(default_factory=list)
     quiesced: bool = False
@@ -159,6 +161,23 @@ def _settle(env: ChaosEnvironment, report: FailoverReport, procs: Sequence[Manag
     for proc in procs:
         if not proc.alive():
             report.unexpected_exits.append(f"{proc.name} exited {proc.returncode()} during the run")
+
+
+def _latency(env: ChaosEnvironment, report: FailoverReport, *, fault_ms: int) -> None:
+    """Order commit -> shipment committed, before the fault and over the whole run (the same run)."""
+    with env.sessions() as s:
+        rows = s.execute(sa.select(Order.created_at_ms, Shipment.created_at_ms)
+                         .join(Shipment, Shipment.order_id == Order.id)).all()
+
+    def pct(values: list[int]) -> dict[str, int]:
+        if not values:
+            return {}
+        values.sort()
+        return {"p50": values[len(values) // 2], "p99": values[min(len(values) - 1, int(len(values) * 0.99))],
+                "n": len(values)}
+
+    report.latency_ms = {"before_fault": pct([int(e - c) for c, e in rows if c < fault_ms]),
+                         "all": pct([int(e - c) for c, e in rows])}
 
 
 def _tally(env: ChaosEnvironment, report: FailoverReport, *, seen: dict[str, int]) -> set[str]:
@@ -270,6 +289,7 @@ def run_pg_failover(*, pair: PgPair, orders: int, workdir: Path, tables: Tables 
         report.writer_errors = sum(1 for line in writer.log_path.read_text(errors="replace").splitlines()
                                    if line.startswith("order "))
         gone = _tally(env, report, seen=seen)
+        _latency(env, report, fault_ms=paused_ms)
         report.lost_in_window = sum(1 for o in gone if seen[o] >= paused_ms)
         if not report.ok:
             say(env.logs())
@@ -340,6 +360,7 @@ def run_sentinel_failover(*, group: SentinelGroup, orders: int, workdir: Path, t
         report.writer_errors = sum(1 for line in writer.log_path.read_text(errors="replace").splitlines()
                                    if line.startswith("order "))
         _tally(env, report, seen=seen)
+        _latency(env, report, fault_ms=paused_ms)
         if report.lost_commits or report.ghost_effects or report.ghost_dead_letters:
             report.violations.append(f"the database lost nothing here, yet {report.lost_commits} order(s) are gone, "
                                      f"{report.ghost_effects} ghost effect(s), {report.ghost_dead_letters} ghost "
