@@ -22,13 +22,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from celery_outbox import tracing
+from celery_outbox import counters, tracing
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.db import is_disconnect, wrap_driver_errors
 from celery_outbox.errors import DatabaseError, MalformedMessageError, SerializationError, UnknownEventTypeError
 from celery_outbox.inbox import attempts, dead_letters
-from celery_outbox.inbox.handle import DUPLICATES, CrashSite, already_seen, increment_counter
+from celery_outbox.inbox.handle import CrashSite, already_seen
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import (
     TASK_ID_NAMESPACE,
@@ -54,13 +54,6 @@ class Delivery:
     retry_in_s: float | None = None
 
 
-def backoff_s(deliveries: int, *, policy: Backoff) -> float:
-    return policy.delay_s(deliveries)
-
-
-ERROR_MAX_CHARS = dead_letters.ERROR_MAX_CHARS
-
-
 def raw_text(body: Any) -> str:
     """The delivered body as text, exactly as stored in a dead letter."""
     if isinstance(body, str):
@@ -82,7 +75,7 @@ def _error_text(e: BaseException) -> str:
         text = f"{e.__class__.__name__}: {e}"
     except Exception:  # a __str__ that raises
         text = f"{e.__class__.__name__}: <unprintable>"
-    return storable_text(text, limit=ERROR_MAX_CHARS)
+    return storable_text(text, limit=dead_letters.ERROR_MAX_CHARS)
 
 
 class RawBody:
@@ -231,7 +224,7 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
     try:
         connection = _connect(sessions)
     except DatabaseError as e:  # the database is down: redeliver, do not count (as ``count`` below)
-        return Delivery(outcome=Outcome.RETRY, deliveries=0, error=_error_text(e), retry_in_s=backoff_s(1, policy=policy))
+        return Delivery(outcome=Outcome.RETRY, deliveries=0, error=_error_text(e), retry_in_s=policy.delay_s(1))
     with connection if connection is not None else nullcontext(), \
             sessions() if connection is None else sessions(bind=connection) as session:
 
@@ -242,7 +235,7 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
             except DatabaseError as e:
                 # The database is down: nobody's fault but the system's; redeliver, do not count.
                 return Delivery(outcome=Outcome.RETRY, deliveries=0, error=_error_text(e),
-                                retry_in_s=backoff_s(1, policy=policy))
+                                retry_in_s=policy.delay_s(1))
 
         row: AttemptRow | None = None
         if redelivered or not first_delivery:
@@ -273,7 +266,7 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
                                         clock=clock, limit=limit)
             return _failed(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders, error=error,
                            clock=clock, limit=limit,
-                           retry_in_s=backoff_s(row.deliveries, policy=policy))
+                           retry_in_s=policy.delay_s(row.deliveries))
         if row is None:  # a first delivery that went through: nothing was counted, nothing to clear
             return Delivery(outcome=outcome, deliveries=1)
         deliveries = row.deliveries  # read before ``forget`` deletes the row under it
@@ -325,7 +318,7 @@ def _failed(session: Session, row: AttemptRow, *, tables: Tables, spec: Consumer
     except Exception as e:  # the failure could not even be recorded: redeliver, counted at the next begin
         session.rollback()
         return Delivery(outcome=Outcome.RETRY, deliveries=row.deliveries,
-                        error=storable_text(f"{error} (and {_error_text(e)})", limit=ERROR_MAX_CHARS),
+                        error=storable_text(f"{error} (and {_error_text(e)})", limit=dead_letters.ERROR_MAX_CHARS),
                         retry_in_s=retry_in_s)
     return Delivery(outcome=Outcome.RETRY, deliveries=row.deliveries, error=error, retry_in_s=retry_in_s)
 
@@ -337,7 +330,7 @@ def _worker_lost(session: Session, row: AttemptRow, *, tables: Tables, spec: Con
     processed and the worker died between the inbox commit and the ack."""
     if already_seen(session, row.message_id, spec.name, tables=tables):
         session.rollback()
-        increment_counter(session, spec.name, DUPLICATES, tables=tables)
+        counters.increment(session, spec.name, counters.DUPLICATES, tables=tables)
         attempts.forget(session, tables=tables, key=row.message_id, consumer=spec.name)
         return Delivery(outcome=Outcome.DUPLICATE, deliveries=row.deliveries)
     if dead_letters.is_open(session, tables=tables, consumer=spec.name, message_id=str(row.message_id)):
@@ -346,7 +339,7 @@ def _worker_lost(session: Session, row: AttemptRow, *, tables: Tables, spec: Con
                         error="already in the dead-letter store")
     error = storable_text(f"delivered {row.deliveries - 1} times (max {limit}) without an outcome: the worker was lost "
                           f"(killed or crashed) during the delivery; last recorded error: {row.last_error or 'none'}",
-                          limit=ERROR_MAX_CHARS)
+                          limit=dead_letters.ERROR_MAX_CHARS)
     now = clock.now_ms()
     dead_letters.record(
         session, tables=tables, consumer=spec.name, message_id=str(row.message_id), type=type_, body=raw, headers=headers,

@@ -32,7 +32,7 @@ from celery_outbox.celery import events
 from celery_outbox.celery.config import consumer_time_limits
 from celery_outbox.celery.strategy import STRATEGY
 from celery_outbox.consumer import ConsumerSpec
-from celery_outbox.delivery import Delivery, backoff_s, deliver
+from celery_outbox.delivery import Delivery, deliver
 from celery_outbox.errors import MalformedMessageError
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import MALFORMED_PREFIX, decode_json, storable_text, task_name
@@ -91,7 +91,7 @@ def deliver_or_retry(task: Any, ctx: Context, spec: ConsumerSpec, body: Any, *, 
     except Exception as e:  # never let a failure escape: acks_late would ack (and drop) the message
         result = Delivery(outcome=Outcome.RETRY, deliveries=0,
                           error=storable_text(f"{e.__class__.__name__}: {e}", limit=2000),
-                          retry_in_s=backoff_s(1, policy=policy))
+                          retry_in_s=policy.delay_s(1))
     if result.retry_in_s is not None:
         raise task.retry(countdown=result.retry_in_s, max_retries=None,
                          exc=RedeliveryError(result.error or "failed"))

@@ -33,7 +33,6 @@ Prepare = Callable[[Session, Envelope], None]
 """An external effect with an idempotency key, run before the inbox transaction opens."""
 
 NOW_KEY = "outbox_consumer_now_ms"
-DUPLICATES = "duplicates"
 _KEY_COLUMNS = ("message_id", "consumer")
 
 

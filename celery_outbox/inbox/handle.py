@@ -38,7 +38,6 @@ from celery_outbox.db import wrap_driver_errors
 from celery_outbox.errors import ConfigError
 from celery_outbox.inbox import ordering as ordering_module
 from celery_outbox.inbox.claim import (
-    DUPLICATES,
     NOW_KEY,
     CrashSite,
     DuplicateDelivery,
@@ -55,18 +54,13 @@ from celery_outbox.schema import Tables
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DUPLICATES", "NOW_KEY", "CrashSite", "DuplicateDelivery", "Handler", "Prepare", "already_seen", "claim",
-           "claim_if_absent", "effect_now_ms", "handle", "increment_counter"]
-
-
-def increment_counter(session: Session, consumer: str, name: str, by: int = 1, *, tables: Tables) -> None:
-    """``ConsumerCounter(consumer, name) += by``, committed with whatever the session holds (never raises)."""
-    counters.increment(session, consumer, name, by, tables=tables)
+__all__ = ["NOW_KEY", "CrashSite", "DuplicateDelivery", "Handler", "Prepare", "already_seen", "claim",
+           "claim_if_absent", "effect_now_ms", "handle"]
 
 
 def _duplicate(session: Session, consumer: str, *, tables: Tables) -> Outcome:
     """Nothing of this delivery was written: count the duplicate in the open transaction and commit it."""
-    increment_counter(session, consumer, DUPLICATES, tables=tables)
+    counters.increment(session, consumer, counters.DUPLICATES, tables=tables)
     return Outcome.DUPLICATE
 
 

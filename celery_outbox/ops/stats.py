@@ -25,7 +25,6 @@ from celery_outbox.schema import Tables
 
 log = logging.getLogger(__name__)
 
-DUPLICATES = "duplicates"  # tables.counters.name the inbox increments per duplicate absorbed
 # The reconciler's counters, by kind (relay/reconcile.py).
 RECONCILED_KINDS = {"events": relay_counters.RECONCILED_EVENTS, "tasks": relay_counters.RECONCILED_TASKS,
                     "plain_tasks": relay_counters.RECONCILED_PLAIN_TASKS}
@@ -334,7 +333,7 @@ def collect(session: Session, *, tables: Tables, clock: Clock) -> Stats:
         sa.select(tables.counters.consumer, tables.counters.name, tables.counters.value)
         .order_by(tables.counters.consumer, tables.counters.name)
     ))
-    duplicates = {c: v[DUPLICATES] for c, v in counters.items() if DUPLICATES in v}
+    duplicates = {c: v[relay_counters.DUPLICATES] for c, v in counters.items() if relay_counters.DUPLICATES in v}
     return Stats(
         now_ms=now, pending=int(pending), due=int(due), retrying=int(retrying),
         oldest_pending_age_ms=max(0, now - min(waiting)) if waiting else None,

@@ -22,7 +22,7 @@ transaction of its own when none is bound), run in the next round.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 from celery_outbox.errors import ConfigError
 from celery_outbox.messages import TaskMessage, is_task_row, task_row_message
 
-__all__ = ["apply_message", "enqueued_tasks", "run_enqueued_tasks", "run_task_message"]
+__all__ = ["apply_message", "enqueued_tasks", "run_enqueued_tasks", "run_in_rounds", "run_task_message"]
 
 
 @contextmanager
@@ -72,8 +72,7 @@ def run_enqueued_tasks(outbox: Any, *, session: Session | None = None, max_round
     ``throw=False`` keeps going after a failing task (its result says FAILURE). Raises ``ConfigError``
     for a task this process does not register, or when tasks keep enqueuing tasks past ``max_rounds``.
     """
-    results: list[Any] = []
-    for _ in range(max_rounds):
+    def take() -> list[TaskMessage]:
         with _session(outbox, session) as s:
             messages = []
             for row in _pending_task_rows(outbox, s):
@@ -81,9 +80,23 @@ def run_enqueued_tasks(outbox: Any, *, session: Session | None = None, max_round
                 row.published_at_ms = outbox.clock.now_ms()
             if session is not None:
                 s.flush()
+        return messages
+
+    return run_in_rounds(take, lambda m: run_task_message(outbox, m, throw=throw, session=session),
+                         max_rounds=max_rounds)
+
+
+def run_in_rounds(take: Callable[[], list[TaskMessage]], run: Callable[[TaskMessage], Any], *,
+                  max_rounds: int) -> list[Any]:
+    """The rounds of ``run_enqueued_tasks`` here and in its Django twin: ``take()`` the pending task messages
+    (their rows marked published, as the relay marks them), ``run`` each in order, then again for what they
+    sent, until none is left. Returns what ``run`` returned; ``ConfigError`` past ``max_rounds``."""
+    results: list[Any] = []
+    for _ in range(max_rounds):
+        messages = take()
         if not messages:
             return results
-        results.extend(run_task_message(outbox, m, throw=throw, session=session) for m in messages)
+        results.extend(run(m) for m in messages)
     raise ConfigError(f"tasks were still enqueuing tasks after {max_rounds} rounds; a task that enqueues itself?")
 
 

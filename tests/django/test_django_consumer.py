@@ -21,9 +21,9 @@ from celery_outbox.clock import ManualClock
 from celery_outbox.contrib.django import DjangoConsumerSpec, idempotent_consumer
 from celery_outbox.contrib.django.consumer import already_processed
 from celery_outbox.contrib.django.models import ConsumerCounter, ConsumerDeadLetter, DeliveryAttempt, InboxEntry
+from celery_outbox.counters import DUPLICATES
 from celery_outbox.delivery import Delivery, deliver, raw_text
 from celery_outbox.errors import ConfigError
-from celery_outbox.inbox.handle import DUPLICATES
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables

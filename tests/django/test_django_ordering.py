@@ -23,9 +23,9 @@ from celery_outbox.contrib.django.models import (
     InboxEntry,
     ParkedMessage,
 )
+from celery_outbox.counters import DUPLICATES
 from celery_outbox.delivery import Delivery, deliver
 from celery_outbox.errors import ConfigError
-from celery_outbox.inbox.handle import DUPLICATES
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables

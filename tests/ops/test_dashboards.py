@@ -26,7 +26,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import counters, migrate
 from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.ops import partitions
-from celery_outbox.ops import stats as ops_stats
 from celery_outbox.ops.metrics import OutboxCollector, QueueDepth, make_registry, render
 from celery_outbox.schema import Tables
 from celery_outbox.testing import ManualClock
@@ -63,7 +62,7 @@ def exported_metrics(sessions: sessionmaker[Session], tables: Tables, *,
         inbox_rows(s, tables=tables, consumer="shipping", processed_at_ms=T0, n=2)
         for name in (counters.PUBLISHED, counters.PUBLISH_FAILURES, counters.BROKER_UNAVAILABLE, counters.DEAD_LETTERED):
             counter(s, tables=tables, consumer=counters.RELAY, name=name, value=1)
-        for name in (ops_stats.DUPLICATES, counters.INBOX_PRUNED, counters.DEAD_LETTERED):
+        for name in (counters.DUPLICATES, counters.INBOX_PRUNED, counters.DEAD_LETTERED):
             counter(s, tables=tables, consumer="shipping", name=name, value=1)
     clock = ManualClock(start_ms=T0 + 60_000)
 

@@ -26,8 +26,8 @@ from celery_outbox import counters
 from celery_outbox.celery.consumer_tasks import DeadLettered
 from celery_outbox.celery.sender import replay_sender
 from celery_outbox.clock import ManualClock
+from celery_outbox.counters import DUPLICATES
 from celery_outbox.errors import ConfigError, ValidationError
-from celery_outbox.inbox.handle import DUPLICATES
 from celery_outbox.inbox.task_keys import KEY_MAX_CHARS, is_task_key, message_id_for, task_key
 from celery_outbox.messages import is_storable
 from celery_outbox.names import check_name

@@ -23,8 +23,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import counters
 from celery_outbox.celery.enqueue import publishing_directly
+from celery_outbox.counters import DUPLICATES
 from celery_outbox.db import make_engine, make_session_factory
-from celery_outbox.inbox.handle import DUPLICATES
 from celery_outbox.schema import Tables
 from celeryconfig import Settings
 from devtools.processes import Child, settings_env

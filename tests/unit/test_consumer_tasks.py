@@ -21,7 +21,7 @@ from celery_outbox.celery.consumer_tasks import DeadLettered
 from celery_outbox.clock import ManualClock
 from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.db import make_session_factory
-from celery_outbox.delivery import backoff_s, deliver, delivery_key
+from celery_outbox.delivery import deliver, delivery_key
 from celery_outbox.errors import ConfigError
 from celery_outbox.inbox import dead_letters
 from celery_outbox.messages import Envelope, task_id, task_name
@@ -229,7 +229,7 @@ def test_fast_path_disabled_tasks_still_idempotent(settings: Settings, clock: Ma
 
 def test_retry_backoff_and_delivery_key() -> None:
     policy = Backoff(max_deliveries=3, base_s=1, max_s=5)
-    assert [backoff_s(n, policy=policy) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 5.0]
+    assert [policy.delay_s(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 5.0]
     mid = uuid.uuid4()
     assert delivery_key({"message_id": str(mid)}, "x", "") == mid
     tid = str(uuid.uuid4())

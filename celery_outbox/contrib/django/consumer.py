@@ -34,10 +34,11 @@ from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.contrib.django.lent import LentSessions
+from celery_outbox.counters import DUPLICATES
 from celery_outbox.crashpoints import DISARMED
 from celery_outbox.errors import ConfigError, DatabaseError, UnknownEventTypeError
 from celery_outbox.inbox import ordering as ordering_core
-from celery_outbox.inbox.handle import DUPLICATES, CrashSite, DuplicateDelivery
+from celery_outbox.inbox.handle import CrashSite, DuplicateDelivery
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.names import check_name
