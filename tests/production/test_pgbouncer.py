@@ -147,3 +147,10 @@ def test_check_warns_that_the_relays_listen_would_go_through_a_transaction_poole
     # And a listen URL that goes through the pooler as well is named as such
     pooled_listen = outbox_check(tmp_path, database_url=pg_url, relay_listen_url=pgbouncer.url(pg_url))
     assert "a transaction pooler is behind OUTBOX_RELAY_LISTEN_URL" in pooled_listen.stderr, pooled_listen.stderr
+    # And psycopg 3 through the pooler (server-side prepared statements after 5 runs) is named with its fix
+    psycopg3_url = sa.make_url(pgbouncer.url(pg_url)).set(drivername="postgresql+psycopg")
+    psycopg3 = outbox_check(tmp_path, database_url=psycopg3_url.render_as_string(hide_password=False),
+                            relay_listen_url=pg_url)
+    assert psycopg3.returncode == 0, psycopg3.stderr
+    assert "psycopg 3 prepares statements on the server: pass connect_args={'prepare_threshold': None}" \
+        in psycopg3.stderr and "LISTEN" not in psycopg3.stderr, psycopg3.stderr
