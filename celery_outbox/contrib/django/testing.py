@@ -47,12 +47,9 @@ def enqueued_tasks(outbox: Any, *, using: str | None = None) -> list[TaskMessage
 
 def run_enqueued_tasks(outbox: Any, *, using: str | None = None, max_rounds: int = 100, throw: bool = True,
                        ) -> list[Any]:
-    """Mark every pending task row published and run its task eagerly, in order; then again for the rows
-    those tasks wrote, until none is left. Returns Celery's ``EagerResult`` of each run.
+    """``celery_outbox.testing.run_enqueued_tasks`` on the rows of Django's connection ``using`` (the outbox's
+    alias by default): the same rounds (``run_in_rounds``), results and errors."""
 
-    ``throw=False`` keeps going after a failing task (its result says FAILURE). Raises ``ConfigError``
-    for a task this process does not register, or when tasks keep enqueuing tasks past ``max_rounds``.
-    """
     def take() -> list[TaskMessage]:
         messages = []
         for row in _pending_task_rows(using or getattr(outbox, "using", None)):
