@@ -34,7 +34,7 @@ import sqlalchemy as sa
 from celery import Celery, signals
 
 from celery_outbox import Envelope, Outbox
-from celery_outbox.inbox.handle import NOW_KEY
+from celery_outbox.inbox.claim import NOW_KEY
 
 PLAIN_PREFIX = "bench.plain."
 PLAIN_EMAIL = f"{PLAIN_PREFIX}send_confirmation_email"  # the plain twin of orders.send_confirmation_email

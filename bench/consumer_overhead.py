@@ -26,7 +26,8 @@ from bench._common import fresh_database, summary_ms, write_result
 from celery_outbox.clock import SystemClock
 from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.delivery import deliver
-from celery_outbox.inbox.handle import NOW_KEY, handle
+from celery_outbox.inbox.claim import NOW_KEY
+from celery_outbox.inbox.handle import handle
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import define_tables

@@ -31,7 +31,7 @@ from celery_outbox.errors import (
     UnknownEventTypeError,
     ValidationError,
 )
-from celery_outbox.inbox.handle import effect_now_ms
+from celery_outbox.inbox.claim import effect_now_ms
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.migrate import alembic_filters

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from celery_outbox.clock import Clock
 from celery_outbox.errors import ConfigError, UnknownEventTypeError
 from celery_outbox.inbox import handle as inbox
-from celery_outbox.inbox.handle import CrashSite, Handler, Prepare
+from celery_outbox.inbox.claim import CrashSite, Handler, Prepare
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.names import check_name

@@ -28,7 +28,7 @@ from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.db import is_disconnect, wrap_driver_errors
 from celery_outbox.errors import DatabaseError, MalformedMessageError, SerializationError, UnknownEventTypeError
 from celery_outbox.inbox import attempts, dead_letters
-from celery_outbox.inbox.handle import CrashSite, already_seen
+from celery_outbox.inbox.claim import CrashSite, already_seen
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import (
     TASK_ID_NAMESPACE,

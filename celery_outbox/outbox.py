@@ -54,7 +54,7 @@ from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
 from celery_outbox.db import SessionSource, resolve_session
 from celery_outbox.errors import ConfigError, UnknownEventTypeError, ValidationError
-from celery_outbox.inbox.handle import Handler, Prepare
+from celery_outbox.inbox.claim import Handler, Prepare
 from celery_outbox.messages import task_name
 from celery_outbox.names import check_name
 from celery_outbox.policy import RetryPolicy

@@ -90,7 +90,7 @@ from celery_outbox.celery.sender import replay_sender
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec, consumer
 from celery_outbox.errors import ConfigError, DatabaseError, NotFoundError, OutboxError
-from celery_outbox.inbox.handle import Handler
+from celery_outbox.inbox.claim import Handler
 from celery_outbox.ops import dead_letter_groups as dl_groups
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import health

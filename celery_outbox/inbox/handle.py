@@ -44,9 +44,7 @@ from celery_outbox.inbox.claim import (
     Handler,
     Prepare,
     already_seen,
-    claim,
     claim_if_absent,
-    effect_now_ms,
 )
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
@@ -54,8 +52,7 @@ from celery_outbox.schema import Tables
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NOW_KEY", "CrashSite", "DuplicateDelivery", "Handler", "Prepare", "already_seen", "claim",
-           "claim_if_absent", "effect_now_ms", "handle"]
+__all__ = ["handle"]
 
 
 def _duplicate(session: Session, consumer: str, *, tables: Tables) -> Outcome:

@@ -17,7 +17,7 @@ from celery_outbox import Tables
 from celery_outbox.clock import ManualClock
 from celery_outbox.consumer import ConsumerRegistry
 from celery_outbox.inbox import handle as inbox
-from celery_outbox.inbox.claim import Handler
+from celery_outbox.inbox.claim import Handler, already_seen
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from consumers.billing import billing
@@ -36,7 +36,7 @@ ROUNDS = 5
 def test_same_message_twice_in_parallel(pg_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables,
                                         monkeypatch: pytest.MonkeyPatch, fast_path: bool, name: str) -> None:
     spec = ConsumerRegistry(specs=[shipping, billing, search, email]).with_options(fast_path=fast_path)[name]
-    real_seen = inbox.already_seen
+    real_seen = already_seen  # what handle() calls, patched in its module below
     after_fast_path = threading.Barrier(2)
 
     def seen_then_wait(session: Session, message_id: uuid.UUID, consumer: str, *, tables: Tables) -> bool:

@@ -38,7 +38,7 @@ from celery_outbox.counters import DUPLICATES
 from celery_outbox.crashpoints import DISARMED
 from celery_outbox.errors import ConfigError, DatabaseError, UnknownEventTypeError
 from celery_outbox.inbox import ordering as ordering_core
-from celery_outbox.inbox.handle import CrashSite, DuplicateDelivery
+from celery_outbox.inbox.claim import CrashSite, DuplicateDelivery
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.names import check_name
