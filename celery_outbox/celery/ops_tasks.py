@@ -11,12 +11,12 @@ from celery_outbox.celery.config import PRUNE_TASK
 from celery_outbox.celery.queue_depth import queue_probe
 from celery_outbox.ops import retention
 from celery_outbox.ops.metrics import make_registry, start_worker_metrics_server
-from celery_outbox.ops.schedule import DEFAULT_INBOX_RETENTION_MS, DEFAULT_PUBLISHED_RETENTION_MS, PRUNE_EVERY_S, scheduled_prune
+from celery_outbox.ops.schedule import PRUNE_EVERY_S, scheduled_prune
 from celery_outbox.relay import lease
 from celery_outbox.runtime import Context
 from celery_outbox.settings import Settings
 
-__all__ = ["DEFAULT_INBOX_RETENTION_MS", "DEFAULT_PUBLISHED_RETENTION_MS", "PRUNE_EVERY_S", "beat_entry", "register"]
+__all__ = ["beat_entry", "register"]
 
 
 def beat_entry(settings: Settings) -> dict[str, Any]:

@@ -20,9 +20,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import Outbox
 from celery_outbox.celery.config import PRUNE_TASK, RECONCILE_TASK
-from celery_outbox.celery.ops_tasks import DEFAULT_INBOX_RETENTION_MS as TASK_INBOX_DEFAULT
-from celery_outbox.celery.ops_tasks import DEFAULT_PUBLISHED_RETENTION_MS as TASK_PUBLISHED_DEFAULT
 from celery_outbox.clock import ManualClock
+from celery_outbox.ops.schedule import DEFAULT_INBOX_RETENTION_MS as TASK_INBOX_DEFAULT
+from celery_outbox.ops.schedule import DEFAULT_PUBLISHED_RETENTION_MS as TASK_PUBLISHED_DEFAULT
 from celery_outbox.ops.schedule import PRUNE_EVERY_MS
 from celery_outbox.relay import lease
 from celery_outbox.relay.loop import RelayLoop
