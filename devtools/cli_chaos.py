@@ -56,6 +56,9 @@ def report_json(report: ChaosReport) -> dict[str, Any]:
 @click.option("--db-freeze", "db_freeze_s", type=click.FloatRange(min=0), default=3.0, show_default=True,
               help="Seconds the processes' connections to Postgres stall once mid-run (a loopback proxy stops "
                    "forwarding, connections kept); 0: no freeze, no proxy.")
+@click.option("--outage", "outage_s", type=click.FloatRange(min=0.5), default=3.0, show_default=True,
+              help="Seconds the broker stays down once, at half the order stream (Redis: killed and restarted; "
+                   "RabbitMQ: the proxy cut).")
 @click.option("--consumers-stop", "consumers_stop_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Seconds every consumer worker is stopped (SIGSTOP, connections kept) once, from a fifth of the "
                    "order stream, while orders keep coming; 0: never.")
@@ -74,7 +77,7 @@ def report_json(report: ChaosReport) -> dict[str, Any]:
                    "command that produced them.")
 @handle_errors
 def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, db_freeze_s: float,
-          consumers_stop_s: float, orders_per_s: float | None, seed: int, pg_admin_url: str | None,
+          outage_s: float, consumers_stop_s: float, orders_per_s: float | None, seed: int, pg_admin_url: str | None,
           workdir: Path | None, timeout_s: float, as_json: bool, markdown: Path | None) -> None:
     """Kill processes at crash points, cut the broker, freeze the database, inject poison and duplicates,
     lose messages in the take window; check invariants.
@@ -97,13 +100,15 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, d
         markdown.touch()
     report = run_chaos(orders=orders, kills=kills, broker=broker, seed=seed, workdir=workdir,
                        pg_admin_url=pg_admin_url or PG_ADMIN_URL, timeout_s=timeout_s,
-                       relay=relay, takes=takes, db_freeze_s=db_freeze_s, consumers_stop_s=consumers_stop_s,
+                       relay=relay, takes=takes, db_freeze_s=db_freeze_s, outage_s=outage_s,
+                       consumers_stop_s=consumers_stop_s,
                        orders_per_s=orders_per_s, progress=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
     assert report.invariants is not None
     if markdown is not None:
         command = (f"python -m devtools chaos --orders {orders} --kills {kills} --broker {broker} --relay {relay} "
                    f"--seed {seed}" + (f" --takes {takes}" if takes is not None else "")
                    + (f" --db-freeze {db_freeze_s:g}" if db_freeze_s != 3.0 else "")
+                   + (f" --outage {outage_s:g}" if outage_s != 3.0 else "")
                    + (f" --consumers-stop {consumers_stop_s:g}" if consumers_stop_s else "")
                    + (f" --orders-per-s {orders_per_s:g}" if orders_per_s else "")
                    + (f" --timeout {timeout_s:g}" if timeout_s != 240.0 else "") + f" --markdown {markdown}")
