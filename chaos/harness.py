@@ -416,8 +416,10 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
                     for proc in workers:  # a worker restarted after a kill is stopped too
                         if proc.alive() and not proc.is_frozen:
                             proc.freeze()
-                    report.consumers_stop_peak_queued = max(report.consumers_stop_peak_queued,
-                                                            sum(env.queue_depths().values()))
+                    if broker_up:  # (the outage may fall inside the stop: nothing to ask then)
+                        with contextlib.suppress(Exception):
+                            report.consumers_stop_peak_queued = max(report.consumers_stop_peak_queued,
+                                                                    sum(env.queue_depths().values()))
                 elif stop_at is not None:
                     for proc in workers:
                         proc.thaw()

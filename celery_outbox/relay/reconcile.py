@@ -258,14 +258,14 @@ def _sample_progress(session: Session, now: int, *, tables: Tables, floor_ms: in
     Per target (progress key): ``F`` its frontier (the latest publish time among what it recorded),
     ``T``/``C`` a checkpoint (pass time, frontier then), ``H`` the horizon: every message published
     before it was taken, and any copy given back queued again, before something the target has since
-    recorded (module docstring). Reads only what was recorded since the previous sample (a little
-    more: a commit can carry an earlier time), through ``ix_<prefix>inbox_processed`` and
-    ``ix_<prefix>receipts_at``. Returns the horizons and, read in the same statement, the RabbitMQ queues'
-    quiet marks (``_Evidence.quiet``). Commits."""
+    recorded (module docstring). Reads only what was recorded since the previous sample (a second more: a
+    commit can carry an earlier time; a row missed only holds the frontier back, never forward), through
+    ``ix_<prefix>inbox_processed`` and ``ix_<prefix>receipts_at``. Returns the horizons and, read in the
+    same statement, the RabbitMQ queues' quiet marks (``_Evidence.quiet``). Commits."""
     o, i, r = tables.outbox, tables.inbox, tables.receipts
     with wrap_driver_errors("reading the consumers' progress"):
         stored = _read_counters(session, (SAMPLED,), prefixes=("rp:", "rq:"), tables=tables, lock=True)
-        since = max(stored.get(SAMPLED, now - floor_ms), now - floor_ms) - floor_ms // 4
+        since = max(stored.get(SAMPLED, now - floor_ms), now - floor_ms) - min(floor_ms // 4, 1_000)
         latest: dict[str, int] = {}
         for consumer, top in session.execute(
                 sa.select(i.consumer, sa.func.max(o.published_at_ms)).select_from(i)
