@@ -105,7 +105,14 @@ def _progress_name(target: str, part: str) -> str:
 
 
 def _quiet_name(queue: str) -> str:
+    """Since when the queue has had nothing waiting, at every ask."""
     return f"rq:{_digest(queue)}"
+
+
+def _quiet_seen_name(queue: str) -> str:
+    """When an ask last found it so: asks further apart than half a floor start the wait over (what the
+    queue did between them is unknown)."""
+    return f"rs:{_digest(queue)}"
 
 
 def plain_target(name: str) -> str:
@@ -202,9 +209,10 @@ class _Evidence:
         if state is None:
             return False
         answer = state.holds_no_copy_of(message_id)
-        if answer is None:  # RabbitMQ with consumers: empty for a whole floor, at every ask
-            since = self.quiet.get(_quiet_name(queue))
-            return since is not None and since <= self.now - self.floor_ms
+        if answer is None:  # RabbitMQ with consumers: empty for a whole floor, at asks half a floor apart at most
+            since, seen = self.quiet.get(_quiet_name(queue)), self.quiet.get(_quiet_seen_name(queue))
+            return (since is not None and seen is not None and since <= self.now - self.floor_ms
+                    and seen >= self.now - self.floor_ms // 2)
         return answer
 
 
@@ -264,7 +272,8 @@ def _sample_progress(session: Session, now: int, *, tables: Tables, floor_ms: in
     same statement, the RabbitMQ queues' quiet marks (``_Evidence.quiet``). Commits."""
     o, i, r = tables.outbox, tables.inbox, tables.receipts
     with wrap_driver_errors("reading the consumers' progress"):
-        stored = _read_counters(session, (SAMPLED,), prefixes=("rp:", "rq:"), tables=tables, lock=True)
+        stored = _read_counters(session, (SAMPLED,), prefixes=("rp:", "rq:", "rs:"), tables=tables,
+                                lock=True)
         since = max(stored.get(SAMPLED, now - floor_ms), now - floor_ms) - min(floor_ms // 4, 1_000)
         latest: dict[str, int] = {}
         for consumer, top in session.execute(
@@ -304,7 +313,7 @@ def _sample_progress(session: Session, now: int, *, tables: Tables, floor_ms: in
                 horizons[key] = horizon
         _write_counters(session, changed, tables=tables)
         session.commit()
-    return horizons, {name: value for name, value in stored.items() if name.startswith("rq:")}
+    return horizons, {name: value for name, value in stored.items() if name.startswith(("rq:", "rs:"))}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -490,16 +499,18 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
 
 
 def _remember_quiet(session: Session, evidence: _Evidence, *, stored: Mapping[str, int], tables: Tables) -> None:
-    """Since when each asked RabbitMQ queue with consumers has had nothing waiting; forgotten when it has."""
+    """Since when each asked RabbitMQ queue with consumers has had nothing waiting, and when an ask last saw
+    it so; forgotten when it has something waiting."""
     keep: dict[str, int] = {}
     drop: list[str] = []
     for queue, state in evidence.states.items():
-        name = _quiet_name(queue)
+        name, seen = _quiet_name(queue), _quiet_seen_name(queue)
         if state is not None and state.ready == 0 and state.holds_no_copy_of("") is None:
-            if name not in stored:
+            if name not in stored or stored.get(seen, 0) < evidence.now - evidence.floor_ms // 2:
                 keep[name] = evidence.now
-        elif state is not None and name in stored:
-            drop.append(name)
+            keep[seen] = evidence.now
+        elif state is not None:
+            drop.extend(n for n in (name, seen) if n in stored)
     if not keep and not drop:
         return
     with wrap_driver_errors("writing the reconcile queue marks"):

@@ -210,3 +210,25 @@ def test_a_broker_that_cannot_be_asked_is_no_evidence_logged_and_counted(
     clock.advance(INTERVAL)
     assert run(sqlite_sessions, pub, clock, tables).republished == 1
     assert [m.message_id for m in pub.published] == [str(lost)]
+
+
+def test_an_empty_rabbitmq_queue_seen_only_at_asks_far_apart_starts_its_wait_over(
+        sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    # Given an event no consumer recorded, on a RabbitMQ queue with a consumer, seen empty by one pass
+    pub = InMemoryPublisher()
+    run(sqlite_sessions, pub, clock, tables)
+    clock.advance(1_000)
+    [lost] = publish(sqlite_sessions, clock, tables)
+    pub.queues.set(QUEUE, ready=0, unacked=None, consumers=1)
+    clock.advance(FLOOR + 1)
+    assert run(sqlite_sessions, pub, clock, tables).republished == 0
+    # When no pass asks again for two floors (the relay was down: what the queue held meanwhile is unknown)
+    clock.advance(2 * FLOOR)
+    # Then the next pass that finds it empty starts the wait over, and only a floor of asks later re-sends
+    assert run(sqlite_sessions, pub, clock, tables).republished == 0
+    for _ in range(FLOOR // INTERVAL - 1):
+        clock.advance(INTERVAL)
+        assert run(sqlite_sessions, pub, clock, tables).republished == 0
+    clock.advance(INTERVAL)
+    assert run(sqlite_sessions, pub, clock, tables).republished == 1
+    assert [m.message_id for m in pub.published] == [str(lost)]
