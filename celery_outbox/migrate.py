@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
-from celery_outbox import layout
+from celery_outbox import layout, schema_check
 from celery_outbox.db import make_engine
 from celery_outbox.schema import DEFAULT_PREFIX, define_tables
 
@@ -59,13 +59,14 @@ def current(url: str, *, prefix: str = DEFAULT_PREFIX) -> str | None:
         engine.dispose()
 
 
-def check(url: str, *, prefix: str = DEFAULT_PREFIX) -> list[str]:
-    """What differs between the live database and the library's tables of ``prefix`` (empty: all good)."""
-    from alembic.autogenerate import compare_metadata
+def check(url: str, *, prefix: str = DEFAULT_PREFIX, reloptions: bool = False) -> list[str]:
+    """What differs between the live database and the library's tables of ``prefix``, one line each (empty: all
+    good): the recorded revision, then columns, types, nullability, keys, CHECKs, indexes with their partial
+    predicates and, on Postgres, the NOTIFY trigger (celery_outbox/schema_check.py). ``reloptions=True`` adds
+    the hot tables' autovacuum settings (``outbox db check`` shows those apart, as warnings)."""
     from alembic.runtime.migration import MigrationContext
 
     tables = define_tables(sa.MetaData(), prefix=prefix)
-    ours = set(tables.names())
     problems: list[str] = []
     engine = make_engine(url)
     try:
@@ -74,14 +75,8 @@ def check(url: str, *, prefix: str = DEFAULT_PREFIX) -> list[str]:
                 .get_current_revision()
             if revision != head():
                 problems.append(f"schema revision is {revision or 'empty'}, expected {head()}: run 'outbox db upgrade'")
-            ctx = MigrationContext.configure(conn, opts={
-                "include_object": lambda obj, name, type_, reflected, other: (
-                    (obj.name if type_ == "table" else getattr(getattr(obj, "table", None), "name", name)) in ours),
-            })
             partitioned = layout.is_partitioned(conn, tables=tables)  # docs/partitioning.md
-            for diff in compare_metadata(ctx, tables.metadata):
-                if not (partitioned and layout.expected_difference(diff, tables=tables)):
-                    problems.append(f"schema differs: {diff}")
+            problems += schema_check.check(conn, tables, reloptions=reloptions, partitioned=partitioned)
     finally:
         engine.dispose()
     return problems

@@ -15,12 +15,26 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, registry
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.orm import DeclarativeBase, Mapped, MappedColumn, mapped_column, registry
 
 from celery_outbox.errors import ConfigError
 
-JSONType = sa.JSON().with_variant(JSONB(), "postgresql")
-# seq is the relay's order: a bigint identity on Postgres, SQLite's rowid alias there.
+
+class TextJSON(sa.JSON):
+    """JSON in a TEXT column on SQLite, as Django's JSONField stores it: TEXT affinity keeps a JSON document
+    the text it was (a column declared JSON has NUMERIC affinity), and ``json_valid`` CHECKs it (``mapped``)."""
+
+    cache_ok = True
+
+
+@compiles(TextJSON, "sqlite")
+def _text_json(type_: TextJSON, compiler: Any, **kw: Any) -> str:
+    return "TEXT"
+
+
+JSONType = sa.JSON().with_variant(JSONB(), "postgresql").with_variant(TextJSON(), "sqlite")
+# seq is the relay's order: a bigint identity on Postgres, SQLite's rowid alias there (AUTOINCREMENT: ``mapped``).
 SeqType = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 PENDING_SQL = "published_at_ms IS NULL AND dead_lettered_at_ms IS NULL"
@@ -185,6 +199,30 @@ class Tables:
                                                    self.receipts, self.workers))
 
 
+@dataclass(frozen=True, kw_only=True)
+class NotifyTrigger:
+    """The NOTIFY trigger (and its function, of the same name) that wakes a standalone relay on Postgres, as
+    migrations co0001 (Alembic) and 0002_notify_trigger (Django) create it: what ``outbox db check`` expects."""
+
+    name: str
+    table: str
+    channel: str
+
+    @property
+    def body(self) -> str:
+        return f"BEGIN PERFORM pg_notify('{self.channel}', ''); RETURN NULL; END"
+
+    @property
+    def definition(self) -> str:
+        return (f"CREATE TRIGGER {self.name} AFTER INSERT ON {self.table} FOR EACH STATEMENT "
+                f"EXECUTE FUNCTION {self.name}()")
+
+
+def notify_trigger(tables: Tables) -> NotifyTrigger:
+    return NotifyTrigger(name=f"{tables.prefix}notify", table=tables.table(tables.outbox).name,
+                         channel=tables.notify_channel)
+
+
 T = TypeVar("T")
 
 
@@ -210,10 +248,21 @@ def define_tables(metadata: sa.MetaData | None = None, *, prefix: str = DEFAULT_
         registry = registry(metadata=md)
 
     def mapped(name: str, mixin: type[T], table: str, args: tuple[Any, ...] = ()) -> type[T]:
-        attrs: dict[str, Any] = {"__tablename__": f"{prefix}{table}"}
-        if args:
-            attrs["__table_args__"] = args
-        return cast(type[T], type(name, (mixin, Base), attrs))
+        # SQLite: a table keyed by an identity is AUTOINCREMENT (a deleted row's key is never given again,
+        # as Django's AutoField has it)
+        auto = any(isinstance(c, MappedColumn) and c.column.primary_key and c.column.identity is not None
+                   for c in vars(mixin).values())
+        attrs: dict[str, Any] = {"__tablename__": f"{prefix}{table}",
+                                 "__table_args__": (*args, {"sqlite_autoincrement": True} if auto else {})}
+        cls = cast(type[T], type(name, (mixin, Base), attrs))
+        tbl = cast(sa.Table, cast(Any, cls).__table__)
+        for col in tbl.columns:
+            if isinstance(col.type, sa.JSON):  # SQLite only: the text a TextJSON column holds is JSON
+                # named, so that Alembic's batch mode keeps it when it rebuilds the table
+                tbl.append_constraint(sa.CheckConstraint(f'JSON_VALID("{col.name}") OR "{col.name}" IS NULL',
+                                                         name=f"ck_{tbl.name}_{col.name}_json")
+                                      .ddl_if(dialect="sqlite"))
+        return cls
 
     pending = sa.text(PENDING_SQL)
     published = sa.text("published_at_ms IS NOT NULL")

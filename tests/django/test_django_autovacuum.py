@@ -31,7 +31,7 @@ def test_django_migrate_sets_the_hot_tables_autovacuum_settings_and_back_resets_
     # Given the session's database, created by Django's migrate only
     have, wanted = settings_of(django_pg_url)
     assert have == {t: wanted for t in have} and len(have) == 4
-    assert migrate.current(django_pg_url) == "co0007" == migrate.head()
+    assert migrate.current(django_pg_url) == migrate.head()
     try:
         # When the app is migrated back to before 0009, Then the settings are the server's again, co0006 recorded
         call_command("migrate", "celery_outbox", "0008_worker_registry", interactive=False, verbosity=0)
@@ -42,4 +42,4 @@ def test_django_migrate_sets_the_hot_tables_autovacuum_settings_and_back_resets_
         call_command("migrate", interactive=False, verbosity=0)
     # And forward again they are back
     have, wanted = settings_of(django_pg_url)
-    assert have == {t: wanted for t in have} and migrate.current(django_pg_url) == "co0007"
+    assert have == {t: wanted for t in have} and migrate.current(django_pg_url) == migrate.head()

@@ -1,174 +1,159 @@
-"""The tables ``manage.py migrate`` creates ARE the tables the library's Alembic migration creates (real Postgres).
+"""The tables ``manage.py migrate`` creates ARE the tables ``outbox db upgrade`` (Alembic) creates, on Postgres
+and SQLite, and a database either chain left at the release before (Django 0009, Alembic co0007) upgrades to it.
 
-Both sides are introspected from a live database: the Django one (the session's database, migrated
-by Django with the ``celery_outbox.contrib.django`` app's migrations) and a scratch database
-migrated by ``celery_outbox.migrate.upgrade`` (what ``outbox db upgrade`` runs).
+Each side is a scratch database of its own: one migrated by the library's Alembic migrations
+(``celery_outbox.migrate.upgrade``), one by this app's Django migrations (``migrate celery_outbox`` on a Django
+alias added for the test). Both are read back by the checker ``outbox db check`` runs
+(celery_outbox/schema_check.py: columns, types, nullability, defaults, identity, keys, CHECKs, indexes with their
+partial predicates, the NOTIFY trigger, the autovacuum settings) and must be the same shape, the declared one.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from django.apps import apps
+from django.core.management import call_command
+from django.db import connections
 
-from celery_outbox import migrate
+from celery_outbox import migrate, schema_check
+from celery_outbox.contrib.django import database_settings
 from celery_outbox.db import make_engine
 from celery_outbox.schema import define_tables
+from tests.conftest import scratch_database
 
-pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-
-# Django adds a second, LIKE-only index (varchar_pattern_ops) to every indexed CharField; the
-# Alembic schema does not have it. It only speeds up ``startswith`` lookups, which nothing here uses.
-DJANGO_ONLY_OPCLASSES = ("varchar_pattern_ops", "text_pattern_ops")
-
-
-def library_tables() -> list[str]:
-    """The tables of the ``celery_outbox.contrib.django`` app's models: exactly the library's."""
-    names = sorted(m._meta.db_table for m in apps.get_app_config("celery_outbox").get_models())
-    assert names == sorted(define_tables().names())
-    return names
-
-
-def introspect(engine: sa.Engine, tables: list[str]) -> dict[str, dict[str, Any]]:
-    """Columns (type, length, nullability, identity, default), primary key, unique sets, FKs, indexes."""
-    out: dict[str, dict[str, Any]] = {t: {"columns": {}, "pk": (), "unique": set(), "fks": set(), "indexes": set()}
-                                      for t in tables}
-    with engine.connect() as c:
-        for row in c.execute(sa.text(
-            "SELECT table_name, column_name, data_type, character_maximum_length, is_nullable, is_identity, "
-            "identity_generation, column_default FROM information_schema.columns "
-            "WHERE table_schema = 'public' AND table_name = ANY(:t)"), {"t": tables}):
-            out[row.table_name]["columns"][row.column_name] = (
-                row.data_type, row.character_maximum_length, row.is_nullable, row.is_identity,
-                row.identity_generation, row.column_default)
-        for row in c.execute(sa.text(
-            "SELECT tc.table_name, tc.constraint_type, "
-            "array_agg(kcu.column_name::text ORDER BY kcu.ordinal_position) AS cols "
-            "FROM information_schema.table_constraints tc JOIN information_schema.key_column_usage kcu "
-            "ON kcu.constraint_name = tc.constraint_name AND kcu.table_name = tc.table_name "
-            "AND kcu.constraint_schema = tc.constraint_schema "
-            "WHERE tc.table_schema = 'public' AND tc.table_name = ANY(:t) "
-            "AND tc.constraint_type IN ('PRIMARY KEY', 'UNIQUE') "
-            "GROUP BY tc.table_name, tc.constraint_name, tc.constraint_type"), {"t": tables}):
-            if row.constraint_type == "PRIMARY KEY":
-                out[row.table_name]["pk"] = tuple(row.cols)
-            else:
-                out[row.table_name]["unique"].add(tuple(row.cols))
-        for row in c.execute(sa.text(
-            "SELECT cl.relname AS table_name, a.attname AS col, rc.relname AS ref_table, ra.attname AS ref_col "
-            "FROM pg_constraint con JOIN pg_class cl ON cl.oid = con.conrelid "
-            "JOIN pg_class rc ON rc.oid = con.confrelid "
-            "JOIN pg_attribute a ON a.attrelid = con.conrelid AND a.attnum = ANY(con.conkey) "
-            "JOIN pg_attribute ra ON ra.attrelid = con.confrelid AND ra.attnum = ANY(con.confkey) "
-            "WHERE con.contype = 'f' AND cl.relname = ANY(:t)"), {"t": tables}):
-            out[row.table_name]["fks"].add((row.col, row.ref_table, row.ref_col))
-        for row in c.execute(sa.text(
-            "SELECT t.relname AS table_name, i.indisunique AS is_unique, "
-            "pg_get_expr(i.indpred, i.indrelid) AS predicate, "
-            "array(SELECT a.attname::text FROM unnest(i.indkey) WITH ORDINALITY k(attnum, n) "
-            "      JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum ORDER BY k.n) AS cols, "
-            "array(SELECT o.opcname::text FROM unnest(i.indclass) oc(oid) JOIN pg_opclass o ON o.oid = oc.oid) "
-            "  AS opclasses "
-            "FROM pg_index i JOIN pg_class t ON t.oid = i.indrelid "
-            "WHERE t.relname = ANY(:t) AND NOT i.indisprimary "
-            "AND NOT EXISTS (SELECT 1 FROM pg_constraint con WHERE con.conindid = i.indexrelid)"), {"t": tables}):
-            if set(row.opclasses) & set(DJANGO_ONLY_OPCLASSES):
-                continue
-            out[row.table_name]["indexes"].add((tuple(row.cols), row.is_unique, row.predicate))
-    return out
-
-
-def triggers(engine: sa.Engine, tables: list[str]) -> set[tuple[str, str, str]]:
-    """(table, trigger, definition) of every user trigger on ``tables``, incl. the function's body."""
-    with engine.connect() as c:
-        return {(r.table_name, r.tgname, r.definition + " / " + r.body) for r in c.execute(sa.text(
-            "SELECT cl.relname AS table_name, t.tgname, pg_get_triggerdef(t.oid) AS definition, p.prosrc AS body "
-            "FROM pg_trigger t JOIN pg_class cl ON cl.oid = t.tgrelid JOIN pg_proc p ON p.oid = t.tgfoid "
-            "WHERE NOT t.tgisinternal AND cl.relname = ANY(:t)"), {"t": tables})}
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+PREVIOUS_DJANGO_HEAD = "0009_autovacuum"  # the release before: the head of this app's migrations then
 
 
 @pytest.fixture
-def alembic_url(django_pg_url: str) -> Iterator[str]:
-    """A scratch database migrated by the library's Alembic migrations."""
-    admin_url = django_pg_url.rsplit("/", 1)[0] + "/postgres"
-    name = f"outbox_djschema_{uuid.uuid4().hex[:10]}"
-    admin = make_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.exec_driver_sql(f'CREATE DATABASE "{name}"')
+def scratch(tmp_path: Path) -> Iterator[Callable[[str, str], str]]:
+    """``scratch(backend, name)``: the URL of an empty database of this test's own."""
+    with ExitStack() as stack:
+        def make(backend: str, name: str) -> str:
+            if backend == "sqlite":
+                return f"sqlite:///{tmp_path / name}.db"
+            return stack.enter_context(scratch_database(f"outbox_schema_{name}"))
+        yield make
+
+
+@contextmanager
+def django_alias(url: str) -> Iterator[str]:
+    """A Django database alias on ``url`` for the duration (the project's own aliases untouched)."""
+    alias = f"scratch_{uuid.uuid4().hex[:8]}"
+    connections.settings[alias] = {**connections.settings["default"], **database_settings(url), "TEST": {}}
     try:
-        url = django_pg_url.rsplit("/", 1)[0] + f"/{name}"
-        migrate.upgrade(url)
-        yield url
+        yield alias
     finally:
-        with admin.connect() as c:
-            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
+        connections[alias].close()
+        del connections[alias]
+        del connections.settings[alias]
 
 
-def test_django_migrations_create_the_alembic_schema(django_pg_url: str, alembic_url: str) -> None:
-    # Given the library's tables as Django's migrate created them and as Alembic created them
-    tables = library_tables()
-    engines = {"django": make_engine(django_pg_url), "alembic": make_engine(alembic_url)}
+def django_migrate(url: str, target: str | None = None) -> None:
+    """``manage.py migrate celery_outbox [target]`` on the database at ``url``."""
+    with django_alias(url) as alias:
+        call_command("migrate", "celery_outbox", *([target] if target else []), database=alias, interactive=False,
+                     verbosity=0)
+
+
+def shape(url: str) -> schema_check.SchemaShape:
+    engine = make_engine(url)
     try:
-        side = {k: introspect(e, tables) for k, e in engines.items()}
-        trigger = {k: triggers(e, tables) for k, e in engines.items()}
+        with engine.connect() as conn:
+            return schema_check.live(conn, define_tables())
     finally:
-        for e in engines.values():
-            e.dispose()
-    # Then both schemas agree table by table: columns, types, nullability, identity, defaults,
-    # primary keys, unique constraints, foreign keys and indexes (incl. the relay's partial index)
-    for table in tables:
-        assert side["alembic"][table]["columns"], f"Alembic created no table {table!r}"
-        assert side["django"][table] == side["alembic"][table], f"table {table!r} differs"
-    assert side["django"]["outbox_inbox"]["pk"] == ("message_id", "consumer")
-    assert ("message_id",) in side["django"]["outbox_messages"]["unique"]
-    assert (("seq",), False, "((published_at_ms IS NULL) AND (dead_lettered_at_ms IS NULL))") \
-        in side["django"]["outbox_messages"]["indexes"]
-    # And the same NOTIFY trigger wakes the relay on both
-    assert trigger["django"] == trigger["alembic"]
-    [(table, name, definition)] = trigger["django"]
-    assert (table, name) == ("outbox_messages", "outbox_notify")
-    assert "FOR EACH STATEMENT" in definition and "pg_notify('outbox_pending', '')" in definition
+        engine.dispose()
 
 
-def test_django_index_names_are_the_librarys(django_pg_url: str) -> None:
-    engine = make_engine(django_pg_url)
-    try:
+@pytest.fixture
+def db_access(django_db_blocker: Any) -> Iterator[None]:
+    """Database access for the scratch aliases (these tests use no pytest-django test database)."""
+    with django_db_blocker.unblock():
+        yield
+
+
+def test_the_apps_models_are_the_librarys_tables() -> None:
+    names = sorted(m._meta.db_table for m in apps.get_app_config("celery_outbox").get_models())
+    assert names == sorted(define_tables().names())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_django_and_alembic_migrations_create_one_schema(backend: str, scratch: Callable[[str, str], str],
+                                                         db_access: None) -> None:
+    # Given one database migrated by the library's Alembic migrations and one by Django's migrate
+    alembic_url, django_url = scratch(backend, "alembic"), scratch(backend, "django")
+    migrate.upgrade(alembic_url)
+    django_migrate(django_url)
+    alembic, django = shape(alembic_url), shape(django_url)
+    # Then the two are one schema, table by table, with the same trigger
+    assert sorted(django.tables) == sorted(define_tables().names())
+    for name in alembic.tables:
+        assert django.tables[name] == alembic.tables[name], f"table {name!r} differs"
+    assert django.triggers == alembic.triggers
+    # and it is the declared one, autovacuum settings included, and recorded at the library's head revision
+    for url in (alembic_url, django_url):
+        assert migrate.check(url, reloptions=True) == []
+        assert migrate.current(url) == migrate.head()
+    # and the comparison saw what there is to see: the relay's partial index, the trigger and the settings
+    outbox = django.tables["outbox_messages"]
+    assert outbox.indexes["ix_outbox_pending"].where == "published_at_ms is null and dead_lettered_at_ms is null"
+    if backend == "postgres":
+        assert list(django.triggers) == ["outbox_notify"]
+        assert "pg_notify('outbox_pending', '')" in str(django.triggers["outbox_notify"])
+        assert outbox.reloptions["autovacuum_vacuum_threshold"] == "5000"
+    else:
+        assert outbox.columns["payload"].type == "TEXT" and outbox.columns["seq"].generated == "autoincrement"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_database_django_migrated_for_the_release_before_upgrades_on_both_paths(
+        backend: str, scratch: Callable[[str, str], str], db_access: None) -> None:
+    # Given databases Django's migrations left at the release before's head, with an outbox row
+    urls = {"django": scratch(backend, "old_dj"), "alembic": scratch(backend, "old_dj_al")}
+    for url in urls.values():
+        django_migrate(url, PREVIOUS_DJANGO_HEAD)
+        engine = make_engine(url)
+        with engine.begin() as c:
+            c.execute(sa.text("INSERT INTO outbox_messages (message_id, type, payload, headers, created_at_ms, "
+                              "next_attempt_at_ms) VALUES (:id, 'T', '{\"a\": 1}', '{}', 1, 1)"),
+                      {"id": uuid.uuid4().hex})
+        engine.dispose()
+        assert migrate.current(url) == "co0007"
+    # When one is upgraded by Django's migrate and the other by `outbox db upgrade`
+    django_migrate(urls["django"])
+    migrate.upgrade(urls["alembic"])
+    # Then both are the declared schema at the head revision, the row kept
+    reference = scratch(backend, "fresh")
+    migrate.upgrade(reference)
+    for url in urls.values():
+        assert migrate.check(url, reloptions=True) == [] and migrate.current(url) == migrate.head()
+        assert shape(url) == shape(reference)
+        engine = make_engine(url)
         with engine.connect() as c:
-            names = set(c.execute(sa.text(
-                "SELECT indexname FROM pg_indexes WHERE tablename LIKE 'outbox_%'")).scalars())
-    finally:
+            assert c.execute(sa.text("SELECT type FROM outbox_messages")).scalars().all() == ["T"]
         engine.dispose()
-    assert {"ix_outbox_pending", "ix_outbox_published", "ix_outbox_inbox_processed",
-            "ix_outbox_dead_letters_consumer", "ix_outbox_parked_entity"} <= names
 
 
-def test_schema_comparison_notices_a_difference(django_pg_url: str) -> None:
-    # Given the migrated database, then one column of it altered by hand
-    engine = make_engine(django_pg_url)
-    try:
-        before = introspect(engine, ["outbox_inbox"])
-        with engine.begin() as c:
-            c.exec_driver_sql("ALTER TABLE outbox_inbox ALTER COLUMN type TYPE varchar(100)")
-        after = introspect(engine, ["outbox_inbox"])
-        with engine.begin() as c:
-            c.exec_driver_sql("ALTER TABLE outbox_inbox ALTER COLUMN type TYPE varchar(200)")
-    finally:
-        engine.dispose()
-    # Then the introspection the schema test relies on sees it
-    assert before != after
-    assert after["outbox_inbox"]["columns"]["type"][1] == 100
-
-
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
 def test_outbox_db_check_accepts_the_schema_manage_py_migrate_created(django_pg_url: str) -> None:
     # Given the session's database, created by Django's migrate only (never `outbox db upgrade`)
-    # Then it carries the library's revision, and `outbox db check` (revision + schema diff) finds nothing
+    # Then it carries the library's revision, and `outbox db check` (revision + schema) finds nothing
     assert migrate.current(django_pg_url) == migrate.head()
     assert migrate.check(django_pg_url) == []
     # and `outbox db upgrade` has nothing to do (no failure on the existing tables and trigger)
     migrate.upgrade(django_pg_url)
     assert migrate.current(django_pg_url) == migrate.head()
+
+
+def test_the_models_and_the_migrations_agree(db_access: None) -> None:
+    # `makemigrations --check`: Django's autodetector sees nothing to migrate in this app
+    call_command("makemigrations", "celery_outbox", "--check", "--dry-run", verbosity=0)
+

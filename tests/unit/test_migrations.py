@@ -8,6 +8,9 @@ Each must match its models, create only its own tables and undo exactly what it 
 
 from __future__ import annotations
 
+import sqlite3
+import uuid
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ import orders.models
 from celery_outbox import migrate
 from celery_outbox.db import make_engine
 from celery_outbox.schema import PENDING_SQL, Tables
+from tests.conftest import scratch_database
 
 _ = consumers.models  # its models join orders.models.Base.metadata
 
@@ -166,3 +170,71 @@ def test_a_database_created_before_task_receipts_gets_them_on_upgrade(tmp_path: 
     assert migrate.current(url) == migrate.head()
     assert table_names(url) == LIBRARY_TABLES | {LIBRARY_VERSION_TABLE}
     assert migrate.check(url) == []
+
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def insert_message(url: str, payload: str = '{"a": 1}') -> int:
+    engine = make_engine(url)
+    try:
+        with engine.begin() as c:
+            c.execute(sa.text("INSERT INTO outbox_messages (message_id, type, payload, headers, created_at_ms, "
+                              "next_attempt_at_ms) VALUES (:id, 'T', :payload, '{}', 1, 1)"),
+                      {"id": uuid.uuid4().hex, "payload": payload})
+            return int(c.execute(sa.text("SELECT max(seq) FROM outbox_messages")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_database_the_release_before_left_upgrades_to_the_declared_schema(backend: str, tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        url = (f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite"
+               else stack.enter_context(scratch_database("outbox_old")))
+        # Given a database exactly as `outbox db upgrade` of the release before left it (its schema, at co0007)
+        sql = (DATA / f"co0007_{backend}.sql").read_text()
+        if backend == "sqlite":
+            with closing(sqlite3.connect(tmp_path / "old.db")) as c:
+                c.executescript(sql)
+        else:
+            engine = make_engine(url)
+            with engine.begin() as c:
+                c.exec_driver_sql(sql)
+            engine.dispose()
+        assert migrate.current(url) == "co0007"
+        first = insert_message(url)
+        if backend == "sqlite":  # and a row written around the library's writer, not strict JSON (jsonb refuses it)
+            insert_message(url, '{"total": NaN}')
+        # When it is upgraded
+        migrate.upgrade(url)
+        # Then it is the declared schema (autovacuum settings included), at the head, its rows kept
+        assert migrate.check(url, reloptions=True) == [] and migrate.current(url) == migrate.head()
+        engine = make_engine(url)
+        with engine.begin() as c:
+            kept = c.execute(sa.text("SELECT seq, payload FROM outbox_messages ORDER BY seq")).all()
+            assert kept[0] in ((first, '{"a": 1}'), (first, {"a": 1}))
+            assert len(kept) == (2 if backend == "sqlite" else 1)
+            # and the newest row's key is never given again once it is deleted
+            c.execute(sa.text("DELETE FROM outbox_messages"))
+        engine.dispose()
+        assert insert_message(url) > first
+
+
+def test_the_schema_check_names_each_difference(tmp_path: Path) -> None:
+    # Given a database at the head, then altered by hand: a partial index without its predicate, a column
+    # made nullable, an index of someone else's
+    url = f"sqlite:///{tmp_path / 'drift.db'}"
+    migrate.upgrade(url)
+    assert migrate.check(url) == []
+    with closing(sqlite3.connect(tmp_path / "drift.db")) as c, c:
+        c.execute("DROP INDEX ix_outbox_dead")
+        c.execute("CREATE INDEX ix_outbox_dead ON outbox_messages (seq)")
+        c.execute("CREATE INDEX ix_mine ON outbox_inbox (type)")
+        c.execute("ALTER TABLE outbox_counters ADD COLUMN note TEXT")
+    # Then the check says each, in one line
+    assert migrate.check(url) == [
+        "index ix_outbox_dead on outbox_messages: is (seq), declared (seq) where dead_lettered_at_ms is not null",
+        "index ix_mine on outbox_inbox: not declared ((type))",
+        "column outbox_counters.note: not declared (TEXT NULL)",
+    ]

@@ -129,8 +129,15 @@ def test_unknown_type_is_dead_lettered_at_once_and_does_not_block_rows_behind(
 
 def test_payload_that_cannot_be_serialised_is_dead_lettered(sqlite_sessions: sessionmaker[Session],
                                                             clock: ManualClock, tables: Tables) -> None:
-    # Given a row whose stored payload is not strict JSON (NaN)
-    insert(sqlite_sessions, clock, tables, 1, payload={"total": float("nan")})
+    # Given a row whose stored payload is not strict JSON (NaN): written around the library's writer before the
+    # json_valid CHECK (migration co0008), which refuses such a row now, as Postgres' jsonb does
+    with sqlite_sessions() as s:
+        s.execute(sa.text("PRAGMA ignore_check_constraints = ON"))
+        s.add(tables.outbox(message_id=uuid.uuid4(), type="OrderPlaced", payload={"total": float("nan")}, headers={},
+                            created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
+        s.flush()
+        s.execute(sa.text("PRAGMA ignore_check_constraints = OFF"))
+        s.commit()
     insert(sqlite_sessions, clock, tables, 1)
     result = run(sqlite_sessions, InMemoryPublisher(), clock, tables)
     assert (result.dead_lettered, result.published) == (1, 1)
