@@ -20,11 +20,14 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
+from celery import Celery
+from click.testing import CliRunner
 
 import consumers.models
 import orders.migrate
 import orders.models
-from celery_outbox import migrate
+from celery_outbox import Outbox, Settings, migrate
+from celery_outbox.cli import cli
 from celery_outbox.db import make_engine
 from celery_outbox.schema import PENDING_SQL, Tables
 from tests.conftest import scratch_database
@@ -232,9 +235,35 @@ def test_the_schema_check_names_each_difference(tmp_path: Path) -> None:
         c.execute("CREATE INDEX ix_outbox_dead ON outbox_messages (seq)")
         c.execute("CREATE INDEX ix_mine ON outbox_inbox (type)")
         c.execute("ALTER TABLE outbox_counters ADD COLUMN note TEXT")
-    # Then the check says each, in one line
-    assert migrate.check(url) == [
+    # Then the check says each, in one line, and `outbox db check` prints them and exits 1
+    expected = [
         "index ix_outbox_dead on outbox_messages: is (seq), declared (seq) where dead_lettered_at_ms is not null",
         "index ix_mine on outbox_inbox: not declared ((type))",
         "column outbox_counters.note: not declared (TEXT NULL)",
     ]
+    assert migrate.check(url) == expected
+    box = Outbox(Celery("t", broker="memory://", set_as_current=False), engine=make_engine(url),
+                 settings=Settings.from_env({}))
+    result = CliRunner().invoke(cli, ["db", "check"], obj={"outbox": box})
+    assert result.exit_code == 1 and result.stderr.splitlines() == expected, result.output
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_the_schema_check_follows_the_table_prefix(backend: str, tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        url = (f"sqlite:///{tmp_path / 'p.db'}" if backend == "sqlite"
+               else stack.enter_context(scratch_database("outbox_prefix")))
+        # Given two prefixes' tables in one database, each migrated by `outbox db upgrade --prefix`
+        migrate.upgrade(url, prefix="shop_")
+        migrate.upgrade(url)
+        # Then each prefix's check sees its own tables (and on Postgres its own trigger and settings), all declared
+        assert migrate.check(url, prefix="shop_", reloptions=True) == []
+        assert migrate.check(url, reloptions=True) == []
+        # And one prefix's trigger dropped is that prefix's difference only
+        if backend == "postgres":
+            engine = make_engine(url)
+            with engine.begin() as c:
+                c.exec_driver_sql("DROP TRIGGER shop_notify ON shop_messages")
+            engine.dispose()
+            assert migrate.check(url, prefix="shop_") == ["trigger shop_notify: missing"]
+            assert migrate.check(url) == []
