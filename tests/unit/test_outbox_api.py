@@ -131,7 +131,7 @@ def test_the_flask_extension_mounts_metrics_on_any_app(engine: sa.Engine) -> Non
 
 
 def test_a_plain_postgresql_url_has_a_driver() -> None:
-    # SQLAlchemy picks its default driver for postgresql:// (psycopg2 on 2.0, psycopg 3 on 2.1): both ship in [postgres]
+    # SQLAlchemy picks its default driver for postgresql:// (psycopg2 on 2.0, psycopg 3 on 2.1): [postgres] ships both
     engine = sa.create_engine("postgresql://nobody@127.0.0.1:1/none")
     assert engine.dialect.driver in ("psycopg2", "psycopg")
 
