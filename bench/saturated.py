@@ -1,5 +1,11 @@
 """The cost of safety at saturation: N orders pushed as fast as the pipeline takes them, outbox vs plain Celery.
 
+For the headline figures use bench/sweep.py: it sweeps the client's commit rate and compares against plain
+Celery on a plain worker with Celery's default configuration. This bench measures at one rate (its client's
+fastest, where the relay gathers the most rows per batch) against a plain twin run on the outbox's own
+worker (the gate and the deployment's configuration on plain tasks): use it for the profile and the hops.
+Every process connects to RabbitMQ directly (no proxy in the path).
+
 Real processes on the shared RabbitMQ (a namespace of their own), a database of their own, DEFAULT settings:
 
 - a client process (``--client-threads`` threads, closed loop: each places its next order as soon as the
@@ -73,6 +79,7 @@ import sqlalchemy as sa  # noqa: E402
 from bench._common import write_result  # noqa: E402
 from bench._worker import TOUCHED, create_touch_tables  # noqa: E402
 from bench.consumer_cpu import broker_pids, children_of, cpu_ticks  # noqa: E402
+from bench.sweep import DirectRabbit  # noqa: E402
 
 ORDER_MODES = ("outbox", "plain", "plain_confirms")
 TASK_MODES = ("tasks_outbox", "tasks_plain")
@@ -372,7 +379,9 @@ def saturate(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="outbox-saturated-"))
     result: dict[str, Any] = {}
-    with ChaosEnvironment(broker="rabbitmq", workdir=work, extra_env=default_env()) as env:
+    env = ChaosEnvironment(broker="rabbitmq", workdir=work, extra_env=default_env())
+    env.broker = DirectRabbit()  # no proxy in the path: every process talks to RabbitMQ directly
+    with env:
         per_order = effects_per_order(env)
         rig = Rig(env, work, threads=args.client_threads, profile=False, hops=args.hops)
         try:
@@ -452,8 +461,9 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     admin = make_engine(args.pg_admin_url, isolation_level="AUTOCOMMIT")
     out: dict[str, Any] = {"orders": args.orders, "tasks": args.tasks, "concurrency": args.concurrency[0],
                            "py_spy": "--rate 100 --nonblocking" + (" --gil" if args.spy_gil else " (waits included)")}
-    with ChaosEnvironment(broker="rabbitmq", workdir=work, extra_env=default_env(),
-                          pg_admin_url=args.pg_admin_url) as env:
+    env = ChaosEnvironment(broker="rabbitmq", workdir=work, extra_env=default_env(), pg_admin_url=args.pg_admin_url)
+    env.broker = DirectRabbit()
+    with env:
         per_order = effects_per_order(env)
         rig = Rig(env, work, threads=args.client_threads, profile=True)
         try:
