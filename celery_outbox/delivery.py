@@ -52,6 +52,10 @@ class Delivery:
     deliveries: int
     error: str | None = None
     retry_in_s: float | None = None
+    # A delivery that was dead-lettered now: its dead letter (``consumer:<id>``, as 'outbox dead-letters list'
+    # prints it) and group (``outbox dead-letters groups``), named in the FAILURE Flower shows.
+    dead_letter: str | None = None
+    group: str | None = None
 
 
 def raw_text(body: Any) -> str:
@@ -189,13 +193,13 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
                               crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
                               malformed=malformed, mapping=mapping, raw=raw, key=key, btype=btype, bheaders=bheaders,
                               policy=policy or spec.policy.resolve(settings), gated=gated,
-                              wrapper_levels=wrapper_levels, reconnect=True)
+                              wrapper_levels=wrapper_levels, reconnect=True, task_id=request_id)
         except _Reconnect:  # the pooled connection was dead (db.pre_ping_after_idle): once more on a new one
             result = _deliver(sessions, spec, body, tables=tables, settings=settings, clock=clock,
                               crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
                               malformed=malformed, mapping=mapping, raw=raw, key=key, btype=btype, bheaders=bheaders,
                               policy=policy or spec.policy.resolve(settings), gated=gated,
-                              wrapper_levels=wrapper_levels, reconnect=False)
+                              wrapper_levels=wrapper_levels, reconnect=False, task_id=request_id)
         span.record(result.outcome.value, deliveries=result.deliveries, error=result.error,
                     failed=result.outcome in (Outcome.RETRY, Outcome.DEAD_LETTERED))
     return result
@@ -209,7 +213,7 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
              clock: Clock, crash_points: CrashSite | None, first_delivery: bool, redelivered: bool,
              malformed: MalformedDelivery | None, mapping: Mapping[str, Any] | None, raw: RawBody, key: uuid.UUID,
              btype: str | None, bheaders: Mapping[str, Any], policy: Backoff, gated: bool, wrapper_levels: int,
-             reconnect: bool) -> Delivery:
+             reconnect: bool, task_id: str | None = None) -> Delivery:
     """``reconnect``: a first delivery whose connection was lost (the engine pings only connections idle
     longer than ``Settings.db_pre_ping_idle_ms``, db.py) raises ``_Reconnect`` before anything is
     counted: the caller runs it once more, on a new connection. Its transaction died with the
@@ -245,7 +249,7 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
             row = counted
             if row.deliveries > limit:
                 return _worker_lost(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders,
-                                    clock=clock, limit=limit)
+                                    clock=clock, limit=limit, task_id=task_id)
         try:
             envelope = _parse(spec, body, mapping, raw, settings, malformed, gated, wrapper_levels)
             # An ordered consumer's delivery also dead-letters parked messages past the timeout (inbox/handle.py).
@@ -263,9 +267,9 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
                 row = counted
                 if row.deliveries > limit:  # a dead-lettered copy came back
                     return _worker_lost(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders,
-                                        clock=clock, limit=limit)
+                                        clock=clock, limit=limit, task_id=task_id)
             return _failed(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders, error=error,
-                           clock=clock, limit=limit,
+                           clock=clock, limit=limit, task_id=task_id,
                            retry_in_s=policy.delay_s(row.deliveries))
         if row is None:  # a first delivery that went through: nothing was counted, nothing to clear
             return Delivery(outcome=outcome, deliveries=1)
@@ -302,18 +306,20 @@ def _body_meta(body: Mapping[str, Any] | None) -> tuple[str | None, Mapping[str,
 
 
 def _failed(session: Session, row: AttemptRow, *, tables: Tables, spec: ConsumerSpec, raw: str | bytes, type_: str | None,
-            headers: Mapping[str, Any], error: str, clock: Clock, limit: int, retry_in_s: float) -> Delivery:
+            headers: Mapping[str, Any], error: str, clock: Clock, limit: int, retry_in_s: float,
+            task_id: str | None = None) -> Delivery:
     now = clock.now_ms()
     try:
         attempts.fail(session, row, error=error, now_ms=now)
         if row.deliveries >= limit:
-            dead_letters.record(
+            dead = dead_letters.record(
                 session, tables=tables, consumer=spec.name, message_id=str(row.message_id), type=type_, body=raw, headers=headers,
                 delivery_count=row.deliveries, last_error=error, first_failed_at_ms=row.first_failed_at_ms,
-                last_failed_at_ms=now,
+                last_failed_at_ms=now, task_id=task_id,
             )
             session.commit()
-            return Delivery(outcome=Outcome.DEAD_LETTERED, deliveries=row.deliveries, error=error)
+            return Delivery(outcome=Outcome.DEAD_LETTERED, deliveries=row.deliveries, error=error,
+                            dead_letter=f"consumer:{dead.id}", group=dead.fingerprint)
         session.commit()
     except Exception as e:  # the failure could not even be recorded: redeliver, counted at the next begin
         session.rollback()
@@ -324,7 +330,7 @@ def _failed(session: Session, row: AttemptRow, *, tables: Tables, spec: Consumer
 
 
 def _worker_lost(session: Session, row: AttemptRow, *, tables: Tables, spec: ConsumerSpec, raw: str | bytes, type_: str | None,
-                 headers: Mapping[str, Any], clock: Clock, limit: int) -> Delivery:
+                 headers: Mapping[str, Any], clock: Clock, limit: int, task_id: str | None = None) -> Delivery:
     """More deliveries than allowed: earlier ones died without recording an outcome (killed worker),
     or this message is already dead-lettered and came back (a crash before the ack), or it was
     processed and the worker died between the inbox commit and the ack."""
@@ -341,11 +347,12 @@ def _worker_lost(session: Session, row: AttemptRow, *, tables: Tables, spec: Con
                           f"(killed or crashed) during the delivery; last recorded error: {row.last_error or 'none'}",
                           limit=dead_letters.ERROR_MAX_CHARS)
     now = clock.now_ms()
-    dead_letters.record(
+    dead = dead_letters.record(
         session, tables=tables, consumer=spec.name, message_id=str(row.message_id), type=type_, body=raw, headers=headers,
         delivery_count=row.deliveries - 1, last_error=error, first_failed_at_ms=row.first_failed_at_ms,
-        last_failed_at_ms=now,
+        last_failed_at_ms=now, task_id=task_id,
     )
     attempts.fail(session, row, error=error, now_ms=now)
     session.commit()
-    return Delivery(outcome=Outcome.DEAD_LETTERED, deliveries=row.deliveries - 1, error=error)
+    return Delivery(outcome=Outcome.DEAD_LETTERED, deliveries=row.deliveries - 1, error=error,
+                    dead_letter=f"consumer:{dead.id}", group=dead.fingerprint)

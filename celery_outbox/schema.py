@@ -112,6 +112,9 @@ class DeadLetterRow(_Row):
     replayed_at_ms: Mapped[int | None] = mapped_column(sa.BigInteger, nullable=True)
     # Which failure this is (inbox/fingerprints.py): dead letters are listed, replayed and purged by group.
     fingerprint: Mapped[str | None] = mapped_column(sa.String(32), nullable=True)
+    # The Celery task id of the delivery that gave up (NULL when unknown): a replay runs under it, so the
+    # task's page in Flower goes from FAILURE to the replay's outcome (docs/operations.md, "Flower").
+    task_id: Mapped[str | None] = mapped_column(sa.String(64), nullable=True)
 
 
 class ParkedRow(_Row):

@@ -8,7 +8,8 @@ What each outcome looks like in Flower (every publish of a message has a task id
 ``messages.task_id``, so each delivery is its own entry): processed is SUCCESS with the result
 ``"processed"``; a duplicate is SUCCESS with ``"duplicate of <message_id>"`` plus the event
 ``outbox-duplicate-absorbed``; a dead letter raises ``DeadLettered`` (a ``Reject`` without requeue)
-once the dead letter is committed: the worker records FAILURE with the reason (``task-failed``) and
+once the dead letter is committed: the worker records FAILURE with the reason, naming the dead letter
+and its group (``task-failed``; a replay runs under the same task id, ``inbox.dead_letters.replay``) and
 rejects the message, which removes it from the queue on RabbitMQ (``basic_reject``) and Redis (the
 unacked entry is dropped), plus the event ``outbox-dead-lettered``. Events are sent under the
 worker's node name (``events.task_sender``).
@@ -109,9 +110,12 @@ def finish(task: Any, app: Celery, consumer: str, body: Any, result: Delivery, m
         return f"duplicate of {message_id or 'an unnamed message'}"
     error = result.error or "no error recorded"
     events.dead_lettered(app, source="consumer", consumer=consumer, message_id=message_id, error=error,
-                         event_type=event_type, attempts=result.deliveries, **sender)
+                         event_type=event_type, attempts=result.deliveries, dead_letter=result.dead_letter,
+                         group=result.group, **sender)
+    # The dead letter and its group come before the error (which may be cut): what to replay, by id or group.
+    where = f" as {result.dead_letter} (group {result.group})" if result.dead_letter else ""
     raise DeadLettered(storable_text(
-        f"dead-lettered for {consumer} after {result.deliveries} deliveries: {error}", limit=1000))
+        f"dead-lettered for {consumer} after {result.deliveries} deliveries{where}: {error}", limit=1000))
 
 
 def define(app: Celery, ctx: Context, spec: ConsumerSpec) -> Any:

@@ -75,9 +75,11 @@ def duplicate_absorbed(app: Celery, *, consumer: str, message_id: str, event_typ
 
 def dead_lettered(app: Celery, *, source: str, message_id: str, error: str, consumer: str | None = None,
                   event_type: str | None = None, attempts: int | None = None, hostname: str | None = None,
-                  task_id: str | None = None) -> bool:
+                  task_id: str | None = None, dead_letter: str | None = None, group: str | None = None) -> bool:
+    """``dead_letter``/``group``: the consumer dead letter written (``consumer:<id>``) and its group, when known."""
     return send_event(app, DEAD_LETTERED, hostname=hostname, task_id=task_id, source=source, consumer=consumer,
-                      message_id=message_id, error=error[:500], event_type=event_type, attempts=attempts)
+                      message_id=message_id, error=error[:500], event_type=event_type, attempts=attempts,
+                      dead_letter=dead_letter, group=group)
 
 
 def reconciled(app: Celery, *, kind: str, message_id: str, target: str, hostname: str | None = None,

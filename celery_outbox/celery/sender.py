@@ -20,7 +20,8 @@ from celery_outbox.celery.enqueue import publishing_directly
 from celery_outbox.errors import BrokerUnavailableError, NotFoundError, PublishError, ValidationError
 from celery_outbox.inbox.dead_letters import check_consumer
 from celery_outbox.inbox.task_keys import is_task_key, task_key
-from celery_outbox.messages import task_id, task_name
+from celery_outbox.messages import task_id as new_task_id
+from celery_outbox.messages import task_name
 from celery_outbox.runtime import Context
 
 
@@ -33,6 +34,11 @@ class ReplaySender:
         self.consumers = ctx.known_consumers()
 
     def __call__(self, consumer: str, envelope: dict[str, Any]) -> None:
+        self.send_as(consumer, envelope, task_id=None)
+
+    def send_as(self, consumer: str, envelope: dict[str, Any], *, task_id: str | None) -> None:
+        """Send the replay; a consumer's under ``task_id`` (the dead-lettered delivery's), or a new task id
+        when None. A task's always goes under the task id its stored call names (its inbox key)."""
         if is_task_key(consumer):
             task, tid, args, kwargs = self.check_task(consumer, envelope)
             with _publish_errors(f"task {task.name}"), publishing_directly(self.app):  # never into the outbox
@@ -41,7 +47,7 @@ class ReplaySender:
         check_consumer(consumer, self.consumers)
         with _publish_errors(consumer):
             self.app.send_task(task_name(consumer), args=[envelope], queue=self.settings.queue_name(consumer),
-                               task_id=task_id())
+                               task_id=task_id or new_task_id())
 
     def check_task(self, consumer: str, envelope: dict[str, Any]) -> tuple[Any, str, list[Any], dict[str, Any]]:
         """The idempotent task a task dead letter re-runs, with its task id, args and kwargs.
@@ -66,9 +72,12 @@ class ReplaySender:
 def replay_sender(app: Celery, ctx: Context) -> ReplaySender:
     """A ``send`` for ``replay`` that enqueues on the consumer's queue through ``app``.
 
-    Every consumer replay is a new task (``messages.task_id``): Flower keeps the dead-lettered
-    delivery's FAILURE entry and shows the replay next to it; the inbox absorbs a replay that was
-    already applied. A task replay keeps its task id: the id is that task's inbox key.
+    A consumer replay runs under the task id of the delivery that was dead-lettered, when the dead
+    letter kept it (``inbox.dead_letters.replay``): Flower's page for that task goes from FAILURE (the
+    reason names the dead letter and its group) to the replay's outcome. A dead letter without one
+    (written before the column existed) is replayed as a new task (``messages.task_id``). Either way
+    the inbox, keyed by the envelope's message_id, absorbs a replay that was already applied. A task
+    replay keeps its task id: the id is that task's inbox key.
     """
     return ReplaySender(app, ctx)
 

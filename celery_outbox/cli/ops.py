@@ -116,7 +116,7 @@ def show_cmd(ctx: click.Context, dl_id: str, as_json: bool) -> None:
     table = Table(show_header=False, title=f"dead letter {d.id}")
     table.add_column("field")
     table.add_column("value")
-    for key in ("source", "consumer", "message_id", "type", "attempts", "replayed_at_ms"):
+    for key in ("source", "consumer", "message_id", "task_id", "type", "attempts", "replayed_at_ms"):
         table.add_row(key, str(data[key] if data[key] is not None else "-"))
     table.add_row("age", _age(data["age_ms"]))
     console = _console()

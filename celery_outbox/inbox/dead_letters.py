@@ -130,10 +130,12 @@ def _clean_value(value: Any, depth: int) -> Any:
 
 def record(session: Session, *, tables: Tables, consumer: str, message_id: str, type: str | None, body: str | bytes,
            headers: Any, delivery_count: int, last_error: str, first_failed_at_ms: int,
-           last_failed_at_ms: int) -> DeadLetterRow:
+           last_failed_at_ms: int, task_id: str | None = None) -> DeadLetterRow:
     """Stage a dead letter in ``session`` (the caller commits, together with whatever gave up).
 
     Every text is made storable first (module docstring), so this fails only when the database does.
+    ``task_id``: the Celery task id of the delivery that gave up; a replay runs under it (``replay``).
+    One that is not storable as it is (too long, not text) is not kept: a cut id would name another task.
     """
     type_ = storable_text(type, limit=TYPE_MAX_CHARS) if isinstance(type, str) and type else None
     consumer = storable_text(consumer, limit=64)
@@ -143,6 +145,7 @@ def record(session: Session, *, tables: Tables, consumer: str, message_id: str, 
         body=storable_body(body), headers=storable_headers(headers), delivery_count=delivery_count,
         last_error=last_error, first_failed_at_ms=first_failed_at_ms, last_failed_at_ms=last_failed_at_ms,
         replayed_at_ms=None, fingerprint=fingerprint(source="consumer", consumer=consumer, error=last_error),
+        task_id=task_id if isinstance(task_id, str) and 0 < len(task_id) <= 64 and is_storable(task_id) else None,
     )
     session.add(row)
     session.flush()
@@ -232,6 +235,12 @@ def replay(session: Session, id: int, *, tables: Tables, send: Send, clock: Cloc
     The delivery count starts afresh (the replayed message gets the full number of deliveries).
     Order: forget the count, send, then mark; a crash after the send costs at most a second replay,
     which the inbox absorbs.
+
+    A consumer's dead letter that kept its task id goes out under that id when ``send`` can send
+    under one (``send.send_as(consumer, envelope, task_id=...)``, as ``celery.sender.ReplaySender``
+    does): Flower then shows that task go from FAILURE to the replay's outcome. The inbox is keyed by
+    the envelope's message_id, not the task id, so this changes nothing of what runs: the replay is
+    processed once, or absorbed as a duplicate if the message was processed after all.
     """
     row = get(session, id, tables=tables)
     check_consumer(row.consumer, known_consumers)
@@ -239,7 +248,11 @@ def replay(session: Session, id: int, *, tables: Tables, send: Send, clock: Cloc
     with wrap_driver_errors(f"replaying dead letter {id}"):
         _forget_attempts(session, tables=tables, consumer=row.consumer, message_id=row.message_id)
         session.commit()
-    send(row.consumer, envelope)
+    send_as = getattr(send, "send_as", None)
+    if row.task_id and callable(send_as):
+        send_as(row.consumer, envelope, task_id=row.task_id)
+    else:
+        send(row.consumer, envelope)
     with wrap_driver_errors(f"marking dead letter {id} replayed"):
         row.replayed_at_ms = clock.now_ms()
         session.commit()

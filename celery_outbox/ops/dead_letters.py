@@ -74,6 +74,7 @@ class DeadLetter:
     payload: Any  # decoded JSON where possible, else the raw text
     headers: dict[str, Any] = field(default_factory=dict)
     replayed_at_ms: int | None = None
+    task_id: str | None = None  # the dead-lettered delivery's Celery task id (its page in Flower); a replay reuses it
 
     @property
     def source(self) -> Source:
@@ -95,6 +96,7 @@ class DeadLetter:
             "first_failed_at_ms": self.first_failed_at_ms,
             "age_ms": self.age_ms(now_ms),
             "replayed_at_ms": self.replayed_at_ms,
+            "task_id": self.task_id,
             "payload": self.payload,
             "headers": self.headers,
         }
@@ -146,6 +148,7 @@ def _from_consumer(row: DeadLetterRow) -> DeadLetter:
         type=row.type, error=row.last_error, attempts=row.delivery_count,
         dead_lettered_at_ms=row.last_failed_at_ms, first_failed_at_ms=row.first_failed_at_ms,
         payload=_decode_body(row.body), headers=dict(row.headers or {}), replayed_at_ms=row.replayed_at_ms,
+        task_id=row.task_id,
     )
 
 
@@ -245,6 +248,9 @@ def _replay_consumer(session: Session, ref: DeadLetterId, *, tables: Tables, sen
                                  known_consumers=None if task else known_consumers)
     if task:
         return ReplayResult(id=ref, replayed=True, detail=f"re-sent as task {row.type!r} with its task id")
+    if row.task_id and callable(getattr(send, "send_as", None)):
+        return ReplayResult(id=ref, replayed=True,
+                            detail=f"re-sent to consumer {row.consumer!r} as task {row.task_id} (its Flower page)")
     return ReplayResult(id=ref, replayed=True, detail=f"re-sent to consumer {row.consumer!r}")
 
 

@@ -359,3 +359,80 @@ def test_a_failing_first_delivery_is_counted_once_and_not_run_twice(settings: Se
     result = deliver(sqlite_sessions, failing, order_placed_envelope("o-f").to_dict(), tables=tables, request_id=None,
                      settings=settings, clock=clock, first_delivery=True)
     assert result.outcome.value == "retry" and result.deliveries == 1 and calls == ["o-f"]
+
+
+def test_a_replay_runs_under_the_dead_lettered_task_id_and_the_inbox_still_guards_it(
+        settings: Settings, clock: ManualClock, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
+    from celery_outbox.celery.sender import replay_sender
+    from celery_outbox.ops import dead_letters as ops_dead_letters
+
+    # Given a message dead-lettered under task id T while its consumer was broken
+    broken = {"on": True}
+
+    @consumer(name="shipping", event="OrderPlaced")
+    def sometimes(session: Session, env: Envelope) -> None:
+        if broken["on"]:
+            raise RuntimeError("carrier down")
+        shipping(session, env)
+
+    box = make_outbox(settings, clock, sqlite_sessions, tables, [sometimes])
+    app = box.app
+    body = order_placed_envelope("o-tid").to_dict()
+    original = task_id()
+    failed = app.tasks[task_name("shipping")].apply(args=[body], task_id=original)
+    assert failed.state == states.REJECTED
+    [dl] = rows(sqlite_sessions, tables.dead_letters)
+    # Then the dead letter keeps T, and the FAILURE's reason (what Flower shows) names the dead letter and its group
+    assert dl.task_id == original
+    assert str(failed.result).startswith(
+        f"dead-lettered for shipping after {settings.consumer_max_deliveries} deliveries "
+        f"as consumer:{dl.id} (group {dl.fingerprint}): RuntimeError: carrier down"), failed.result
+    # When the consumer is fixed and a person replays it twice (by mistake), through the real sender
+    broken["on"] = False
+    sent: list[dict[str, Any]] = []
+    outcomes: list[Any] = []
+
+    def run_now(name: str, **kw: Any) -> None:  # the broker, as an eager worker: run it under the id it was sent with
+        sent.append(kw)
+        outcomes.append(app.tasks[name].apply(args=kw["args"], task_id=kw["task_id"]).get(disable_sync_subtasks=False))
+
+    app.send_task = run_now  # type: ignore[method-assign,assignment]
+    send = replay_sender(app, box)
+    with sqlite_sessions() as s:
+        [result] = ops_dead_letters.replay(s, [f"consumer:{dl.id}"], tables=tables, clock=clock, send=send,
+                                           known_consumers=box.known_consumers())
+        assert result.replayed and original in result.detail
+        s.execute(sa.update(tables.dead_letters).values(replayed_at_ms=None))  # a second replay, by mistake
+        s.commit()
+        ops_dead_letters.replay(s, [f"consumer:{dl.id}"], tables=tables, clock=clock, send=send)
+        shown = ops_dead_letters.get(s, f"consumer:{dl.id}", tables=tables).to_dict(now_ms=clock.now_ms())
+    # Then both went out under T, the message was processed once and the second absorbed by the inbox
+    assert [kw["task_id"] for kw in sent] == [original, original]
+    assert outcomes == ["processed", dup(body)]
+    assert len(rows(sqlite_sessions, Shipment)) == 1
+    # And 'outbox dead-letters show --json' names the task id
+    assert shown["task_id"] == original
+
+
+def test_a_dead_letter_without_a_task_id_is_replayed_as_a_new_task(
+        settings: Settings, clock: ManualClock, sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
+    from celery_outbox.celery.sender import replay_sender
+
+    # Given a dead letter that kept no task id (written before the column existed), and one whose id was too long
+    body = order_placed_envelope("o-old").to_dict()
+    with sqlite_sessions() as s:
+        ids = [dead_letters.record(s, tables=tables, consumer="shipping", message_id=body["message_id"],
+                                   type="OrderPlaced", body=json.dumps(body), headers={}, delivery_count=3,
+                                   last_error="E: boom", first_failed_at_ms=1, last_failed_at_ms=2, task_id=tid).id
+               for tid in (None, "x" * 65)]
+        s.commit()
+    box = make_outbox(settings, clock, sqlite_sessions, tables)
+    calls: list[dict[str, Any]] = []
+    box.app.send_task = lambda name, **kw: calls.append(kw)  # type: ignore[method-assign]
+    # When both are replayed
+    with sqlite_sessions() as s:
+        assert [dead_letters.get(s, i, tables=tables).task_id for i in ids] == [None, None]
+        for i in ids:
+            dead_letters.replay(s, i, tables=tables, send=replay_sender(box.app, box), clock=clock)
+    # Then each went out as a task of its own (a fresh UUID)
+    assert len({str(uuid.UUID(kw["task_id"])) for kw in calls}) == 2

@@ -45,10 +45,30 @@ def upgrade() -> None:
             want, have = expected.tables[name], actual.tables.get(name)
             if have is None or (have.columns == want.columns and have.checks == want.checks):
                 continue
-            with op.batch_alter_table(name, copy_from=t.metadata.tables[name], recreate="always"):
+            live = {c["name"] for c in sa.inspect(bind).get_columns(name)}
+            with op.batch_alter_table(name, copy_from=_as_of(t.metadata.tables[name], live), recreate="always"):
                 pass
     finally:
         bind.exec_driver_sql("PRAGMA ignore_check_constraints = OFF")
+
+
+def _as_of(table: sa.Table, live: set[str]) -> sa.Table:
+    """The declared table without the columns a later revision adds (the live table has not got them yet:
+    that revision adds them), with its checks, indexes and AUTOINCREMENT; the declared table itself when
+    the live one has every column."""
+    later = {c.name for c in table.columns} - live
+    if not later:
+        return table
+    keep = [c for c in table.columns if c.name not in later]
+    checks = [sa.CheckConstraint(str(ck.sqltext), name=ck.name) for ck in table.constraints
+              if isinstance(ck, sa.CheckConstraint) and isinstance(ck.name, str)
+              and not any(f'"{n}"' in str(ck.sqltext) for n in later)]
+    copy = sa.Table(table.name, sa.MetaData(), *(c._copy() for c in keep), *checks,
+                    sqlite_autoincrement=table.dialect_options["sqlite"]["autoincrement"])
+    for ix in table.indexes:
+        if all(c.name in live for c in ix.columns) and len(ix.columns) == len(ix.expressions):
+            sa.Index(ix.name, *(copy.c[c.name] for c in ix.columns), unique=bool(ix.unique), **ix.kwargs)
+    return copy
 
 
 def downgrade() -> None:
