@@ -36,6 +36,8 @@ BROKER_UNAVAILABLE = "broker_unavailable"
 DEAD_LETTERED = "dead_lettered"
 INBOX_PRUNED = "inbox_pruned"
 DUPLICATES = "duplicates"  # per consumer: a delivery the inbox absorbed as one it had already taken
+BATCHES = "batches"  # per batch consumer: batches committed (inbox/batch.py)
+BATCHED_MESSAGES = "batched_messages"  # per batch consumer: messages in those batches (the mean size is the ratio)
 # The reconciler's (relay/reconcile.py), in the RELAY scope: messages it sent again because they never arrived.
 RECONCILED = "reconciled"  # every message sent again, all kinds
 RECONCILED_EVENTS = "reconciled_events"  # (event, consumer) pairs

@@ -54,6 +54,7 @@ from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
 from celery_outbox.crashpoints import CrashPoints
 from celery_outbox.db import SessionSource, resolve_session
 from celery_outbox.errors import ConfigError, UnknownEventTypeError, ValidationError
+from celery_outbox.inbox.batch import BatchHandler
 from celery_outbox.inbox.claim import Handler, Prepare
 from celery_outbox.messages import task_name
 from celery_outbox.names import check_name
@@ -118,15 +119,20 @@ class Outbox:
     # -- consumers and routes --------------------------------------------------------------------
     def consumer(self, event: str | Iterable[str], *, name: str, ordering: bool = False, fast_path: bool = True,
                  prepare: Prepare | None = None, max_retries: int | None = None, retry_backoff: bool | float = True,
-                 retry_backoff_max: float | None = None, retry_jitter: bool = False,
-                 ) -> Callable[[Handler], ConsumerSpec]:
+                 retry_backoff_max: float | None = None, retry_jitter: bool = False, batch_size: int | None = None,
+                 batch_wait_ms: int | None = None) -> Callable[[Handler | BatchHandler], ConsumerSpec]:
         """Declare ``handler(session, envelope)`` as consumer ``name`` of ``event``: a Celery task on its own
-        queue whose effect commits with its inbox row. Retry options mean what they mean on ``@app.task``."""
+        queue whose effect commits with its inbox row. Retry options mean what they mean on ``@app.task``.
+
+        ``batch_size=N`` (``batch_wait_ms=M``, 50 by default): a batch consumer, ``handler(session, envelopes)``
+        called with up to N messages that arrived within M ms, their inbox rows claimed in one statement and
+        committed with its effect; a failing batch is split so a poison message is dead-lettered alone
+        (docs/tasks.md, "Batch consumers")."""
         make = consumer(name=name, event=event, ordering=ordering, fast_path=fast_path, prepare=prepare,
                         max_retries=max_retries, retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
-                        retry_jitter=retry_jitter)
+                        retry_jitter=retry_jitter, batch_size=batch_size, batch_wait_ms=batch_wait_ms)
 
-        def decorate(handler: Handler) -> ConsumerSpec:
+        def decorate(handler: Handler | BatchHandler) -> ConsumerSpec:
             return self.include(make(handler))
 
         return decorate

@@ -22,9 +22,10 @@ the ORM effect still commit together. ``prepare=`` runs an external effect that 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db import DatabaseError as DjangoDatabaseError
@@ -32,7 +33,7 @@ from sqlalchemy.orm import Session
 
 from celery_outbox import counters
 from celery_outbox.clock import Clock
-from celery_outbox.consumer import ConsumerSpec
+from celery_outbox.consumer import ConsumerSpec, check_batch, one_at_a_time
 from celery_outbox.contrib.django.lent import LentSessions
 from celery_outbox.counters import DUPLICATES
 from celery_outbox.crashpoints import DISARMED
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 
 Effect = Callable[[Envelope], object]
 """The handler: writes with Django's ORM, never commits (the inbox's ``atomic()`` does)."""
+
+BatchEffect = Callable[[list[Envelope]], object]
+"""A batch consumer's handler: the effect of many messages at once (``bulk_create``, one upsert)."""
 
 Prepare = Callable[[Envelope], object]
 """An external effect with an idempotency key (derive it from ``envelope.message_id``), run before the
@@ -93,6 +97,31 @@ def _claim(envelope: Envelope, consumer: str, alias: str, now_ms: int) -> bool:
         raise DatabaseError(f"inbox insert for {consumer} {envelope.message_id} failed: {e}") from e
 
 
+def _claim_many(envelopes: list[Envelope], consumer: str, alias: str, now_ms: int) -> set[uuid.UUID]:
+    """``_claim`` for a whole batch: ONE ``INSERT ... VALUES (...), (...) ON CONFLICT DO NOTHING RETURNING``,
+    keys sorted (``celery_outbox.inbox.batch.claim_many``); returns the message ids it inserted."""
+    from celery_outbox.contrib.django.models import InboxEntry
+
+    if not envelopes:
+        return set()
+    connection = connections[alias]
+    meta = InboxEntry._meta
+    fields = [meta.get_field(name) for name in ("message_id", "consumer", "type", "processed_at_ms")]
+    qn = connection.ops.quote_name
+    rows = sorted(envelopes, key=lambda e: e.message_id)
+    one = f"({', '.join(['%s'] * len(fields))})"
+    sql = (f"INSERT INTO {qn(meta.db_table)} ({', '.join(qn(f.column) for f in fields)}) "
+           f"VALUES {', '.join([one] * len(rows))} ON CONFLICT DO NOTHING RETURNING {qn(fields[0].column)}")
+    params = [f.get_db_prep_value(v, connection, prepared=False) for e in rows
+              for f, v in zip(fields, (e.message_id, consumer, e.type, now_ms), strict=True)]
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return {uuid.UUID(str(row[0])) for row in cursor.fetchall()}
+    except DjangoDatabaseError as e:
+        raise DatabaseError(f"inbox insert of a batch of {len(rows)} for {consumer} failed: {e}") from e
+
+
 @dataclass(frozen=True, kw_only=True)
 class DjangoConsumerSpec(ConsumerSpec):
     """A consumer whose inbox claim and effect run in one ``transaction.atomic(using=...)``."""
@@ -100,6 +129,7 @@ class DjangoConsumerSpec(ConsumerSpec):
     effect: Effect
     using: str | None = None
     prepare_effect: Prepare | None = None
+    batch_effect: BatchEffect | None = None
     lent: LentSessions = field(default_factory=LentSessions, compare=False, repr=False)
 
     def handle(self, session: Session, envelope: Envelope, *, tables: Tables, clock: Clock,
@@ -148,6 +178,47 @@ class DjangoConsumerSpec(ConsumerSpec):
                 log.warning("could not dead-letter expired parked messages of %s: %s", self.name, e)
         return outcome
 
+    def handle_batch(self, session: Session, envelopes: list[Envelope], *, tables: Tables, clock: Clock,
+                     crash_points: CrashSite | None = None) -> list[Outcome]:
+        """A batch consumer's inbox step (``celery_outbox.batch_delivery``): the batch's inbox rows claimed in
+        one statement and its effect, in ONE ``atomic()``; one outcome per envelope, PROCESSED or DUPLICATE.
+        A handler error rolls the block back and propagates. The counts (duplicates, batches) follow in a
+        small transaction of the core's session (observability only)."""
+        if self.batch_effect is None:
+            raise ConfigError(f"consumer {self.name!r} is not a batch consumer (declare it with batch_size=...)")
+        for envelope in envelopes:
+            if not self.accepts(envelope.type):
+                raise UnknownEventTypeError(
+                    f"consumer {self.name!r} does not handle event type {envelope.type!r} "
+                    f"(it handles: {', '.join(sorted(self.events))})")
+        alias = self.using or DEFAULT_DB_ALIAS
+        crash = crash_points or DISARMED
+        first: dict[uuid.UUID, Envelope] = {}
+        for envelope in envelopes:
+            first.setdefault(envelope.message_id, envelope)
+        with transaction.atomic(using=alias):
+            claimed = _claim_many(list(first.values()), self.name, alias, clock.now_ms())
+            fresh = [e for e in first.values() if e.message_id in claimed]
+            if fresh:
+                self.batch_effect(fresh)
+            crash.reached("consumer_before_commit")
+        crash.reached("consumer_after_commit_before_ack")
+        outcomes: list[Outcome] = []
+        taken: set[uuid.UUID] = set()
+        for envelope in envelopes:
+            outcomes.append(Outcome.PROCESSED if envelope.message_id in claimed and envelope.message_id not in taken
+                            else Outcome.DUPLICATE)
+            taken.add(envelope.message_id)
+        try:
+            counters.stage_increment(session, self.name, DUPLICATES, len(envelopes) - len(fresh), tables=tables)
+            counters.stage_increment(session, self.name, counters.BATCHES, 1, tables=tables)
+            counters.stage_increment(session, self.name, counters.BATCHED_MESSAGES, len(envelopes), tables=tables)
+            session.commit()
+        except Exception as e:  # the batch is committed and must be acked: its counts are not worth a redelivery
+            session.rollback()
+            log.warning("could not count a batch of %s: %s", self.name, e)
+        return outcomes
+
     def _ordered(self, envelope: Envelope, alias: str, *, tables: Tables, now_ms: int,
                  park_timeout_ms: int | None) -> tuple[Outcome, bool]:
         """The library's per-entity ordering inside the open ``atomic()``; DUPLICATE raises to roll it back."""
@@ -171,8 +242,12 @@ class DjangoConsumerSpec(ConsumerSpec):
 def idempotent_consumer(event: str | Iterable[str], *, name: str, using: str | None = None, fast_path: bool = True,
                         ordering: bool = False, prepare: Prepare | None = None, max_retries: int | None = None,
                         retry_backoff: bool | float = True, retry_backoff_max: float | None = None,
-                        retry_jitter: bool = False) -> Callable[[Effect], DjangoConsumerSpec]:
+                        retry_jitter: bool = False, batch_size: int | None = None,
+                        batch_wait_ms: int | None = None) -> Callable[[Effect | BatchEffect], DjangoConsumerSpec]:
     """Declare ``handler(envelope)`` as consumer ``name`` of ``event`` on Django's database ``using``.
+
+    ``batch_size=N``: a batch consumer, ``handler(envelopes)`` given up to N messages that arrived within
+    ``batch_wait_ms``; their inbox rows and its ORM writes commit in ONE ``atomic()`` (docs/tasks.md).
 
     Returns a spec; ``outbox.include(spec)`` defines its Celery task. ``ordering``, ``prepare``, ``fast_path``
     and the retry options mean what they mean on ``Outbox.consumer``; ``prepare(envelope)`` takes no session.
@@ -188,7 +263,22 @@ def idempotent_consumer(event: str | Iterable[str], *, name: str, using: str | N
     policy = RetryPolicy(max_retries=max_retries, retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
                          retry_jitter=retry_jitter)
 
-    def decorate(effect: Effect) -> DjangoConsumerSpec:
+    size, wait = check_batch(name, batch_size=batch_size, batch_wait_ms=batch_wait_ms, ordering=ordering,
+                             prepare=prepare)
+
+    def decorate(given: Effect | BatchEffect) -> DjangoConsumerSpec:
+        if size is not None:
+            batch = cast(BatchEffect, given)
+
+            def batch_handler(_session: Session, envelopes: list[Envelope]) -> None:
+                batch(envelopes)
+
+            return DjangoConsumerSpec(name=name, events=events, handler=one_at_a_time(batch_handler),
+                                      fast_path=fast_path, policy=policy, effect=lambda e: batch([e]), using=using,
+                                      batch_size=size, batch_wait_ms=wait, batch_handler=batch_handler,
+                                      batch_effect=batch)
+        effect = cast(Effect, given)
+
         def handler(_session: Session, envelope: Envelope) -> None:
             effect(envelope)
 
