@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 import threading
@@ -18,16 +19,26 @@ from sqlalchemy import event, exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
-from celery_outbox.errors import ConfigError, DatabaseError
+from celery_outbox.errors import EXTRAS, ConfigError, DatabaseError, missing_extra
 from celery_outbox.settings import Settings
 
 _LIBPQ_DRIVERS = ("psycopg2", "psycopg")  # drivers that hand connect_args to libpq as connection parameters
 
 
+def postgres_driver() -> str:
+    """The driver a plain ``postgresql://`` URL gets: psycopg2 when it is installed, else psycopg 3 (the
+    library runs on either alone: the ``[psycopg2]`` and ``[psycopg]`` extras), psycopg2 when neither is
+    (``make_engine`` then says which extra to install)."""
+    if importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg") is not None:
+        return "psycopg"
+    return "psycopg2"
+
+
 def normalize_url(url: str) -> str:
-    """``postgresql://`` means psycopg2 here (SQLAlchemy 2.1 would pick psycopg 3)."""
+    """``postgresql://`` means the installed driver (``postgres_driver``: psycopg2 first), whatever SQLAlchemy's
+    own default is (psycopg2 on 2.0, psycopg 3 on 2.1)."""
     if url.startswith(("postgresql://", "postgres://")):
-        return "postgresql+psycopg2://" + url.split("://", 1)[1]
+        return f"postgresql+{postgres_driver()}://" + url.split("://", 1)[1]
     return url
 
 
@@ -141,7 +152,12 @@ def make_engine(url: str, *, settings: Settings | None = None, echo: bool = Fals
     if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in _LIBPQ_DRIVERS:
         ours = postgres_connect_args(settings, driver=parsed.get_driver_name(), url_query=parsed.query)
         kwargs["connect_args"] = {**ours, **kwargs.get("connect_args", {})}
-    engine = sa.create_engine(url, echo=echo, **kwargs)
+    try:
+        engine = sa.create_engine(url, echo=echo, **kwargs)
+    except ModuleNotFoundError as e:  # the URL's driver is not installed: one line naming the extra
+        if (e.name or "").split(".")[0] not in EXTRAS:
+            raise
+        raise missing_extra(e.name, needed_by=f"a {parsed.drivername}:// database URL") from None
     if pinged_after_idle:
         pre_ping_after_idle(engine, idle_s=idle_ms / 1000)
     return engine

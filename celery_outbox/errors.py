@@ -70,3 +70,30 @@ class TransactionRequiredError(OutboxError):
 
 class AlreadyPublishedError(OutboxError):
     """A cancel named a task the relay has already published: the outbox can no longer stop it."""
+
+
+class MissingExtraError(ConfigError, ImportError):
+    """An optional dependency is not installed. The message is one line naming the extra that installs it
+    (``pip install "celery-outbox[redis]"``); an ``ImportError`` too, so ``except ImportError`` still sees it."""
+
+
+#: The top-level module of each optional dependency -> the extra of ``celery-outbox`` that installs it
+#: (pyproject.toml, ``[project.optional-dependencies]``; tests/structure/test_optional_imports.py keeps the two in step).
+EXTRAS: dict[str, str] = {
+    "redis": "redis",
+    "psycopg2": "psycopg2",
+    "psycopg": "psycopg",
+    "flask": "flask",
+    "gunicorn": "flask",
+    "django": "django",
+    "opentelemetry": "otel",
+}
+
+
+def missing_extra(module: str | None, *, needed_by: str, install: str | None = None) -> MissingExtraError:
+    """The one-line error for ``module`` missing where ``needed_by`` needs it; ``install`` overrides the
+    ``pip install`` arguments (default: the extra of ``EXTRAS`` that installs the module)."""
+    top = (module or "").split(".")[0]
+    if install is None:
+        install = f'"celery-outbox[{EXTRAS[top]}]"' if top in EXTRAS else f'"{top}"'
+    return MissingExtraError(f"{needed_by} needs {module!r}, which is not installed: pip install {install}", name=top)

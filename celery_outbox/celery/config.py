@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
 from celery_outbox.config.declare import broker_kind
+from celery_outbox.errors import missing_extra
 from celery_outbox.settings import Settings
 
 DRAIN_TASK = "celery_outbox.drain"
@@ -42,6 +44,14 @@ def quorum_delivery_limit(settings: Settings) -> int:
     (docs/scaling.md, "Quorum queues and dead letters").
     """
     return max(QUORUM_MIN_DELIVERY_LIMIT, 2 * settings.consumer_max_deliveries)
+
+
+def require_broker_client(broker_url: str) -> None:
+    """A ``redis://`` or ``sentinel://`` broker needs the redis client (the ``[redis]`` extra): one line naming
+    the extra before kombu opens a connection (it would raise its own ImportError, naming no extra)."""
+    if broker_kind(broker_url) == "redis" and importlib.util.find_spec("redis") is None:
+        scheme = broker_url.split("://", 1)[0]
+        raise missing_extra("redis", needed_by=f"the {scheme}:// broker")
 
 
 def queue_arguments(settings: Settings, broker_url: str) -> dict[str, Any]:

@@ -58,6 +58,7 @@ or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never c
 from __future__ import annotations
 
 import logging
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -69,7 +70,6 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from celery import signals
 from celery.backends.base import Backend
-from celery.backends.redis import RedisBackend
 from celery.utils.time import maybe_make_aware
 from kombu import Exchange, Queue
 from sqlalchemy import exc as sa_exc
@@ -624,11 +624,15 @@ class SendTask:
 
 
 def _producer_free(backend: Any) -> bool:
-    """True when ``backend.on_task_call`` does not use the producer it is given (``SendTask``)."""
-    return getattr(type(backend), "on_task_call", None) in _PRODUCER_FREE_CALLS
+    """True when ``backend.on_task_call`` does not use the producer it is given (``SendTask``).
 
-
-_PRODUCER_FREE_CALLS = frozenset({Backend.on_task_call, RedisBackend.on_task_call})
+    Celery's Redis backend is looked up only once something imported it (a Redis result backend has): its
+    module imports the redis client, which a project on RabbitMQ need not have installed."""
+    call = getattr(type(backend), "on_task_call", None)
+    if call is Backend.on_task_call:
+        return True
+    redis_backends = sys.modules.get("celery.backends.redis")
+    return redis_backends is not None and call is redis_backends.RedisBackend.on_task_call
 
 
 def install(outbox: Any) -> Interceptor:

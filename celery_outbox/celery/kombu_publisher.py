@@ -26,7 +26,7 @@ from typing import Any
 from kombu import Connection, Exchange, Producer, Queue
 from kombu.exceptions import KombuError
 
-from celery_outbox.celery.config import celery_config, sentinel_options
+from celery_outbox.celery.config import celery_config, require_broker_client, sentinel_options
 from celery_outbox.config.declare import broker_kind
 from celery_outbox.errors import BrokerUnavailableError, ConfigError
 from celery_outbox.messages import QueueSpec, TaskMessage
@@ -52,6 +52,7 @@ class KombuPublisher:
         mode = confirm_mode or (settings.relay_confirm_mode if settings is not None else "confirm")
         if mode not in CONFIRM_MODES:
             raise ConfigError(f"confirm_mode must be one of {', '.join(CONFIRM_MODES)}, got {mode!r}")
+        require_broker_client(broker_url)
         self.broker_url = broker_url
         self.confirm_mode = mode
         self.is_rabbitmq = broker_kind(broker_url) == "rabbitmq"

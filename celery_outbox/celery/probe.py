@@ -12,7 +12,7 @@ from typing import Any
 
 from kombu import Connection
 
-from celery_outbox.celery.config import sentinel_options
+from celery_outbox.celery.config import require_broker_client, sentinel_options
 from celery_outbox.config.declare import broker_kind
 from celery_outbox.ops.health import BrokerProbe
 from celery_outbox.settings import Settings
@@ -26,6 +26,7 @@ def connected(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
     """A kombu connection to the broker at ``url``, connected within ``timeout_s`` (one attempt per failover
     URL, no sleeping), released on exit; raises when it cannot connect. ``transport_options``: what the
     URL cannot say (a ``sentinel://`` broker's ``master_name``: ``config.sentinel_options``)."""
+    require_broker_client(url)
     options: dict[str, Any] = {}
     if broker_kind(url) == "redis":  # sentinel:// included
         options.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)

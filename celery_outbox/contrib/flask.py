@@ -45,6 +45,13 @@ the app in werkzeug's ``ProxyFix`` so Flask sees the scheme).
 
 from __future__ import annotations
 
+from celery_outbox.errors import missing_extra
+
+try:
+    import flask  # noqa: F401  (this module needs it: one line naming the extra if it is missing)
+except ModuleNotFoundError as e:
+    raise missing_extra(e.name, needed_by="celery_outbox.contrib.flask") from None
+
 import base64
 import dataclasses
 import hashlib

@@ -23,6 +23,13 @@ This module imports no models, so it is safe to import before the app registry i
 
 from __future__ import annotations
 
+from celery_outbox.errors import missing_extra
+
+try:
+    import django  # noqa: F401  (every module of this package needs it: one line naming the extra if it is missing)
+except ModuleNotFoundError as e:
+    raise missing_extra(e.name, needed_by="celery_outbox.contrib.django") from None
+
 from celery_outbox.contrib.django.cancel import cancel
 from celery_outbox.contrib.django.conf import connection_url, database_settings, database_url, outbox_settings
 from celery_outbox.contrib.django.consumer import DjangoConsumerSpec, idempotent_consumer

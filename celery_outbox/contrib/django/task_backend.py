@@ -31,6 +31,13 @@ than ``"default"`` is the Celery queue of that name (a worker must consume it: `
 
 from __future__ import annotations
 
+from celery_outbox.errors import missing_extra
+
+try:
+    import django.tasks  # noqa: F401  (Django 6: one line saying so on 5.2)
+except ModuleNotFoundError as e:
+    raise missing_extra(e.name, needed_by="celery_outbox.contrib.django.task_backend", install='"Django>=6,<7"') from None
+
 import uuid
 from typing import Any
 
