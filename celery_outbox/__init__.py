@@ -44,7 +44,10 @@ from celery_outbox.relay.publisher import Publisher, PublishReport
 from celery_outbox.schema import Tables, define_tables
 from celery_outbox.settings import Settings
 from celery_outbox.sql import upsert
+from celery_outbox.version import package_version
 from celery_outbox.writer import Event
+
+__version__ = package_version()
 
 __all__ = [
     "AlreadyPublishedError",
