@@ -29,7 +29,7 @@ from celery import Celery
 from celery.exceptions import Reject
 
 from celery_outbox import tracing
-from celery_outbox.celery import events
+from celery_outbox.celery import batch_tasks, events
 from celery_outbox.celery.config import consumer_time_limits
 from celery_outbox.celery.strategy import STRATEGY
 from celery_outbox.consumer import ConsumerSpec
@@ -128,9 +128,13 @@ def define(app: Celery, ctx: Context, spec: ConsumerSpec) -> Any:
         name=task_name(spec.name), bind=True, acks_late=True,
         reject_on_worker_lost=True, ignore_result=True, max_retries=None, shared=False,
         time_limit=hard_limit, soft_time_limit=soft_limit, acks_on_timeout=False,
-        Strategy=STRATEGY,  # every broker message is checked before Celery unpacks it (strategy.py)
+        # every broker message is checked before Celery unpacks it (strategy.py); a batch consumer's
+        # messages then wait in a buffer and go to the pool a batch at a time (batch_tasks.py)
+        Strategy=STRATEGY if spec.batch_size is None else batch_tasks.STRATEGY,
         outbox_settings=settings, outbox_queue=settings.queue_name(spec.name),  # read by the strategy
         outbox_max_eta_s=float(policy.max_s) + 60.0,
+        outbox_batch_size=spec.batch_size, outbox_batch_wait_ms=spec.batch_wait_ms,
+        outbox_batch_runner=batch_tasks.BatchRunner(ctx, spec, policy) if spec.batch_size is not None else None,
     )
     def run(self: Any, body: Any) -> str:
         result = deliver_or_retry(self, ctx, spec, body, request_id=self.request.id, settings=settings, policy=policy)

@@ -470,10 +470,13 @@ def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
         dead_t.add_row(g.source, g.consumer or "-", str(g.count), _age(g.oldest_age_ms))
     console.print(dead_t)
     cons_t = Table(title="consumers")
-    for col in ("consumer", "inbox rows", "duplicates absorbed"):
+    for col in ("consumer", "inbox rows", "duplicates absorbed", "batches (mean size)"):
         cons_t.add_column(col)
+    batches = st.batches
     for name in sorted(set(st.inbox) | set(st.duplicates_absorbed) | set(known_consumers)):
-        cons_t.add_row(name, str(st.inbox.get(name, 0)), str(st.duplicates_absorbed.get(name, 0)))
+        b = batches.get(name)
+        cons_t.add_row(name, str(st.inbox.get(name, 0)), str(st.duplicates_absorbed.get(name, 0)),
+                       f"{int(b['batches'])} ({b['mean_size']:g})" if b else "-")
     console.print(cons_t)
     if st.vacuum is not None:
         _print_vacuum(console, st.vacuum, st.now_ms)

@@ -154,6 +154,11 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
                                    labels=["consumer"]),
         "dups": CounterMetricFamily("outbox_duplicates_absorbed", "Duplicate deliveries the inbox absorbed",
                                     labels=["consumer"]),
+        "batches": CounterMetricFamily("outbox_consumer_batches", "Batches a batch consumer committed",
+                                       labels=["consumer"]),
+        "batched": CounterMetricFamily("outbox_consumer_batched_messages",
+                                       "Messages in those batches (mean batch size = this / outbox_consumer_batches)",
+                                       labels=["consumer"]),
         "published_total": CounterMetricFamily("outbox_relay_published", "Outbox rows the relay published"),
         "failures_total": CounterMetricFamily("outbox_relay_publish_failures",
                                               "Failed publish attempts: a message the broker rejected (charged to "
@@ -236,6 +241,9 @@ class OutboxCollector(Collector):
             fam["inbox"].add_metric([consumer], n)
         for consumer, n in st.duplicates_absorbed.items():
             fam["dups"].add_metric([consumer], n)
+        for consumer, b in st.batches.items():
+            fam["batches"].add_metric([consumer], b["batches"])
+            fam["batched"].add_metric([consumer], b["messages"])
         relay = st.counters.get(counters.RELAY, {})
         fam["published_total"].add_metric([], relay.get(counters.PUBLISHED, 0))
         fam["failures_total"].add_metric(["rejected"], relay.get(counters.PUBLISH_FAILURES, 0))

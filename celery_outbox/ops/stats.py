@@ -145,6 +145,16 @@ class Stats:
         return out
 
     @property
+    def batches(self) -> dict[str, dict[str, float]]:
+        """Per batch consumer: batches committed, the messages in them and their mean size (inbox/batch.py)."""
+        out: dict[str, dict[str, float]] = {}
+        for consumer, named in self.counters.items():
+            n, m = named.get(relay_counters.BATCHES, 0), named.get(relay_counters.BATCHED_MESSAGES, 0)
+            if n:
+                out[consumer] = {"batches": n, "messages": m, "mean_size": round(m / n, 2)}
+        return out
+
+    @property
     def dead_letter_total(self) -> int:
         return sum(g.count for g in self.dead_letters)
 
@@ -166,6 +176,7 @@ class Stats:
             "duplicates_absorbed": {"total": sum(self.duplicates_absorbed.values()),
                                     "per_consumer": dict(self.duplicates_absorbed)},
             "reconciled": self.reconciled,
+            "batches": self.batches,
             "counters": {c: dict(v) for c, v in self.counters.items()},
             "vacuum": None if self.vacuum is None else self.vacuum.to_dict(),
             "partitions": None if self.partitions is None else self.partitions.to_dict(),

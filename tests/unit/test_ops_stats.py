@@ -31,6 +31,9 @@ def scenario(s: Session, tables: Tables) -> None:
     inbox_rows(s, tables=tables, consumer="billing", processed_at_ms=T0, n=2)
     counter(s, tables=tables, consumer="shipping", name="duplicates", value=4)
     counter(s, tables=tables, consumer="billing", name="duplicates", value=1)
+    counter(s, tables=tables, consumer="search", name="batches", value=3)  # a batch consumer (inbox/batch.py),
+    counter(s, tables=tables, consumer="search", name="batches#77", value=1)  # one of its counters striped
+    counter(s, tables=tables, consumer="search", name="batched_messages", value=50)
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -59,6 +62,8 @@ EXPECTED: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {
     ("outbox_inbox_entries", (("consumer", "shipping"),)): 3,
     ("outbox_duplicates_absorbed_total", (("consumer", "billing"),)): 1,
     ("outbox_duplicates_absorbed_total", (("consumer", "shipping"),)): 4,
+    ("outbox_consumer_batches_total", (("consumer", "search"),)): 4,
+    ("outbox_consumer_batched_messages_total", (("consumer", "search"),)): 50,
 }
 
 
@@ -77,6 +82,7 @@ def test_stats_after_a_scripted_scenario(sqlite_session: Session, clock: ManualC
     ]
     assert st["inbox"] == {"total": 5, "per_consumer": {"billing": 2, "shipping": 3}}
     assert st["duplicates_absorbed"] == {"total": 5, "per_consumer": {"billing": 1, "shipping": 4}}
+    assert st["batches"] == {"search": {"batches": 4, "messages": 50, "mean_size": 12.5}}
     json.dumps(st)  # machine output must be plain JSON
 
 

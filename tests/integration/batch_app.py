@@ -1,0 +1,35 @@
+"""A Celery app with one batch consumer, for tests/integration/test_batch_worker.py (``celery -A`` this module).
+
+Its effect is a bulk upsert that adds 1 to ``batch_docs.effects`` per order: an order whose row reads 1
+had its effect exactly once. ``BATCH_TEST_STALL_MARKER``: the first batch to run creates that file and
+then stalls, so the test can SIGKILL the worker in the middle of a batch."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from celery import Celery
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from celery_outbox import Envelope, Outbox, Settings
+from tests.integration.batch_effect import BATCH_SIZE, DOCS
+
+app = Celery("batch_test", broker=os.environ.get("OUTBOX_BROKER_URL", "memory://"), set_as_current=True)
+app.conf.update(accept_content=["json"], task_serializer="json", result_serializer="json",
+                worker_prefetch_multiplier=BATCH_SIZE, worker_send_task_events=True)
+outbox = Outbox(app, settings=Settings.from_env())
+
+
+@outbox.consumer("OrderPlaced", name="index", batch_size=BATCH_SIZE, batch_wait_ms=100)
+def index(session: Session, events: list[Envelope]) -> None:
+    marker = os.environ.get("BATCH_TEST_STALL_MARKER")
+    rows = [{"order_id": str(e.payload["order_id"]), "effects": 1} for e in events]
+    stmt = insert(DOCS).values(rows)
+    session.execute(stmt.on_conflict_do_update(index_elements=["order_id"], set_={"effects": DOCS.c.effects + 1}))
+    if marker and not Path(marker).exists():
+        session.flush()
+        Path(marker).write_text(str(len(events)))
+        time.sleep(120)  # killed here, its batch written but not committed
