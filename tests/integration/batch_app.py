@@ -1,7 +1,8 @@
 """A Celery app with one batch consumer, for tests/integration/test_batch_worker.py (``celery -A`` this module).
 
 Its effect is a bulk upsert that adds 1 to ``batch_docs.effects`` per order: an order whose row reads 1
-had its effect exactly once. ``BATCH_TEST_STALL_MARKER``: the first batch to run creates that file and
+had its effect exactly once. An order with ``"poison": true`` always fails its batch.
+``BATCH_TEST_STALL_MARKER``: the first batch to run creates that file and
 then stalls, so the test can SIGKILL the worker in the middle of a batch."""
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ outbox = Outbox(app, settings=Settings.from_env())
 @outbox.consumer("OrderPlaced", name="index", batch_size=BATCH_SIZE, batch_wait_ms=100)
 def index(session: Session, events: list[Envelope]) -> None:
     marker = os.environ.get("BATCH_TEST_STALL_MARKER")
+    poison = [e for e in events if e.payload.get("poison")]
+    if poison:
+        raise ValueError(f"cannot index {poison[0].payload['order_id']}")
     rows = [{"order_id": str(e.payload["order_id"]), "effects": 1} for e in events]
     stmt = insert(DOCS).values(rows)
     session.execute(stmt.on_conflict_do_update(index_elements=["order_id"], set_={"effects": DOCS.c.effects + 1}))
