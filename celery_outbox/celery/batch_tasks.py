@@ -72,6 +72,8 @@ class Settled:
     deliveries: int
     error: str | None = None
     requeue: bool = False  # a retry whose new copy could not be published: reject with requeue instead
+    dead_letter: str | None = None  # dead-lettered now: ``consumer:<id>`` and its group, named in Flower's FAILURE
+    group: str | None = None
 
 
 class BatchRunner:
@@ -108,7 +110,7 @@ def run_batch(task_name: str, items: list[BatchItem], retries: list[int]) -> lis
                 log.warning("outbox: could not publish the retry of %s (%s); requeueing it", item.request_id, e)
                 requeue = True
         settled.append(Settled(outcome=result.outcome.value, deliveries=result.deliveries, error=result.error,
-                               requeue=requeue))
+                               requeue=requeue, dead_letter=result.dead_letter, group=result.group))
     return settled
 
 
@@ -183,8 +185,10 @@ def _settle(batch: list[Any], settled: list[Settled], runtime: float) -> None:
             if result.requeue:
                 request.reject(requeue=True)
             elif result.outcome == Outcome.DEAD_LETTERED.value:
-                reason = storable_text(f"dead-lettered for {request.task.name} after {result.deliveries} deliveries: "
-                                       f"{result.error or 'no error recorded'}", limit=1000)
+                # as consumer_tasks.finish: the dead letter and its group first (a replay runs under this task id)
+                where = f" as {result.dead_letter} (group {result.group})" if result.dead_letter else ""
+                reason = storable_text(f"dead-lettered for {request.task.name} after {result.deliveries} deliveries"
+                                       f"{where}: {result.error or 'no error recorded'}", limit=1000)
                 request.send_event("task-failed", exception=f"DeadLettered({reason})", traceback="")
                 request.reject(requeue=False)
             elif result.outcome == Outcome.RETRY.value:
