@@ -127,3 +127,45 @@ def test_the_missing_extra_message_is_one_line_naming_the_extra() -> None:
 
 def test_every_extra_named_in_a_message_exists() -> None:
     assert set(EXTRAS.values()) <= set(runtime_extras()), set(EXTRAS.values()) - set(runtime_extras())
+
+
+PROJECT = {
+    "proj/__init__.py": "from proj.celery import app as celery_app\n",
+    "proj/celery.py": (
+        "import os\n"
+        "from celery import Celery\n"
+        "from celery_outbox.contrib.django import DjangoOutbox\n"
+        "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'proj.settings')\n"
+        "app = Celery('proj')\n"
+        "app.config_from_object('django.conf:settings', namespace='CELERY')\n"
+        "outbox = DjangoOutbox(app)\n"),
+    "proj/settings.py": (
+        "SECRET_KEY = 'not-a-secret'\n"
+        "INSTALLED_APPS = ['django.contrib.contenttypes', 'django.contrib.auth', 'celery_outbox.contrib.django', 'shop']\n"
+        "DATABASES = {'default': {'ENGINE': 'django.db.backends.sqlite3', 'NAME': 'db.sqlite3'}}\n"
+        "DEFAULT_AUTO_FIELD = 'django.db.models.BigAutoField'\n"
+        "CELERY_BROKER_URL = OUTBOX_BROKER_URL = 'amqp://guest:guest@127.0.0.1:5672//'\n"),
+    "shop/__init__.py": "",
+    "shop/models.py": "from django.db import models\n\nclass Order(models.Model):\n    total = models.IntegerField()\n",
+    "manage.py": (
+        "import os, sys\n"
+        "sys.modules['redis'] = None  # installed with [postgres,django]: no redis client\n"
+        "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'proj.settings')\n"
+        "from django.core.management import execute_from_command_line\n"
+        "execute_from_command_line(sys.argv)\n"),
+}
+
+
+def test_a_django_project_on_rabbitmq_without_redis_makes_its_migrations(tmp_path: Path) -> None:
+    # Given Celery's usual Django layout on RabbitMQ, with no redis client installed
+    for name, text in PROJECT.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    # When its first makemigrations and check run
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    for command in (["makemigrations", "shop"], ["check"]):
+        out = subprocess.run([sys.executable, "manage.py", *command], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=120)
+        # Then both succeed
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "shop" / "migrations" / "0001_initial.py").exists()
