@@ -125,6 +125,28 @@ def test_outbox_consumer_declares_a_batch_consumer_whose_single_path_passes_a_li
     assert consumer(name="x", event="E", batch_size=5)(index.batch_handler).batch_wait_ms == 50  # type: ignore[arg-type]
 
 
+def test_flask_outbox_declares_a_batch_consumer_at_import(tmp_path: Any) -> None:
+    from flask import Flask
+
+    from celery_outbox.contrib.flask import FlaskOutbox
+
+    front = FlaskOutbox()
+
+    @front.consumer("OrderPlaced", name="search", batch_size=10, batch_wait_ms=5)  # type: ignore[arg-type]
+    def index(session: Session, events: list[Envelope]) -> None:
+        pass
+
+    with pytest.raises(ConfigError, match="cannot take batch_size"):
+        front.consumer("OrderPlaced", name="ordered", ordering=True, batch_size=10)
+    app = Flask(f"batch{uuid.uuid4().hex[:6]}")
+    app.config.update(OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'f.db'}", CELERY={"broker_url": "memory://localhost/"})
+    outbox = front.init_app(app)
+    spec = outbox.registry["search"]
+    assert (spec.batch_size, spec.batch_wait_ms, spec.batch_handler) == (10, 5, index.batch_handler)
+    assert outbox.task("search").outbox_batch_size == 10  # the task batches in a worker (celery/batch_tasks.py)
+    outbox.close()
+
+
 # -- the batch's inbox: one claim statement, one commit ---------------------------------------------
 
 def test_a_batch_claims_every_inbox_row_in_one_statement_and_commits_once(
