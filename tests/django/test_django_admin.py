@@ -155,6 +155,24 @@ def test_the_list_pages_show_the_dead_letters_of_both_stores(
     assert f"consumer:{cid}" in html(root.get(CONSUMER_LIST + "?replayed=no&consumer=fulfilment"))
 
 
+def test_a_consumer_dead_letter_is_found_by_the_task_id_flower_shows(
+        root: Client, sa_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given two consumer dead letters, one kept with the task id of its FAILURE in Flower
+    task_id = str(uuid.uuid4())
+    with sa_sessions() as s:
+        found = consumer_store.record(
+            s, tables=tables, consumer=CONSUMER, message_id=str(uuid.uuid4()), type="OrderPlaced",
+            body=json.dumps(envelope()), headers={}, delivery_count=3, last_error="carrier down",
+            first_failed_at_ms=1_700_000_000_000, last_failed_at_ms=1_700_000_060_000, task_id=task_id).id
+        s.commit()
+    other = consumer_dead_letter(sa_sessions, tables, body=json.dumps(envelope()))
+    # When the operator searches the consumer list for that task id
+    page = html(root.get(CONSUMER_LIST, {"q": task_id}))
+    # Then only that dead letter is listed, and its page shows the task id
+    assert f"consumer:{found}" in page and f"consumer:{other}" not in page
+    assert task_id in html(root.get(consumer_detail(found)))
+
+
 def test_attacker_written_bodies_errors_and_names_are_escaped_everywhere(
         root: Client, sa_sessions: sessionmaker[Session], tables: Tables) -> None:
     # Given dead letters whose body, error, type, consumer and headers carry HTML

@@ -421,9 +421,9 @@ class ConsumerDeadLetterAdmin(DeadLetterAdmin):
                     "replayed")
     list_display_links = ("dl_id",)
     list_filter = ("consumer", ReplayedFilter)
-    search_fields = ("type", "message_id")
+    search_fields = ("type", "message_id", "task_id")  # task_id: the FAILURE Flower shows (docs/operations.md)
     ordering = ("last_failed_at_ms", "id")
-    fields = ("dl_id", "dl_source", "consumer", "message_id", "type", "deliveries", "first_failed", "dead_at", "age",
+    fields = ("dl_id", "dl_source", "consumer", "message_id", "task_id", "type", "deliveries", "first_failed", "dead_at", "age",
               "replayed_at", "error_full", "body_pretty", "headers_pretty")
     readonly_fields = fields
 
