@@ -248,15 +248,22 @@ def replay(session: Session, id: int, *, tables: Tables, send: Send, clock: Cloc
     with wrap_driver_errors(f"replaying dead letter {id}"):
         _forget_attempts(session, tables=tables, consumer=row.consumer, message_id=row.message_id)
         session.commit()
-    send_as = getattr(send, "send_as", None)
-    if row.task_id and callable(send_as):
-        send_as(row.consumer, envelope, task_id=row.task_id)
-    else:
-        send(row.consumer, envelope)
+    send_replay(send, row, envelope)
     with wrap_driver_errors(f"marking dead letter {id} replayed"):
         row.replayed_at_ms = clock.now_ms()
         session.commit()
     return row
+
+
+def send_replay(send: Send, row: DeadLetterRow, envelope: dict[str, Any]) -> bool:
+    """Send ``row``'s envelope back (every replay path: one, ``--all``, a group); True when it went out under
+    the dead-lettered delivery's task id (``replay``), False when as a new task."""
+    send_as = getattr(send, "send_as", None)
+    if row.task_id and callable(send_as):
+        send_as(row.consumer, envelope, task_id=row.task_id)
+        return True
+    send(row.consumer, envelope)
+    return False
 
 
 def purge(session: Session, ids: Sequence[int], *, tables: Tables) -> int:

@@ -31,7 +31,7 @@ from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.db import wrap_driver_errors
 from celery_outbox.errors import NotFoundError, ValidationError
-from celery_outbox.inbox.dead_letters import envelope_of
+from celery_outbox.inbox.dead_letters import envelope_of, send_replay
 from celery_outbox.inbox.fingerprints import FINGERPRINT_CHARS, error_class, fingerprint, normalise
 from celery_outbox.inbox.task_keys import is_task_key
 from celery_outbox.ops.archive import Archive, encode
@@ -336,11 +336,11 @@ def _replay_consumer_row(session: Session, ref: DeadLetterId, *, scope: str, tab
     throttle.wait()
     envelope = envelope_of(row)
     assert send is not None
-    send(row.consumer, envelope)
+    same_task = send_replay(send, row, envelope)  # under the dead-lettered delivery's task id when it was kept
     row.replayed_at_ms = clock.now_ms()
     counters.stage_increment(session, scope, "done", tables=tables)
     session.commit()
-    return True, f"{ref}: re-sent to {where}"
+    return True, f"{ref}: re-sent to {where}" + (f" as task {row.task_id}" if same_task else "")
 
 
 def _load_batch(session: Session, refs: list[DeadLetterId], *, tables: Tables, forget: bool) -> None:

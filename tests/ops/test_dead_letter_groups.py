@@ -99,6 +99,33 @@ class Sender:
             raise KeyboardInterrupt("killed between the send and the mark")
 
 
+def test_a_group_replay_sends_each_dead_letter_under_its_own_task_id(sqlite_sessions: sessionmaker[Session],
+                                                                     tables: Tables, clock: ManualClock,
+                                                                     outbox: Any) -> None:
+    from celery_outbox.celery.sender import replay_sender
+    from celery_outbox.inbox import dead_letters as store
+
+    # Given one group of billing dead letters: two kept their delivery's task id (Flower's FAILURE), one did not
+    kept = ["2d0f1a52-1b5e-4c1e-9d0a-000000000001", "2d0f1a52-1b5e-4c1e-9d0a-000000000002"]
+    with sqlite_sessions() as s:
+        for tid in [*kept, None]:
+            env = envelope("o-g")
+            store.record(s, tables=tables, consumer="billing", message_id=env["message_id"], type="OrderPlaced",
+                         body=json.dumps(env), headers={}, delivery_count=3, last_error="RuntimeError: gateway down",
+                         first_failed_at_ms=T0, last_failed_at_ms=T0 + 1, task_id=tid)
+        s.commit()
+        [group] = groups.list_groups(s, tables=tables)
+    calls: list[dict[str, Any]] = []
+    outbox.app.send_task = lambda name, **kw: calls.append(kw)
+    # When the group is replayed through the real sender
+    report = groups.replay_group(sqlite_sessions, group.id, tables=tables, clock=clock,
+                                 send=replay_sender(outbox.app, outbox), rate=FAST)
+    # Then each went out once: the two under their own task ids, the third as a new task
+    assert report.done_now == 3
+    sent = [kw["task_id"] for kw in calls]
+    assert sent[:2] == kept and sent[2] not in kept and len(sent) == 3
+
+
 def test_dry_run_says_where_and_changes_nothing(any_sessions: sessionmaker[Session], tables: Tables,
                                                 clock: ManualClock) -> None:
     with any_sessions() as s:
