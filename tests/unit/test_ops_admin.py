@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import re
+import uuid
 from typing import Any
 
 import pytest
@@ -106,6 +107,26 @@ def test_list_show_replay_with_bearer(client: FlaskClient, sqlite_sessions: sess
     r = client.post(f"/admin/dead-letters/outbox:{row.seq}/replay", headers=BEARER, data={"csrf_token": token})
     assert r.status_code == 303
     assert state(sqlite_sessions, tables)[0] == [(row.seq, None, 0)]
+
+
+def test_the_detail_page_shows_the_task_id_of_the_failure_flower_shows(client: FlaskClient,
+                                                                      sqlite_sessions: sessionmaker[Session],
+                                                                      tables: Tables) -> None:
+    from celery_outbox.inbox import dead_letters as store
+
+    # Given a consumer dead letter kept with its delivery's task id, and an outbox one (no task)
+    tid = "7f1c2a34-0b9e-4d55-8a1e-4c7b9e0d1f21"
+    with sqlite_sessions() as s:
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10)
+        cid = store.record(s, tables=tables, consumer="email", message_id=str(uuid.uuid4()), type="OrderPlaced",
+                           body="{}", headers={}, delivery_count=3, last_error="smtp 554", first_failed_at_ms=T0,
+                           last_failed_at_ms=T0, task_id=tid).id
+        s.commit()
+    # When their pages are opened, the consumer one names the task id and the outbox one none
+    consumer_page = client.get(f"/admin/dead-letters/consumer:{cid}", headers=BEARER).get_data(as_text=True)
+    outbox_page = client.get(f"/admin/dead-letters/outbox:{row.seq}", headers=BEARER).get_data(as_text=True)
+    assert f'<td id="task-id">{tid}</td>' in consumer_page
+    assert '<td id="task-id">-</td>' in outbox_page
 
 
 def test_basic_auth_works_and_post_without_csrf_is_refused(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
