@@ -48,8 +48,8 @@ from chaos.environment import ChaosEnvironment
 from chaos.load import order_body
 from chaos.processes import BIN, ManagedProcess, worker_argv
 from consumers.effects import effect_counts
-from devtools.embedded import free_port
 from orders.service import ORDER_PLACED
+from relay.embedded import free_port
 
 MODES = ("outbox", "plain")
 APPS = {"outbox": "orders.wsgi:app", "plain": "bench._plain_web:app"}

@@ -51,10 +51,6 @@ class BrokerUnavailableError(PublishError):
     """The broker cannot be reached at all: a relay-wide condition, never charged to a message."""
 
 
-class EmbeddedServerError(OutboxError):
-    """The embedded Redis server could not be started or reached."""
-
-
 class NotFoundError(ValidationError):
     """A caller named something (a dead-letter id, a consumer) that does not exist; nothing changed."""
 

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from celery_outbox.errors import EmbeddedServerError
-from devtools.embedded import free_port
+from relay.embedded import EmbeddedServerError, free_port
 
 SHARED_RABBITMQ_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
@@ -87,7 +86,7 @@ def redis_binary() -> str:
     for candidate in ("/usr/bin/redis-server", "/usr/local/bin/redis-server"):
         if os.access(candidate, os.X_OK):
             return candidate
-    from devtools.embedded import redis_server_binary
+    from relay.embedded import redis_server_binary
 
     return redis_server_binary()
 

@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from celery_outbox.errors import EmbeddedServerError
 from chaos.broker import TakenMessage, Wanted
-from devtools.embedded import free_port
+from relay.embedded import EmbeddedServerError, free_port
 
 SBIN = Path(os.environ.get("OUTBOX_RABBITMQ_SBIN", "/usr/lib/rabbitmq/bin"))
 SERVER = SBIN / "rabbitmq-server"

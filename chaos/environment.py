@@ -9,6 +9,7 @@ drops the database and deletes the namespace's queues.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +28,6 @@ from chaos.broker import RabbitBroker, RedisBroker, TakenMessage, TcpProxy, make
 from chaos.cluster import ClusterBroker
 from chaos.processes import ManagedProcess, ProcessGroup, beat_argv, orders_argv, relay_argv, worker_argv
 from chaos.sentinel import SentinelBroker
-from devtools.processes import wait_until
 from orders import migrate
 
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -235,8 +235,11 @@ class ChaosEnvironment:
 
     def wait(self, predicate: Callable[[], bool], *, timeout_s: float = 60.0, what: str = "condition") -> None:
         """Poll ``predicate`` until true; on timeout raise with every process's log tail."""
-        if not wait_until(predicate, timeout_s=timeout_s, interval_s=0.2):
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{self.logs()}")
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{self.logs()}")
+            time.sleep(0.2)
 
     def repend(self, seqs: Sequence[int]) -> int:
         """Mark published rows pending again: the relay publishes them a second time (duplicates)."""

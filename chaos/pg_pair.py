@@ -34,9 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from celery_outbox.errors import EmbeddedServerError
 from chaos.broker import TcpProxy
-from devtools.embedded import free_port
+from relay.embedded import EmbeddedServerError, free_port
 
 PG_BIN = Path(os.environ.get("OUTBOX_PG_BIN", "/usr/lib/postgresql/15/bin"))
 OS_USER = "postgres"  # who runs the clusters when we are root (initdb refuses root)

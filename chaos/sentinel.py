@@ -32,9 +32,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from celery_outbox.errors import EmbeddedServerError
 from chaos.broker import TakenMessage, TcpProxy, Wanted, redis_binary
-from devtools.embedded import free_port
+from relay.embedded import EmbeddedServerError, free_port
 
 MASTER = "outbox"
 DURABLE = ["--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction", "--save", ""]
@@ -44,7 +43,7 @@ def sentinel_missing() -> str | None:
     """Why a Sentinel group cannot be started here (None when it can)."""
     try:
         binary = redis_binary()
-    except Exception as e:  # devtools.embedded raises when no redis-server is found
+    except Exception as e:  # relay.embedded raises when no redis-server is found
         return f"redis-server not found ({e}): install Debian's redis-server package to run the Sentinel tests"
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False).stdout
     if "v=" not in out:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from celery_outbox.cli.common import handle_errors
-from devtools.embedded import EmbeddedRedis
 from devtools.settings import deployment_settings as get_settings
+from relay.embedded import EmbeddedRedis
 
 
 @click.group("embedded-redis")

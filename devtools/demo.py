@@ -27,13 +27,13 @@ from celery_outbox.inbox.task_keys import task_key
 from celery_outbox.schema import Tables, define_tables
 from celeryconfig import EMBEDDED, Settings
 from consumers.effects import duplicates_absorbed, effect_counts
-from devtools.embedded import EmbeddedRedis
 from devtools.processes import Child, beat, wait_until, worker
 from orders import migrate
 from orders.models import Order
 from orders.service import ORDER_PLACED
 from orders.tasks import NAME as CONFIRMATION
 from orders.web import create_app
+from relay.embedded import EmbeddedRedis
 
 EMAIL = "email"  # the confirmation e-mail task's name in the summary (consumers.effects counts it so)
 CONFIRMATION_KEY = task_key(CONFIRMATION)

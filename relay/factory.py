@@ -14,7 +14,7 @@ import consumers
 import orders.tasks
 from celery_outbox import Clock, Outbox, exit_on_config_error
 from celeryconfig import EMBEDDED, Settings, celery_config
-from devtools.embedded import EmbeddedRedis, resolve_broker_url
+from relay.embedded import EmbeddedRedis, resolve_broker_url
 
 
 class HomeScheduler(PersistentScheduler):

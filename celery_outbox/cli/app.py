@@ -28,6 +28,7 @@ from celery_outbox.outbox import Outbox
 
 APP_ENV = "OUTBOX_APP"
 PYPROJECT_TABLE = "celery-outbox"  # [tool.celery-outbox]
+DJANGO_APP_LABEL = "celery_outbox"  # the label of celery_outbox.contrib.django's AppConfig
 NO_APP = ("no app: pass -A MODULE[:ATTR] (where your Outbox lives), set OUTBOX_APP, add "
           '[tool.celery-outbox] app = "MODULE[:ATTR]" to your pyproject.toml, or set DJANGO_SETTINGS_MODULE or FLASK_APP')
 
@@ -151,9 +152,17 @@ def _django_outbox(source: AppSource) -> Outbox:
     except ImproperlyConfigured as e:
         reason = str(e).splitlines()[0] if str(e) else "improperly configured"
         raise ConfigError(f"DJANGO_SETTINGS_MODULE={source.spec!r}: {reason}") from None
-    from celery_outbox.contrib.django.outbox import project_outbox
+    from django.apps import apps
 
-    return project_outbox()
+    # The Django app of celery_outbox.contrib.django answers (its AppConfig), so the command names no
+    # contrib module: contrib plugs into Django from above and Django's registry finds it.
+    try:
+        config = apps.get_app_config(DJANGO_APP_LABEL)
+    except LookupError:
+        raise ConfigError(f"DJANGO_SETTINGS_MODULE={source.spec!r}: add \"celery_outbox.contrib.django\" to "
+                          "INSTALLED_APPS") from None
+    outbox: Outbox = config.project_outbox()
+    return outbox
 
 
 def _flask_outbox(source: AppSource) -> tuple[Outbox, Any]:
@@ -161,16 +170,15 @@ def _flask_outbox(source: AppSource) -> tuple[Outbox, Any]:
         from flask.cli import NoAppException, ScriptInfo
     except ModuleNotFoundError:
         raise ConfigError('FLASK_APP is set but Flask is not installed: pip install "celery-outbox[flask]"') from None
-    from celery_outbox.contrib.flask import EXT_OUTBOX
-
     try:
         app = ScriptInfo(app_import_path=source.spec, set_debug_flag=False).load_app()
     except NoAppException as e:
         raise ConfigError(f"FLASK_APP={source.spec!r}: {str(e.format_message()).splitlines()[0]}") from None
-    outbox = app.extensions.get(EXT_OUTBOX)
-    if not isinstance(outbox, Outbox):
+    # FlaskOutbox.init_app keeps the app's Outbox in app.extensions, the registry Flask gives extensions
+    found = [v for v in app.extensions.values() if isinstance(v, Outbox)]
+    if len(found) != 1:
         raise ConfigError(f"FLASK_APP={source.spec!r}: the app has no Outbox (call FlaskOutbox().init_app(app) in it)")
-    return outbox, app
+    return found[0], app
 
 
 def load_app(source: AppSource) -> tuple[Outbox, Any]:

@@ -21,8 +21,8 @@ from celery_outbox.celery.sender import replay_sender
 from celery_outbox.cli import cli
 from celeryconfig import Settings
 from consumers.models import Shipment
-from devtools.embedded import free_port
 from devtools.processes import Child, settings_env, wait_until, worker
+from relay.embedded import free_port
 from relay.factory import create_outbox
 from tests.ops_seed import consumer_dead_letter, envelope, outbox_row
 

@@ -25,7 +25,7 @@ from celery_outbox.celery.kombu_publisher import KombuPublisher
 from celery_outbox.clock import ManualClock
 from celery_outbox.relay.dispatch import breaker_from_settings, dispatch_with_settings
 from celeryconfig import Settings
-from devtools.embedded import free_port
+from relay.embedded import free_port
 from tests.outbox_rows import insert_pending
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

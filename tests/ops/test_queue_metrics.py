@@ -21,8 +21,8 @@ from celery_outbox.celery.queue_depth import queue_depths
 from celery_outbox.cli import cli
 from celery_outbox.ops.metrics import QueueDepth, make_registry, render
 from celeryconfig import Settings
-from devtools.embedded import free_port
 from devtools.processes import Child, settings_env, wait_until, worker
+from relay.embedded import free_port
 from tests.ops_seed import outbox_row
 
 pytestmark = [pytest.mark.workers, pytest.mark.slow]

@@ -3,6 +3,8 @@ system checks (``manage.py check``), and no silent bypass of the outbox (``bindi
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.apps import AppConfig
 
 
@@ -17,3 +19,10 @@ class OutboxDjangoConfig(AppConfig):  # type: ignore[misc]
 
         binding.refuse_unbound_sends()
         checks.register()
+
+    def project_outbox(self) -> Any:
+        """The project's ``Outbox`` (``outbox.project_outbox``), asked through Django's app registry by the
+        ``outbox`` command, which names no contrib module."""
+        from celery_outbox.contrib.django.outbox import project_outbox
+
+        return project_outbox()

@@ -1,7 +1,7 @@
 """Transactional enqueue on Django: inside ``transaction.atomic()``, ``task.delay()`` writes an outbox row.
 
-``DjangoOutbox`` hands ``atomic_writer`` to its ``Outbox`` (``ambient=``; a plain ``Outbox`` in a Django
-project may be given it too): when that outbox's Celery app sends a task and no SQLAlchemy session is bound
+``DjangoOutbox`` hands ``django_outbox_writer`` to its ``Outbox`` (``ambient=``; a plain ``Outbox`` in a
+Django project may be given ``atomic_writer``): when that outbox's Celery app sends a task and no SQLAlchemy session is bound
 (``outbox.transaction``), the capture (``celery_outbox.celery.enqueue``) asks this provider; if the
 Django connection the outbox models write to is inside an ``atomic()`` block (ATOMIC_REQUESTS
 included), the task message becomes an ``OutboxMessage`` row on that connection, committed or rolled
@@ -112,13 +112,14 @@ class OwnAtomicWriter(DjangoWriter):
             raise
 
 
-def atomic_writer(outbox: Any) -> DjangoWriter | None:
+def atomic_writer(outbox: Any, *, own_transaction: bool = False) -> DjangoWriter | None:
     """The Django writer for ``outbox``'s task rows, or None (then ``enqueue_outside_transaction`` decides).
 
     Inside ``atomic()`` on the outbox's alias (``DjangoOutbox(using=...)``, else the router's alias of
-    the outbox models): a row of that transaction. Outside it, with ``enqueue_outside_transaction`` set
-    to ``own_transaction``, a row committed in an ``atomic()`` of its own, except where the library sends
-    directly whatever the mode (inside a running worker task, in ``celery beat``).
+    the outbox models): a row of that transaction. Outside it, when ``own_transaction`` is asked (a
+    ``DjangoOutbox``'s writer) and ``enqueue_outside_transaction`` is ``own_transaction``, a row committed in
+    an ``atomic()`` of its own, except where the library sends directly whatever the mode (inside a running
+    worker task, in ``celery beat``); a plain ``Outbox`` commits such a row through its own engine.
     """
     from django.apps import apps
     from django.conf import settings
@@ -131,11 +132,14 @@ def atomic_writer(outbox: Any) -> DjangoWriter | None:
     connection = transaction.get_connection(alias)
     if connection.in_atomic_block:
         return DjangoWriter(connection.alias)
-    from celery_outbox.contrib.django.outbox import DjangoOutbox
-
     # A plain ``Outbox`` (its own engine) in a Django process commits its own row through that engine.
-    if not isinstance(outbox, DjangoOutbox) or outbox.settings.enqueue_outside_transaction != OWN_TRANSACTION \
+    if not own_transaction or outbox.settings.enqueue_outside_transaction != OWN_TRANSACTION \
             or outbox._enqueue_interceptor.in_beat or outbox.app.current_worker_task is not None:
         return None
     return OwnAtomicWriter(connection.alias)
 
+
+def django_outbox_writer(outbox: Any) -> DjangoWriter | None:
+    """The writer ``DjangoOutbox`` hands its ``Outbox``: ``atomic_writer``, which outside ``atomic()`` may
+    also commit a row in an ``atomic()`` of its own (a plain ``Outbox`` has its own engine for that)."""
+    return atomic_writer(outbox, own_transaction=True)

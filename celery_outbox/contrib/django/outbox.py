@@ -128,7 +128,7 @@ class DjangoOutbox(Outbox):
 
         from celery_outbox.contrib.django import dead_letters, task_runner
         from celery_outbox.contrib.django.conf import outbox_settings
-        from celery_outbox.contrib.django.enqueue import atomic_writer
+        from celery_outbox.contrib.django.enqueue import django_outbox_writer
 
         refused: ConfigError | None = None
         if settings is not None:
@@ -145,7 +145,7 @@ class DjangoOutbox(Outbox):
         self._django_sessions = DjangoSessionSource(using=self.using, settings=resolved)
         # Outbox wants an engine, a factory or a URL; an unbound factory stands in until the line after,
         # and nothing opens a session in between.
-        super().__init__(app, session_factory=sessionmaker(), settings=resolved, clock=clock, ambient=atomic_writer)
+        super().__init__(app, session_factory=sessionmaker(), settings=resolved, clock=clock, ambient=django_outbox_writer)
         self.sessions = self._django_sessions
         self.settings_error = refused
         app.set_default()

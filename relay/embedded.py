@@ -16,7 +16,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from celery_outbox.errors import ConfigError, EmbeddedServerError
+from celery_outbox import ConfigError, OutboxError
+
+
+class EmbeddedServerError(OutboxError):
+    """A local server (the embedded Redis, a chaos run's brokers and databases) did not start or answer."""
 
 
 def free_port() -> int:
