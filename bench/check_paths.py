@@ -17,7 +17,7 @@ of CPU per call (the minimum over ``--repeats`` timings of ``--calls`` calls eac
 * ``depth_scan_100_lines``: ``messages.json_depth_exceeds`` of the 100-line body (what ``decode_json`` and
   the gate run on a body with more brackets than the depth bound); full path: strings skipped by the
   pattern before the cut, cut: the unrolled pattern;
-* ``envelope``: what a consumer delivery does with its body in the pool, ``delivery._as_mapping`` then
+* ``envelope``: what a consumer delivery does with its body in the pool, ``delivery.parse_body`` then
   ``delivery._parse``; full path: the decoded mapping walked again for depth (``Envelope.from_dict``
   without ``decoded_within``), cut: not walked again. Both include ``decode_json``'s cut.
 
@@ -48,8 +48,9 @@ from bench._common import write_result
 from celery_outbox import Outbox, Settings, messages, task_rules
 from celery_outbox.celery import gate as gate_module
 from celery_outbox.celery.gate import Gate
+from celery_outbox.clock import SystemClock
 from celery_outbox.consumer import ConsumerSpec
-from celery_outbox.delivery import RawBody, _as_mapping, _parse
+from celery_outbox.delivery import DeliveryContext, _as_mapping, _parse, parse_body
 from celery_outbox.messages import Envelope, celery_task_message
 from consumers.testing import order_placed_envelope
 from tests.support.before_cuts import STRING_BEFORE, decode_json_before, depth_exceeds_before
@@ -135,9 +136,10 @@ def main() -> None:
                              lambda: messages.decode_json(envelope_text, max_depth=depth), contextlib.nullcontext)
     spec = ConsumerSpec(name="shipping", events=frozenset({"OrderPlaced"}), handler=lambda session, envelope: None)
 
+    context = DeliveryContext.build(spec, tables=outbox.tables, settings=settings, clock=SystemClock())
+
     def delivery_envelope() -> Envelope:
-        mapping = _as_mapping(envelope_text, None, depth)
-        return _parse(spec, envelope_text, mapping, RawBody(envelope_text, None), settings, None, True, 0)
+        return _parse(context, parse_body(envelope_text, max_depth=depth), True)
 
     def delivery_envelope_before() -> Envelope:
         """``_parse`` before the cut (a gated body): the decoded mapping walked again by ``from_dict``."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -127,17 +127,91 @@ def delivery_key(body: Any, request_id: str | None, raw: str | RawBody) -> uuid.
         return uuid.uuid5(TASK_ID_NAMESPACE, "surrogates:" + raw.encode("utf-8", "surrogatepass").hex())
 
 
-def _parse(spec: ConsumerSpec, body: Any, mapping: Mapping[str, Any] | None, raw: RawBody, settings: Settings,
-           malformed: MalformedDelivery | None, gated: bool, wrapper_levels: int) -> Envelope:
+@dataclass(frozen=True, kw_only=True)
+class DeliveryContext:
+    """What every delivery to one consumer shares, built once per consumer and passed down to each delivery.
+
+    ``policy``: the consumer's backoff, resolved once (``build`` resolves ``spec.policy`` when not given).
+    ``wrapper_levels``: how deep an idempotent task's envelope nests its arguments (celery/idempotent_task.py),
+    so an argument is held to the depth bound on its own, as ``delay()`` and the worker's gate hold it
+    (celery_outbox/task_rules.py). ``destination`` and ``park_timeout_ms`` are derived from the rest.
+    """
+
+    spec: ConsumerSpec
+    tables: Tables
+    settings: Settings
+    clock: Clock
+    policy: Backoff
+    crash_points: CrashSite | None = None
+    wrapper_levels: int = 0
+    destination: str = field(init=False)
+    park_timeout_ms: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "destination", self.settings.queue_name(self.spec.name))
+        object.__setattr__(self, "park_timeout_ms", self.settings.consumer_park_timeout_ms if self.spec.ordering else None)
+
+    @classmethod
+    def build(cls, spec: ConsumerSpec, *, tables: Tables, settings: Settings, clock: Clock,
+              crash_points: CrashSite | None = None, policy: Backoff | None = None,
+              wrapper_levels: int = 0) -> DeliveryContext:
+        return cls(spec=spec, tables=tables, settings=settings, clock=clock, crash_points=crash_points,
+                   policy=policy if policy is not None else spec.policy.resolve(settings),
+                   wrapper_levels=wrapper_levels)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Body:
+    """A delivered body, parsed once (``parse_body``): every step of the delivery reads this object.
+
+    ``mapping``: the body as an object (None when it is not one: not JSON, not an object, or
+    ``malformed``); ``type`` and ``headers``: what it names, as far as it names them (kept with a
+    dead letter, made storable there); ``raw``: the body as a dead letter stores it.
+    """
+
+    value: Any
+    malformed: MalformedDelivery | None
+    mapping: Mapping[str, Any] | None
+    raw: RawBody
+    type: str | None
+    headers: Mapping[str, Any]
+
+    def ids(self) -> tuple[str, str | None]:
+        """The (message_id, event type) the body names, as far as it names them (storable, bounded)."""
+        mapping = self.mapping
+        raw_id = mapping.get("message_id") if mapping is not None else None
+        message_id = storable_text(raw_id, limit=64) if isinstance(raw_id, str) else ""
+        return message_id, storable_text(self.type, limit=200) if self.type is not None else None
+
+
+def parse_body(body: Any, *, max_depth: int) -> Body:
+    """Parse a delivered body once: a malformed delivery (``messages.MalformedDelivery``), JSON text, or a mapping.
+
+    A ``Body`` is returned as it is, so a caller that parsed it already passes it down unchanged."""
+    if isinstance(body, Body):
+        return body
+    malformed = MalformedDelivery.decode(body) if isinstance(body, str) else None
+    mapping = _as_mapping(body, malformed, max_depth)
+    btype, bheaders = _body_meta(mapping)
     if malformed is not None:
-        raise MalformedMessageError(malformed.error)
+        bheaders = {"broker_headers": malformed.headers, "content_type": malformed.content_type,
+                    "content_encoding": malformed.content_encoding}
+    return Body(value=body, malformed=malformed, mapping=mapping, raw=RawBody(body, malformed), type=btype,
+                headers=bheaders)
+
+
+def _parse(context: DeliveryContext, body: Body, gated: bool) -> Envelope:
+    """Validate the parsed body as an envelope this consumer accepts."""
+    spec, settings, mapping = context.spec, context.settings, body.mapping
+    if body.malformed is not None:
+        raise MalformedMessageError(body.malformed.error)
     if not gated:  # a gated body's size was checked on its raw bytes (``deliver``); encoding it again costs a dump
-        check_size(raw.value, limit=settings.max_message_bytes, what=f"message for {spec.name}")
+        check_size(body.raw.value, limit=settings.max_message_bytes, what=f"message for {spec.name}")
     # The body was decoded once already (``_as_mapping``, a depth bound as tight or tighter): validate that
     # value, do not decode or walk it again. A body that came as a mapping was never measured: it is walked.
-    decoded = mapping is not None and mapping is not body
-    envelope = Envelope.from_dict(mapping if mapping is not None else body,
-                                  max_depth=settings.max_json_depth + wrapper_levels,
+    decoded = mapping is not None and mapping is not body.value
+    envelope = Envelope.from_dict(mapping if mapping is not None else body.value,
+                                  max_depth=settings.max_json_depth + context.wrapper_levels,
                                   decoded_within=settings.max_json_depth if decoded else None)
     if not spec.accepts(envelope.type):
         raise UnknownEventTypeError(
@@ -166,40 +240,40 @@ def deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, t
             settings: Settings, clock: Clock, crash_points: CrashSite | None = None,
             first_delivery: bool = False, redelivered: bool = False, policy: Backoff | None = None,
             gated: bool = False, wrapper_levels: int = 0) -> Delivery:
-    """Handle one delivery of ``body`` for ``spec``: count it, run the inbox, decide retry/dead letter.
+    """One delivery of ``body`` for ``spec``, its ``DeliveryContext`` built for it (``deliver_with``).
+
+    A caller that delivers many messages to one consumer (the consumer tasks) builds the context once
+    and calls ``deliver_with``; ``policy``: ``spec.policy`` already resolved."""
+    context = DeliveryContext.build(spec, tables=tables, settings=settings, clock=clock, crash_points=crash_points,
+                                    policy=policy, wrapper_levels=wrapper_levels)
+    return deliver_with(context, sessions, body, request_id=request_id, first_delivery=first_delivery,
+                        redelivered=redelivered, gated=gated)
+
+
+def deliver_with(context: DeliveryContext, sessions: sessionmaker[Session], body: Any, *, request_id: str | None,
+                 first_delivery: bool = False, redelivered: bool = False, gated: bool = False) -> Delivery:
+    """Handle one delivery of ``body`` (as delivered, or the ``Body`` ``parse_body`` made of it) for the
+    context's consumer: count it, run the inbox, decide retry/dead letter.
 
     ``first_delivery`` (no retry so far, no broker redelivery) takes the fast path: nothing is
     counted up front and the happy path costs the effect's one commit; the delivery is counted if it
     fails, and if its worker dies instead the redelivery arrives ``redelivered`` and is counted for
     both. Any other delivery is counted at its start, which bounds a message that kills its worker.
 
-    ``policy``: ``spec.policy`` already resolved (the Celery tasks resolve it once, at definition).
-    An idempotent task's body is an envelope it built around its arguments (celery/idempotent_task.py):
-    ``wrapper_levels`` is how deep that envelope nests them, so an argument is held to the depth
-    bound on its own, as ``delay()`` and the worker's gate hold it (celery_outbox/task_rules.py);
-    ``gated``: the raw message already passed that gate in this worker (size and depth), so its size is
-    not checked again by encoding the envelope.
+    ``gated``: the raw message already passed the worker's gate in this worker (size and depth), so its
+    size is not checked again by encoding the envelope.
     """
-    malformed = MalformedDelivery.decode(body) if isinstance(body, str) else None
-    raw = RawBody(body, malformed)
-    mapping = _as_mapping(body, malformed, settings.max_json_depth)
-    key = delivery_key(mapping if mapping is not None else body, request_id, raw)
-    btype, bheaders = _body_meta(mapping)
+    parsed = parse_body(body, max_depth=context.settings.max_json_depth)
+    key = delivery_key(parsed.mapping if parsed.mapping is not None else parsed.value, request_id, parsed.raw)
     # The delivery's span continues the trace the envelope carries (a no-op without OpenTelemetry).
-    with tracing.consuming(consumer=spec.name, destination=settings.queue_name(spec.name), message_id=str(key),
-                           event_type=btype, headers=bheaders) as span:
+    with tracing.consuming(consumer=context.spec.name, destination=context.destination, message_id=str(key),
+                           event_type=parsed.type, headers=parsed.headers if parsed.malformed is None else {}) as span:
         try:
-            result = _deliver(sessions, spec, body, tables=tables, settings=settings, clock=clock,
-                              crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
-                              malformed=malformed, mapping=mapping, raw=raw, key=key, btype=btype, bheaders=bheaders,
-                              policy=policy or spec.policy.resolve(settings), gated=gated,
-                              wrapper_levels=wrapper_levels, reconnect=True, task_id=request_id)
+            result = _deliver(context, sessions, parsed, key, first_delivery=first_delivery, redelivered=redelivered,
+                              gated=gated, reconnect=True, task_id=request_id)
         except _Reconnect:  # the pooled connection was dead (db.pre_ping_after_idle): once more on a new one
-            result = _deliver(sessions, spec, body, tables=tables, settings=settings, clock=clock,
-                              crash_points=crash_points, first_delivery=first_delivery, redelivered=redelivered,
-                              malformed=malformed, mapping=mapping, raw=raw, key=key, btype=btype, bheaders=bheaders,
-                              policy=policy or spec.policy.resolve(settings), gated=gated,
-                              wrapper_levels=wrapper_levels, reconnect=False, task_id=request_id)
+            result = _deliver(context, sessions, parsed, key, first_delivery=first_delivery, redelivered=redelivered,
+                              gated=gated, reconnect=False, task_id=request_id)
         span.record(result.outcome.value, deliveries=result.deliveries, error=result.error,
                     failed=result.outcome in (Outcome.RETRY, Outcome.DEAD_LETTERED))
     return result
@@ -209,11 +283,9 @@ class _Reconnect(Exception):
     """Internal: this delivery lost its connection before it committed or counted anything."""
 
 
-def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, tables: Tables, settings: Settings,
-             clock: Clock, crash_points: CrashSite | None, first_delivery: bool, redelivered: bool,
-             malformed: MalformedDelivery | None, mapping: Mapping[str, Any] | None, raw: RawBody, key: uuid.UUID,
-             btype: str | None, bheaders: Mapping[str, Any], policy: Backoff, gated: bool, wrapper_levels: int,
-             reconnect: bool, task_id: str | None = None) -> Delivery:
+def _deliver(context: DeliveryContext, sessions: sessionmaker[Session], body: Body, key: uuid.UUID, *,
+             first_delivery: bool, redelivered: bool, gated: bool, reconnect: bool,
+             task_id: str | None = None) -> Delivery:
     """``reconnect``: a first delivery whose connection was lost (the engine pings only connections idle
     longer than ``Settings.db_pre_ping_idle_ms``, db.py) raises ``_Reconnect`` before anything is
     counted: the caller runs it once more, on a new connection. Its transaction died with the
@@ -221,10 +293,8 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
     The second time it is a failure like any other, so a message that breaks its connection every time
     is still counted. A count that loses its connection (``attempts.begin``: its commit may have
     landed) is a redelivery, uncounted, as when the database is down."""
+    spec, tables, clock, policy = context.spec, context.tables, context.clock, context.policy
     name, limit = spec.name, policy.max_deliveries
-    if malformed is not None:
-        bheaders = {"broker_headers": malformed.headers, "content_type": malformed.content_type,
-                    "content_encoding": malformed.content_encoding}
     try:
         connection = _connect(sessions)
     except DatabaseError as e:  # the database is down: redeliver, do not count (as ``count`` below)
@@ -248,13 +318,12 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
                 return counted
             row = counted
             if row.deliveries > limit:
-                return _worker_lost(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders,
-                                    clock=clock, limit=limit, task_id=task_id)
+                return _worker_lost(session, row, context=context, body=body, task_id=task_id)
         try:
-            envelope = _parse(spec, body, mapping, raw, settings, malformed, gated, wrapper_levels)
+            envelope = _parse(context, body, gated)
             # An ordered consumer's delivery also dead-letters parked messages past the timeout (inbox/handle.py).
-            outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=crash_points,
-                                  park_timeout_ms=settings.consumer_park_timeout_ms if spec.ordering else None)
+            outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=context.crash_points,
+                                  park_timeout_ms=context.park_timeout_ms)
         except Exception as e:
             session.rollback()
             if reconnect and row is None and is_disconnect(e):  # nothing counted, nothing committed
@@ -266,10 +335,8 @@ def _deliver(sessions: sessionmaker[Session], spec: ConsumerSpec, body: Any, *, 
                     return counted
                 row = counted
                 if row.deliveries > limit:  # a dead-lettered copy came back
-                    return _worker_lost(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders,
-                                        clock=clock, limit=limit, task_id=task_id)
-            return _failed(session, row, tables=tables, spec=spec, raw=raw.value, type_=btype, headers=bheaders, error=error,
-                           clock=clock, limit=limit, task_id=task_id,
+                    return _worker_lost(session, row, context=context, body=body, task_id=task_id)
+            return _failed(session, row, context=context, body=body, error=error, task_id=task_id,
                            retry_in_s=policy.delay_s(row.deliveries))
         if row is None:  # a first delivery that went through: nothing was counted, nothing to clear
             return Delivery(outcome=outcome, deliveries=1)
@@ -305,17 +372,17 @@ def _body_meta(body: Mapping[str, Any] | None) -> tuple[str | None, Mapping[str,
     return btype, headers
 
 
-def _failed(session: Session, row: AttemptRow, *, tables: Tables, spec: ConsumerSpec, raw: str | bytes, type_: str | None,
-            headers: Mapping[str, Any], error: str, clock: Clock, limit: int, retry_in_s: float,
-            task_id: str | None = None) -> Delivery:
-    now = clock.now_ms()
+def _failed(session: Session, row: AttemptRow, *, context: DeliveryContext, body: Body, error: str,
+            retry_in_s: float, task_id: str | None = None) -> Delivery:
+    tables, spec, limit = context.tables, context.spec, context.policy.max_deliveries
+    now = context.clock.now_ms()
     try:
         attempts.fail(session, row, error=error, now_ms=now)
         if row.deliveries >= limit:
             dead = dead_letters.record(
-                session, tables=tables, consumer=spec.name, message_id=str(row.message_id), type=type_, body=raw, headers=headers,
-                delivery_count=row.deliveries, last_error=error, first_failed_at_ms=row.first_failed_at_ms,
-                last_failed_at_ms=now, task_id=task_id,
+                session, tables=tables, consumer=spec.name, message_id=str(row.message_id), type=body.type,
+                body=body.raw.value, headers=body.headers, delivery_count=row.deliveries, last_error=error,
+                first_failed_at_ms=row.first_failed_at_ms, last_failed_at_ms=now, task_id=task_id,
             )
             session.commit()
             return Delivery(outcome=Outcome.DEAD_LETTERED, deliveries=row.deliveries, error=error,
@@ -329,11 +396,12 @@ def _failed(session: Session, row: AttemptRow, *, tables: Tables, spec: Consumer
     return Delivery(outcome=Outcome.RETRY, deliveries=row.deliveries, error=error, retry_in_s=retry_in_s)
 
 
-def _worker_lost(session: Session, row: AttemptRow, *, tables: Tables, spec: ConsumerSpec, raw: str | bytes, type_: str | None,
-                 headers: Mapping[str, Any], clock: Clock, limit: int, task_id: str | None = None) -> Delivery:
+def _worker_lost(session: Session, row: AttemptRow, *, context: DeliveryContext, body: Body,
+                 task_id: str | None = None) -> Delivery:
     """More deliveries than allowed: earlier ones died without recording an outcome (killed worker),
     or this message is already dead-lettered and came back (a crash before the ack), or it was
     processed and the worker died between the inbox commit and the ack."""
+    tables, spec, limit = context.tables, context.spec, context.policy.max_deliveries
     if already_seen(session, row.message_id, spec.name, tables=tables):
         session.rollback()
         counters.increment(session, spec.name, counters.DUPLICATES, tables=tables)
@@ -346,11 +414,11 @@ def _worker_lost(session: Session, row: AttemptRow, *, tables: Tables, spec: Con
     error = storable_text(f"delivered {row.deliveries - 1} times (max {limit}) without an outcome: the worker was lost "
                           f"(killed or crashed) during the delivery; last recorded error: {row.last_error or 'none'}",
                           limit=dead_letters.ERROR_MAX_CHARS)
-    now = clock.now_ms()
+    now = context.clock.now_ms()
     dead = dead_letters.record(
-        session, tables=tables, consumer=spec.name, message_id=str(row.message_id), type=type_, body=raw, headers=headers,
-        delivery_count=row.deliveries - 1, last_error=error, first_failed_at_ms=row.first_failed_at_ms,
-        last_failed_at_ms=now, task_id=task_id,
+        session, tables=tables, consumer=spec.name, message_id=str(row.message_id), type=body.type,
+        body=body.raw.value, headers=body.headers, delivery_count=row.deliveries - 1, last_error=error,
+        first_failed_at_ms=row.first_failed_at_ms, last_failed_at_ms=now, task_id=task_id,
     )
     attempts.fail(session, row, error=error, now_ms=now)
     session.commit()

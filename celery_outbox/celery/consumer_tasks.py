@@ -22,38 +22,23 @@ could choke on. Called eagerly (tests, ``apply``) it also takes the envelope as 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
 from celery.exceptions import Reject
+from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import tracing
 from celery_outbox.celery import batch_tasks, events
 from celery_outbox.celery.config import consumer_time_limits
 from celery_outbox.celery.strategy import STRATEGY
 from celery_outbox.consumer import ConsumerSpec
-from celery_outbox.delivery import Delivery, deliver
-from celery_outbox.errors import MalformedMessageError
+from celery_outbox.delivery import Body, Delivery, DeliveryContext, deliver_with, parse_body
 from celery_outbox.inbox.outcome import Outcome
-from celery_outbox.messages import MALFORMED_PREFIX, decode_json, storable_text, task_name
+from celery_outbox.messages import storable_text, task_name
 from celery_outbox.policy import Backoff
 from celery_outbox.runtime import Context
-from celery_outbox.settings import Settings
-
-
-def _body_ids(body: Any, max_depth: int) -> tuple[str, str | None]:
-    """The (message_id, event type) a delivered body names, as far as it names them (storable, bounded)."""
-    if isinstance(body, str) and not body.startswith(MALFORMED_PREFIX):
-        try:
-            body = decode_json(body, max_depth=max_depth)
-        except MalformedMessageError:
-            body = None
-    raw = body.get("message_id") if isinstance(body, Mapping) else None
-    message_id = storable_text(raw, limit=64) if isinstance(raw, str) else ""
-    kind = body.get("type") if isinstance(body, Mapping) else None
-    event_type = storable_text(kind, limit=200) if isinstance(kind, str) else None
-    return message_id, event_type
 
 
 class DeadLettered(Reject):
@@ -75,20 +60,41 @@ class DeadLettered(Reject):
         return str(self.reason)
 
 
-def deliver_or_retry(task: Any, ctx: Context, spec: ConsumerSpec, body: Any, *, request_id: str | None,
-                     settings: Settings, policy: Backoff, wrapper_levels: int = 0) -> Delivery:
-    """``deliver`` for the running task's request; a delivery that must be redelivered raises Celery's
+def context_source(ctx: Context, spec: ConsumerSpec, *, policy: Backoff,
+                   wrapper_levels: int = 0) -> Callable[[], DeliveryContext]:
+    """The ``DeliveryContext`` of ``spec`` on ``ctx``, built at the first delivery (the tables may be
+    declared after the task is: ``define_tables``) and rebuilt only if ``ctx``'s tables, clock or crash
+    points are replaced (tests swap them between deliveries; a deployment never does)."""
+    built: list[tuple[tuple[object, object, object], DeliveryContext]] = []
+
+    def context() -> DeliveryContext:
+        key = (ctx.tables, ctx.clock, ctx.crash_points)
+        if built:
+            (tables, clock, crash_points), current = built[0]
+            if tables is key[0] and clock is key[1] and crash_points is key[2]:
+                return current
+        current = DeliveryContext.build(spec, tables=ctx.tables, settings=ctx.settings, clock=ctx.clock,
+                                        crash_points=ctx.crash_points, policy=policy, wrapper_levels=wrapper_levels)
+        built[:] = [(key, current)]
+        return current
+
+    return context
+
+
+def deliver_or_retry(task: Any, sessions: Callable[[], sessionmaker[Session]], context: DeliveryContext, body: Body, *,
+                     request_id: str | None) -> Delivery:
+    """``deliver_with`` for the running task's request; a delivery that must be redelivered raises Celery's
     retry with the policy's countdown instead of returning. Shared by consumer and idempotent tasks
-    (``wrapper_levels``: see ``delivery.deliver``; a worker's message passed the gate, an eager call did not)."""
+    (a worker's message passed the gate when the context wraps arguments, an eager call did not:
+    ``DeliveryContext.wrapper_levels``)."""
+    policy = context.policy
     try:
         request = task.request
         info = request.delivery_info or {}
         with tracing.worker_message(request):  # the span names the real queue (celery_outbox/tracing.py)
-            result = deliver(ctx.sessions(), spec, body, tables=ctx.tables, request_id=request_id,
-                             settings=settings, clock=ctx.clock, crash_points=ctx.crash_points,
-                             first_delivery=not request.retries, redelivered=bool(info.get("redelivered")),
-                             policy=policy, gated=wrapper_levels > 0 and not request.is_eager,
-                             wrapper_levels=wrapper_levels)
+            result = deliver_with(context, sessions(), body, request_id=request_id,
+                                  first_delivery=not request.retries, redelivered=bool(info.get("redelivered")),
+                                  gated=context.wrapper_levels > 0 and not request.is_eager)
     except Exception as e:  # never let a failure escape: acks_late would ack (and drop) the message
         result = Delivery(outcome=Outcome.RETRY, deliveries=0,
                           error=storable_text(f"{e.__class__.__name__}: {e}", limit=2000),
@@ -99,11 +105,11 @@ def deliver_or_retry(task: Any, ctx: Context, spec: ConsumerSpec, body: Any, *, 
     return result
 
 
-def finish(task: Any, app: Celery, consumer: str, body: Any, result: Delivery, max_depth: int) -> str:
+def finish(task: Any, app: Celery, consumer: str, body: Body, result: Delivery) -> str:
     """Map a finished delivery onto Celery: the task's result, or ``DeadLettered``; events best effort."""
     if result.outcome not in (Outcome.DUPLICATE, Outcome.DEAD_LETTERED):
         return str(result.outcome.value)
-    message_id, event_type = _body_ids(body, max_depth)
+    message_id, event_type = body.ids()
     sender = events.task_sender(task)
     if result.outcome is Outcome.DUPLICATE:
         events.duplicate_absorbed(app, consumer=consumer, message_id=message_id, event_type=event_type, **sender)
@@ -123,6 +129,8 @@ def define(app: Celery, ctx: Context, spec: ConsumerSpec) -> Any:
     settings = ctx.settings
     soft_limit, hard_limit = consumer_time_limits(settings)  # a hard kill is requeued and counted (config.py)
     policy = spec.policy.resolve(settings)
+    max_depth = settings.max_json_depth
+    context = context_source(ctx, spec, policy=policy)
 
     @app.task(  # type: ignore[untyped-decorator]
         name=task_name(spec.name), bind=True, acks_late=True,
@@ -137,8 +145,9 @@ def define(app: Celery, ctx: Context, spec: ConsumerSpec) -> Any:
         outbox_batch_runner=batch_tasks.BatchRunner(ctx, spec, policy) if spec.batch_size is not None else None,
     )
     def run(self: Any, body: Any) -> str:
-        result = deliver_or_retry(self, ctx, spec, body, request_id=self.request.id, settings=settings, policy=policy)
-        return finish(self, app, spec.name, body, result, settings.max_json_depth)
+        parsed = parse_body(body, max_depth=max_depth)
+        result = deliver_or_retry(self, ctx.sessions, context(), parsed, request_id=self.request.id)
+        return finish(self, app, spec.name, parsed, result)
 
     return run
 

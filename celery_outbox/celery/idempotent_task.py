@@ -49,8 +49,9 @@ from celery import Celery
 from sqlalchemy.orm import Session
 
 from celery_outbox.celery.config import consumer_time_limits
-from celery_outbox.celery.consumer_tasks import deliver_or_retry, finish
+from celery_outbox.celery.consumer_tasks import context_source, deliver_or_retry, finish
 from celery_outbox.consumer import ConsumerSpec
+from celery_outbox.delivery import parse_body
 from celery_outbox.errors import ConfigError
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.inbox.task_keys import check_task_name, message_id_for, task_key
@@ -155,6 +156,8 @@ def define(app: Celery, ctx: Context, fn: TaskFunction, *, name: str, policy: Re
     soft_limit, hard_limit = consumer_time_limits(settings)
     key = task_key(name)
     base_spec = ConsumerSpec(name=key, events=frozenset({name}), handler=_not_called, policy=policy)
+    max_depth = settings.max_json_depth
+    context = context_source(ctx, base_spec, policy=backoff, wrapper_levels=ARGUMENT_LEVELS)
 
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         request_id = self.request.id
@@ -167,12 +170,12 @@ def define(app: Celery, ctx: Context, fn: TaskFunction, *, name: str, policy: Re
         def handler(session: Session, _: Envelope) -> None:
             returned.append(_run_guarded(fn, session, args, kwargs))
 
-        result = deliver_or_retry(self, ctx, replace(base_spec, handler=handler), envelope,
-                                  request_id=envelope["message_id"], settings=settings, policy=backoff,
-                                  wrapper_levels=ARGUMENT_LEVELS)
+        parsed = parse_body(envelope, max_depth=max_depth)
+        result = deliver_or_retry(self, ctx.sessions, replace(context(), spec=replace(base_spec, handler=handler)), parsed,
+                                  request_id=envelope["message_id"])
         if result.outcome is Outcome.PROCESSED:
             return returned[0] if returned else None
-        return finish(self, app, key, envelope, result, settings.max_json_depth)
+        return finish(self, app, key, parsed, result)
 
     run.__signature__ = _call_signature(fn, name)  # type: ignore[attr-defined]
     run.__name__ = getattr(fn, "__name__", "run")

@@ -22,15 +22,18 @@ from typing import Any
 from unittest import mock
 
 import pytest
+import sqlalchemy as sa
 from hypothesis import HealthCheck, example, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from celery_outbox import Settings, messages, task_rules
+from celery_outbox.clock import SystemClock
 from celery_outbox.consumer import ConsumerSpec
-from celery_outbox.delivery import RawBody, _as_mapping, _parse
+from celery_outbox.delivery import DeliveryContext, _as_mapping, _parse, parse_body
 from celery_outbox.errors import MalformedMessageError
 from celery_outbox.messages import MalformedDelivery, decode_json
+from celery_outbox.schema import define_tables
 from celery_outbox.task_rules import TaskRules, check_call, check_message, decode_body
 from tests.support.before_cuts import STRING_BEFORE, decode_json_before
 
@@ -321,6 +324,7 @@ class AnyType(ConsumerSpec):
 
 
 SPEC = AnyType(name="fast", events=frozenset({"OrderPlaced"}), handler=lambda session, envelope: None)
+TABLES = define_tables(sa.MetaData())
 MID = "6f1c1b9e-2b7a-4c44-9a0e-6a1f2f3e4d5c"
 
 
@@ -346,7 +350,9 @@ def parsed(body: Any, wrapper_levels: int, *, walk: bool) -> Any:
     if walk:
         return messages.Envelope.from_dict(mapping if mapping is not None else body,
                                            max_depth=SETTINGS.max_json_depth + wrapper_levels)
-    return _parse(SPEC, body, mapping, RawBody(body, malformed), SETTINGS, malformed, True, wrapper_levels)
+    context = DeliveryContext.build(SPEC, tables=TABLES, settings=SETTINGS, clock=SystemClock(),
+                                    wrapper_levels=wrapper_levels)
+    return _parse(context, parse_body(body, max_depth=SETTINGS.max_json_depth), True)
 
 
 @HYPO

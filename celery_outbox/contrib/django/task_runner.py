@@ -22,9 +22,10 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from celery_outbox.celery.config import consumer_time_limits
-from celery_outbox.celery.consumer_tasks import deliver_or_retry, finish
+from celery_outbox.celery.consumer_tasks import context_source, deliver_or_retry, finish
 from celery_outbox.celery.idempotent_task import envelope_for
 from celery_outbox.contrib.django.consumer import DjangoConsumerSpec
+from celery_outbox.delivery import parse_body
 from celery_outbox.errors import ConfigError
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.inbox.task_keys import task_key
@@ -77,6 +78,7 @@ def define(outbox: RunnerHost) -> Any:
     settings = outbox.settings
     policy = RetryPolicy()
     backoff = policy.resolve(settings)
+    max_depth = settings.max_json_depth
     soft_limit, hard_limit = consumer_time_limits(settings)
     key = task_key(RUNNER)
 
@@ -85,6 +87,7 @@ def define(outbox: RunnerHost) -> Any:
 
     base_spec = DjangoConsumerSpec(name=key, events=frozenset({RUNNER}), handler=lambda _s, _e: None, policy=policy,
                                    effect=_not_called, using=outbox.using)
+    context = context_source(outbox, base_spec, policy=backoff)
 
     def run(self: Any, module_path: str, args: list[Any], kwargs: dict[str, Any], backend: str | None = None) -> Any:
         request_id = self.request.id
@@ -97,11 +100,12 @@ def define(outbox: RunnerHost) -> Any:
             returned.append(call_task(module_path, args, kwargs, task_id=request_id, backend=backend,
                                       attempt=self.request.retries + 1, worker=str(self.request.hostname or "")))
 
-        result = deliver_or_retry(self, outbox, replace(base_spec, effect=effect), envelope,
-                                  request_id=envelope["message_id"], settings=settings, policy=backoff)
+        parsed = parse_body(envelope, max_depth=max_depth)
+        result = deliver_or_retry(self, outbox.sessions, replace(context(), spec=replace(base_spec, effect=effect)),
+                                  parsed, request_id=envelope["message_id"])
         if result.outcome is Outcome.PROCESSED:
             return returned[0] if returned else None
-        return finish(self, app, key, envelope, result, settings.max_json_depth)
+        return finish(self, app, key, parsed, result)
 
     return app.task(
         name=RUNNER, bind=True, acks_late=True, reject_on_worker_lost=True, acks_on_timeout=False, max_retries=None,
