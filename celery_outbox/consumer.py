@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy.orm import Session
 
@@ -22,6 +22,8 @@ from celery_outbox.messages import Envelope
 from celery_outbox.names import check_name
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.schema import Tables
+
+_Step = TypeVar("_Step")  # a batch consumer's handler (core) or effect (Django)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,18 +64,25 @@ class ConsumerSpec:
                             ordering=self.ordering, crash_points=crash_points, prepare=self.prepare,
                             park_timeout_ms=park_timeout_ms)
 
-    def handle_batch(self, session: Session, envelopes: list[Envelope], *, tables: Tables, clock: Clock,
-                     crash_points: CrashSite | None = None) -> list[Outcome]:
-        """``inbox.batch.handle_batch`` with this batch consumer's handler: one outcome per envelope,
-        PROCESSED or DUPLICATE; a handler exception rolls the whole batch back and propagates."""
-        if self.batch_handler is None:
+    def batch_step(self, envelopes: list[Envelope], step: _Step | None) -> _Step:
+        """``step`` (this batch consumer's handler or effect), once the batch is known to be one it can take,
+        before anything is written: it is a batch consumer (``step`` is not None: declared with
+        ``batch_size=...``) and every envelope is of an event type it handles."""
+        if step is None:
             raise ConfigError(f"consumer {self.name!r} is not a batch consumer (declare it with batch_size=...)")
         for envelope in envelopes:
             if not self.accepts(envelope.type):
                 raise UnknownEventTypeError(
                     f"consumer {self.name!r} does not handle event type {envelope.type!r} "
                     f"(it handles: {', '.join(sorted(self.events))})")
-        return handle_batch(session, envelopes, tables=tables, consumer=self.name, handler=self.batch_handler,
+        return step
+
+    def handle_batch(self, session: Session, envelopes: list[Envelope], *, tables: Tables, clock: Clock,
+                     crash_points: CrashSite | None = None) -> list[Outcome]:
+        """``inbox.batch.handle_batch`` with this batch consumer's handler: one outcome per envelope,
+        PROCESSED or DUPLICATE; a handler exception rolls the whole batch back and propagates."""
+        handler = self.batch_step(envelopes, self.batch_handler)
+        return handle_batch(session, envelopes, tables=tables, consumer=self.name, handler=handler,
                             clock=clock, crash_points=crash_points)
 
 

@@ -11,8 +11,9 @@ database Alembic migrated and one Django migrated: the two are the same schema (
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
@@ -304,16 +305,25 @@ def differences(expected: SchemaShape, actual: SchemaShape, *, reloptions: bool 
     return out
 
 
-def _table_differences(name: str, want: TableShape, have: TableShape, *, reloptions: bool) -> list[str]:
+_Shape = TypeVar("_Shape", ColumnShape, IndexShape)
+
+
+def _shape_differences(label: Callable[[str], str], want: Mapping[str, _Shape], have: Mapping[str, _Shape]) -> list[str]:
+    """One line per named column or index that is missing, differs, or is not declared."""
     out: list[str] = []
-    for col, w in want.columns.items():
-        h = have.columns.get(col)
+    for key, w in want.items():
+        h = have.get(key)
         if h is None:
-            out.append(f"column {name}.{col}: missing (declared {w.describe()})")
+            out.append(f"{label(key)}: missing (declared {w.describe()})")
         elif h != w:
-            out.append(f"column {name}.{col}: is {h.describe()}, declared {w.describe()}")
-    for col in sorted(have.columns.keys() - want.columns.keys()):
-        out.append(f"column {name}.{col}: not declared ({have.columns[col].describe()})")
+            out.append(f"{label(key)}: is {h.describe()}, declared {w.describe()}")
+    for key in sorted(have.keys() - want.keys()):
+        out.append(f"{label(key)}: not declared ({have[key].describe()})")
+    return out
+
+
+def _table_differences(name: str, want: TableShape, have: TableShape, *, reloptions: bool) -> list[str]:
+    out = _shape_differences(lambda col: f"column {name}.{col}", want.columns, have.columns)
     if have.primary_key != want.primary_key:
         out.append(f"table {name}: primary key is ({', '.join(have.primary_key)}), "
                    f"declared ({', '.join(want.primary_key)})")
@@ -325,14 +335,7 @@ def _table_differences(name: str, want: TableShape, have: TableShape, *, relopti
         out.append(f"table {name}: check ({check}) missing")
     for check in sorted(have.checks - want.checks):
         out.append(f"table {name}: check ({check}) not declared")
-    for ix, wi in want.indexes.items():
-        hi = have.indexes.get(ix)
-        if hi is None:
-            out.append(f"index {ix} on {name}: missing (declared {wi.describe()})")
-        elif hi != wi:
-            out.append(f"index {ix} on {name}: is {hi.describe()}, declared {wi.describe()}")
-    for ix in sorted(have.indexes.keys() - want.indexes.keys()):
-        out.append(f"index {ix} on {name}: not declared ({have.indexes[ix].describe()})")
+    out += _shape_differences(lambda ix: f"index {ix} on {name}", want.indexes, have.indexes)
     if reloptions:
         for key in sorted(want.reloptions.keys() | have.reloptions.keys()):
             w_opt, h_opt = want.reloptions.get(key), have.reloptions.get(key)

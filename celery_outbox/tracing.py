@@ -37,6 +37,9 @@ trace headers are optional metadata. An unusable one (``TRACE_HEADERS``: not tex
 the task rule table drops it from a task message at both doors (``task_rules``), ``DroppedTraceHeaders``
 counts it and logs the first, and the task runs without it (a new trace); an envelope's is not read
 (``SafeGetter``) and the delivery runs. docs/operations.md ("Tracing") says the same.
+
+One module, though long: it is the only one that knows OpenTelemetry, so the optional import, the no-op
+fallbacks and the rule that nothing here may fail the work it observes are read and checked in one place.
 """
 
 from __future__ import annotations

@@ -53,6 +53,9 @@ The capture's state (the bound sessions, ``publishing_directly``, whether the pr
 
 The reused-id check costs one indexed lookup, and only for an id the caller chose (``task_id=...``,
 or one Celery froze for a canvas): Celery's own ids are fresh uuid4s and never collide.
+
+One module, though long: the capture is one door (``send_task_message``) and the rules above apply at it in
+the order written here; split, that order would be spread over files.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Human output is rich tables; ``--json`` is for machines (one JSON document on st
 unknown consumers and bad durations exit non-zero with the reason and change nothing. Prune and
 replay show progress as they go (``celery_outbox.cli.progress``) and end with a summary. ``stats``
 thresholds exit 3 when crossed (exit codes: ``celery_outbox.cli.probes``).
+
+One module, though long: the three commands share the on-call output (ages, rich tables, --json, progress
+lines) and the same refusals of bad input; split, each part would import the same helpers back.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ that lock: an application-level deadlock that only ``lock_timeout`` ends (bench/
 found it). So a new partition is built on its own and ATTACHed (SHARE UPDATE EXCLUSIVE on the parent), and
 an expired one is DETACHed CONCURRENTLY (the same) and then dropped. Both need the table to have no
 DEFAULT partition; the partitions ahead are what keeps writes from failing (docs/partitioning.md).
+
+One module, though long: the conversion, the partitions ahead and the detach and drop of old ones keep the one
+lock discipline above together; apart, one of them could take the lock the others are written to avoid.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ Every value shown comes from the stored message, which an attacker may have writ
 rendered through Django's escaping (``format_html``, autoescaped templates), and bodies are decoded
 (``outbox-b64:``) and made printable first. Projects with their own ``AdminSite`` register
 ``OutboxDeadLetterAdmin`` and ``ConsumerDeadLetterAdmin`` on it themselves.
+
+One module, though long: Django's admin autodiscovery imports the app's ``admin`` module, and the two model
+admins share the actions, the escaping and the extra pages.
 """
 
 from __future__ import annotations

@@ -184,13 +184,7 @@ class DjangoConsumerSpec(ConsumerSpec):
         one statement and its effect, in ONE ``atomic()``; one outcome per envelope, PROCESSED or DUPLICATE.
         A handler error rolls the block back and propagates. The counts (duplicates, batches) follow in a
         small transaction of the core's session (observability only)."""
-        if self.batch_effect is None:
-            raise ConfigError(f"consumer {self.name!r} is not a batch consumer (declare it with batch_size=...)")
-        for envelope in envelopes:
-            if not self.accepts(envelope.type):
-                raise UnknownEventTypeError(
-                    f"consumer {self.name!r} does not handle event type {envelope.type!r} "
-                    f"(it handles: {', '.join(sorted(self.events))})")
+        effect = self.batch_step(envelopes, self.batch_effect)
         alias = self.using or DEFAULT_DB_ALIAS
         crash = crash_points or DISARMED
         first: dict[uuid.UUID, Envelope] = {}
@@ -200,7 +194,7 @@ class DjangoConsumerSpec(ConsumerSpec):
             claimed = _claim_many(list(first.values()), self.name, alias, clock.now_ms())
             fresh = [e for e in first.values() if e.message_id in claimed]
             if fresh:
-                self.batch_effect(fresh)
+                effect(fresh)
             crash.reached("consumer_before_commit")
         crash.reached("consumer_after_commit_before_ack")
         outcomes: list[Outcome] = []
