@@ -48,9 +48,9 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
                   max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
     """Validate ``event`` and return the column values of its pending outbox row.
 
-    The one place that decides what an outbox row holds, shared by every writer (this SQLAlchemy
-    one and ``outbox_django``). Refuses, before anything is written, an event that could never be
-    delivered: no type, a payload that is not JSON, text the database cannot store (NUL, lone
+    The one place that decides what an outbox row holds, shared by every writer (this SQLAlchemy one
+    and the Django one, ``contrib/django/writer.py``). Refuses, before anything is written, an event that
+    could never be delivered: no type, a payload that is not JSON, text the database cannot store (NUL, lone
     surrogates), object keys that are not strings, a message over the size limit or nested deeper than
     the consumers accept (measured exactly as the relay and the consumers measure it), or (when
     ``known_types`` is given) a type that no consumer is routed for.

@@ -515,7 +515,7 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
 
 
 def build_matrix(r: ChaosReport) -> list[MatrixRow]:
-    """DESIGN.md's failure matrix with this run's counts and what the invariants saw."""
+    """The failure matrix (docs/failure-matrix.md) with this run's counts and what the invariants saw."""
     assert r.invariants is not None
     v = r.invariants.violations
     snap = r.invariants.snapshot

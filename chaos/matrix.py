@@ -1,4 +1,4 @@
-"""The failure matrix of DESIGN.md as a table: per row what a run provoked, how often, what it saw."""
+"""The failure matrix (docs/failure-matrix.md) as a table: per row what a run provoked, how often, what it saw."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Redis behind Sentinel on loopback: a primary, a replica and three sentinels, from Debian's redis-server,
 that a test can fail over by SIGKILLing the primary.
 
-Both data nodes run with the durability DESIGN.md requires of any Redis broker (``--appendonly yes
+Both data nodes run with the durability docs/failure-matrix.md requires of any Redis broker (``--appendonly yes
 --appendfsync always --maxmemory-policy noeviction``): what Sentinel loses is what replication had not
 carried yet, not what a node had not written down. The sentinels (``redis-server <conf> --sentinel``)
 watch the master ``MASTER`` with a quorum of 2, call it down after ``down_after_ms`` and promote the

@@ -13,7 +13,7 @@ consumers are attached. So a consumer whose queue fills while no worker takes fr
 cannot tell who listens, so there only the depth is exported. The probe is asked at scrape time like the
 database; a broker it cannot reach gives ``outbox_queue_probe_up 0``, never an error.
 
-Endpoints: ``GET /metrics`` on the Flask app (``ops.admin.init_app``), and ``start_worker_metrics_server``
+Endpoints: ``GET /metrics`` on the Flask app (``celery_outbox.contrib.flask.init_app``), and ``start_worker_metrics_server``
 which a Celery ``worker_ready`` signal calls in the worker's main process on ``settings.metrics_port``.
 """
 

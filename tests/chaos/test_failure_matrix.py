@@ -1,4 +1,4 @@
-"""One test per failure-matrix row (DESIGN.md), each provoking the failure in real processes.
+"""One test per failure-matrix row (docs/failure-matrix.md), each provoking the failure in real processes.
 
 The crash rows SIGKILL a real ``outbox relay``, ``celery worker`` or order-writer process at a named
 crash point (``OUTBOX_CRASH_POINTS``), restart it, and check the invariants of chaos/invariants.py
