@@ -227,7 +227,7 @@ class KombuPublisher:
         """Stop py-amqp's per-publish ``drain_events(timeout=0)`` on this connection only.
 
         py-amqp drains the socket before EVERY publish when the client announced the
-        ``connection.blocked`` capability (issue 14 measured it in the publish step). The capability
+        ``connection.blocked`` capability (measured in the publish step: docs/benchmarks.md). The capability
         was already sent to the broker in the handshake, so the broker still tells us when it blocks;
         we read it once per batch (``_send``) and while waiting for confirms, instead of per message.
         The connection gets its own copy of the properties: py-amqp's defaults are shared.

@@ -10,6 +10,10 @@ On Postgres the rows are claimed with ``FOR UPDATE SKIP LOCKED`` in the transact
 marks them, so concurrent relays take disjoint rows. On SQLite (a single relay by design) the read
 transaction is committed before publishing so the database's one write lock is not held across
 broker I/O.
+
+One module, though long: claim, send, finish and mark are the relay's one ordered step (publish first, mark
+after) and share the claimed rows' shape; the steps stay public here so a test can assemble the wrong order on
+purpose.
 """
 
 from __future__ import annotations
@@ -105,8 +109,8 @@ def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables,
     """Select (and on Postgres lock, skipping rows other relays hold) up to ``limit`` due rows.
 
     Core rows (``due_pending`` selects columns), copied once into ``ClaimedRow``: no ORM identity
-    map, no instance state, nothing to expire at commit (issue 14 measured ORM loading at a sixth of
-    a batch). ``statements`` (built for this session's dialect) runs its prebuilt claim instead.
+    map, no instance state, nothing to expire at commit (ORM loading cost a sixth of a batch:
+    docs/benchmarks.md). ``statements`` (built for this session's dialect) runs its prebuilt claim instead.
     """
     with wrap_driver_errors("claiming due outbox rows"):
         result: Any
@@ -136,7 +140,7 @@ REGISTRY_TTL_MS = 1_000  # the longest ``RegistryCache`` answers from memory (at
 class RegistryCache:
     """The last worker registry a relay read, reused for ``ttl_ms`` by batches it holds nothing of.
 
-    The standalone relay claims once per wake-up, often one commit's rows (issue #24): reading the
+    The standalone relay claims once per wake-up, often one commit's rows: reading the
     registry for each costs three statements (savepoint, select, release). Reused only when it lets
     every task row of the batch go out: any row it would hold is decided on a fresh read, so the cache
     never holds a row the registry would let go. What it can miss is a change younger than ``ttl_ms``

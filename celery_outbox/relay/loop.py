@@ -1,44 +1,26 @@
-"""The standalone relay: drain until empty, then sleep until Postgres NOTIFY or the poll interval.
+"""The standalone relay (``outbox relay``): drain until empty, then sleep until Postgres NOTIFY or the poll interval.
 
-``outbox relay`` runs this. A row inserted into the outbox fires the ``outbox_pending`` NOTIFY
-(trigger of migration 0001), which wakes the loop at once; polling is the fallback (SQLite, a lost
-LISTEN connection, rows whose backoff ends). Per wake-up it does no more than a batch needs (issue #24):
-a NOTIFY waits ``relay_gather_ms`` for more commits before claiming while the commit rate expects
-``GATHER_MIN_COMMITS`` of them within that window (``adaptive.CommitRate``: below it, and at a trickle,
-it claims at once), each
-claim first drops the notifications that have arrived (their rows are visible to it, so they must not
-wake the loop again), the mark reads the next due time in the same statement (Postgres; a drain whose
-first claim comes back empty reads it in that claim's transaction), the claim and the mark are built once
-(``queries.RelayStatements``), and the worker registry is reused for a second while it holds nothing
-(``dispatch.RegistryCache``).
-The loop catches every ``Exception`` and logs it (one
-bad row or a database blip must not kill the relay, docs/design.md, rule 4); KeyboardInterrupt and other
-BaseExceptions pass.
+A committed outbox row fires the ``outbox_pending`` NOTIFY (the trigger of migration 0001), which wakes
+the loop at once; polling is the fallback (SQLite, a lost LISTEN connection, rows whose backoff ends).
+A wake-up does no more than a batch needs: it gathers commits for ``relay_gather_ms`` only while the
+commit rate expects more (``adaptive.CommitRate``), drops the notifications its claim will see anyway,
+builds its statements once (``queries.RelayStatements``), reads the next due time with the mark, and
+reuses the worker registry for a second (``dispatch.RegistryCache``); docs/benchmarks.md has the figures.
 
-A database that goes silent (packets dropped, no reset) can block a call inside the driver on a socket
-read that no timeout reaches (``db.ConnectionTracker`` says why). So ``run`` keeps a watchdog beside the
-loop: every statement that returns, every batch, every wait is progress; with none for
-``stall_bound_s`` (derived from the connect, statement and publish timeouts) it logs ``relay stalled``
-and shuts down the sockets of the loop's database connections (pool, LISTEN, lease and reconcile
-sessions alike). The blocked call then fails, the loop logs it and goes on with new connections: the
-relay recovers in the same process, within a poll interval and a connect timeout of the database's
-return. SIGTERM sets a flag and wakes the sleep: the current batch finishes (published rows get
-marked), then ``run`` returns; from the main thread the loop itself runs in a thread of its own, so a
-blocked socket read cannot delay the signal: a batch still blocked after ``STOP_GRACE_S`` gets its
-database connections shut down, and ``run`` returns after ``STOP_GIVE_UP_S`` whatever happens. Both
-paths keep publish first, mark after: a mark that fails leaves its rows pending (published again, the
-inbox absorbs them), and a row is never marked before its publish was confirmed.
-Its LISTEN must reach the Postgres server itself: a transaction pooler (PgBouncer in ``pool_mode =
-transaction``) accepts ``LISTEN`` and then hands the server connection to other clients, so the
-notifications never arrive. So every new LISTEN is proven before it is trusted: a probe ``NOTIFY``
-sent through the relay's own (pooled) sessions must reach the LISTEN connection within
-``LISTEN_PROBE_TIMEOUT_S``; when it does not, the relay logs it in one warning line and polls (every
-poll interval) until it tries again ``LISTEN_RETRY_S`` later. ``OUTBOX_RELAY_LISTEN_URL`` gives the
-LISTEN connection a URL of its own (a direct one, past the pooler; docs/deployment.md, "Behind
-PgBouncer").
-After every drain it also runs the reconciler and hourly retention when their database lease is due
-(``periodic_jobs``, relay/lease.py), shared with beat's tasks and any other relay: once per interval
-in all, wherever the relay runs.
+What keeps it running: it catches every ``Exception`` and logs it (one bad row or a database blip must
+not kill the relay: docs/design.md, rule 4). A database that goes silent can block a driver call where
+no timeout reaches (``db.ConnectionTracker``), so a watchdog that sees no progress for ``stall_bound_s``
+logs ``relay stalled`` and shuts the loop's database sockets down; the call fails and the loop goes on
+with new connections. SIGTERM lets the current batch finish and be marked, within ``STOP_GRACE_S`` and
+``STOP_GIVE_UP_S``. Every path keeps publish first, mark after: a failed mark leaves its rows pending.
+
+A LISTEN behind a transaction pooler hears nothing, so each new LISTEN is proven by a probe NOTIFY before
+it is trusted; else the relay says so in one warning line and polls (docs/deployment.md, "Behind
+PgBouncer"). After every drain it runs the reconciler and hourly retention when their database lease is
+due (``periodic_jobs``, relay/lease.py), once per interval wherever the relays run.
+
+One module, though long: the loop, its watchdog and its stop path share the loop's connections and its
+record of progress; apart, a stall or a stop could miss a connection the loop holds.
 """
 
 from __future__ import annotations

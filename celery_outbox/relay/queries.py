@@ -54,7 +54,7 @@ def _due_select(now: Any, limit: Any, *, tables: Tables, skip_locked: bool) -> s
 @dataclass(frozen=True, kw_only=True)
 class RelayStatements:
     """The claim, the Postgres mark and the next-due read, built once per relay and executed with
-    parameters (issue #24).
+    parameters (docs/benchmarks.md, "The third round: the relay per wake-up").
 
     Building a statement per wake-up (and SQLAlchemy's cache key of a new statement object) cost more
     client CPU than executing it: ``bench/relay_trickle.py``. The SQL is the same as ``due_pending``'s

@@ -40,6 +40,9 @@ share one window and plain tasks another. A pass pages through each window (at m
 pages), committing the watermark after each page. When the broker cannot be asked, only the
 consumers' progress counts: logged, counted (``reconcile_probe_failures``), nothing re-sent on age.
 What it sends is counted in ``outbox_counters`` (``reconciled`` and one counter per kind) and logged.
+
+One module, though long: the three kinds of row share one pass, one window per consumer and the same two kinds
+of evidence; apart, a kind could be re-sent on weaker evidence than the others.
 """
 
 from __future__ import annotations
