@@ -1,0 +1,272 @@
+"""The search effect at saturation: a batch consumer vs plain Celery doing the same effect one task per message.
+
+Two real workers (prefork, ``-c 2``, the deployment's recommended Celery configuration with
+``worker_prefetch_multiplier`` raised to ``--prefetch`` for BOTH, RabbitMQ, Postgres) run side by side on
+queues of their own:
+
+- ``batch``: ``@outbox.consumer("OrderPlaced", name="searchb", batch_size=--batch-size, batch_wait_ms=50)``,
+  whose handler upserts every search document of the batch in ONE statement; the library's whole path per
+  message (strategy gate, batch buffer, one inbox claim statement per batch, one commit per batch, an ack each);
+- ``plain``: a plain Celery task per message (``acks_late``) that upserts its one document and commits: no
+  inbox, no gate, no dead letters.
+
+The documents are the reference deployment's search documents (``consumers/search.py``'s body), in
+``search_documents``. Each round publishes N messages to one worker (the batch one exactly as the relay
+publishes, the plain one with ``send_task``) and waits for its N documents; CPU (utime + stime from
+``/proc``) of the worker parent, its pool children, their Postgres backends and the broker, before and
+after. Modes alternate A-B / B-A after a warm-up; medians printed with the ratio batch / plain, written to
+``bench/results/batch_consumer.json``. celery-batches (no inbox) is not compared here: it is not a dependency.
+
+    flock /tmp/heavy.lock .venv/bin/python bench/batch_consumer.py [--deliveries 2000] [--rounds 3] [--batch-size 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import sqlalchemy as sa  # noqa: E402
+from kombu import Connection, Exchange, Producer, Queue  # noqa: E402
+
+from bench._common import fresh_database, write_result  # noqa: E402
+from bench.consumer_cpu import BROKER_URL, PROCESSES, Worker, delta_ms, wait_until  # noqa: E402
+
+CONSUMER = "searchb"
+PLAIN_TASK = "bench.plain_search"
+MODES = ("batch", "plain")
+
+
+def document(envelope: Any, now_ms: int) -> dict[str, Any]:
+    """The search document ``consumers/search.py`` writes for an ``OrderPlaced``."""
+    from consumers.payloads import order_placed
+
+    order = order_placed(envelope)
+    version = envelope.headers.get("entity_version")
+    body = {"order_id": order.order_id, "customer_id": order.customer_id, "email": order.email,
+            "currency": order.currency, "total_cents": order.total_cents,
+            "skus": sorted({str(line.get("sku", "")) for line in order.lines})}
+    return {"order_id": order.order_id, "body": body, "version": version if isinstance(version, int) else 1,
+            "updated_at_ms": now_ms}
+
+
+def upsert_documents(session: Any, rows: list[dict[str, Any]]) -> None:
+    from sqlalchemy.dialects.postgresql import insert
+
+    from consumers.models import SearchDocument
+
+    stmt = insert(SearchDocument).values(rows)
+    session.execute(stmt.on_conflict_do_update(index_elements=["order_id"], set_={
+        "body": stmt.excluded.body, "version": stmt.excluded.version, "updated_at_ms": stmt.excluded.updated_at_ms}))
+
+
+def __getattr__(name: str) -> Any:
+    """``celery -A bench.batch_consumer:batch`` / ``:plain``: the two apps, built from the environment on demand."""
+    if name == "batch":
+        return _batch_app()
+    if name == "plain":
+        return _plain_app()
+    raise AttributeError(name)
+
+
+def _config(settings: Any) -> dict[str, Any]:
+    from celery_outbox import recommended_celery_config
+
+    conf = recommended_celery_config(settings, os.environ["BENCH_BROKER_URL"], dedicated=True)
+    conf["worker_prefetch_multiplier"] = int(os.environ["BENCH_PREFETCH"])
+    return conf
+
+
+def _batch_app() -> Any:
+    from celery import Celery
+    from sqlalchemy.orm import Session
+
+    from celery_outbox import Envelope, Outbox, effect_now_ms
+    from celery_outbox.settings import Settings
+
+    settings = Settings.from_env()
+    app = Celery("batch")
+    app.conf.update(_config(settings))
+    outbox = Outbox(app, settings=settings)
+
+    @outbox.consumer("OrderPlaced", name=CONSUMER, batch_size=int(os.environ["BENCH_BATCH_SIZE"]), batch_wait_ms=50)
+    def index(session: Session, events: list[Envelope]) -> None:
+        now = effect_now_ms(session)
+        upsert_documents(session, [document(e, now) for e in events])
+
+    return app
+
+
+def _plain_app() -> Any:
+    from celery import Celery
+
+    from celery_outbox.db import make_engine, make_session_factory
+    from celery_outbox.messages import Envelope
+    from celery_outbox.settings import Settings
+
+    settings = Settings(database_url=os.environ["BENCH_DB_URL"], namespace=os.environ["BENCH_NAMESPACE"])
+    app = Celery("plain")
+    app.conf.update(_config(settings))
+    app.conf.task_queues = [plain_queue(settings.namespace)]
+    holder: dict[str, Any] = {}
+
+    @app.task(name=PLAIN_TASK, acks_late=True, ignore_result=True)  # type: ignore[untyped-decorator]
+    def index(body: dict[str, Any]) -> str:
+        if "sessions" not in holder:  # one engine per pool process, made after the fork
+            holder["sessions"] = make_session_factory(make_engine(settings.effective_database_url))
+        envelope = Envelope.from_dict(body)
+        with holder["sessions"]() as session:
+            upsert_documents(session, [document(envelope, int(time.time() * 1000))])
+            session.commit()
+        return "processed"
+
+    return app
+
+
+def plain_queue(namespace: str) -> Queue:
+    return Queue(f"{namespace}.plain", Exchange(f"{namespace}.plain", type="direct", durable=True),
+                 routing_key=f"{namespace}.plain", durable=True)
+
+
+@contextmanager
+def workers(url: str, namespace: str, home: Path, args: argparse.Namespace) -> Iterator[dict[str, Worker]]:
+    env = {**os.environ, "OUTBOX_DATABASE_URL": url + "?application_name=bench_batch_worker",
+           "OUTBOX_BROKER_URL": BROKER_URL, "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": str(home),
+           "BENCH_DB_URL": url + "?application_name=bench_plain_worker", "BENCH_BROKER_URL": BROKER_URL,
+           "BENCH_NAMESPACE": namespace, "BENCH_BATCH_SIZE": str(args.batch_size), "BENCH_PREFETCH": str(args.prefetch)}
+    env.pop("OUTBOX_CRASH_POINTS", None)
+    started = {
+        "batch": Worker(mode="batch", app="bench.batch_consumer:batch", queue=f"{namespace}.{CONSUMER}", env=env,
+                        log=home / "batch.log", app_name="bench_batch_worker"),
+        "plain": Worker(mode="plain", app="bench.batch_consumer:plain", queue=f"{namespace}.plain", env=env,
+                        log=home / "plain.log", app_name="bench_plain_worker"),
+    }
+    try:
+        with Connection(BROKER_URL) as conn:
+            channel = conn.channel()
+            for w in started.values():
+                def consuming(w: Worker = w) -> bool:
+                    try:
+                        return bool(channel.queue_declare(w.queue, passive=True).consumer_count >= 1)
+                    except Exception:
+                        return False
+                wait_until(f"{w.mode} worker consuming", consuming, w, timeout_s=60)
+        yield started
+    finally:
+        for w in started.values():
+            w.stop()
+        with Connection(BROKER_URL) as conn:
+            channel = conn.channel()
+            for name in (f"{namespace}.{CONSUMER}", f"{namespace}.plain"):
+                channel.queue_delete(name)
+            for name in (f"{namespace}.events", f"{namespace}.plain", f"{namespace}.relay"):
+                channel.exchange_delete(name)
+
+
+def publish(mode: str, namespace: str, prefix: str, n: int, conn: Connection) -> None:
+    from celery_outbox.messages import celery_task_message
+    from consumers.testing import order_placed_envelope
+
+    envelopes = [order_placed_envelope(f"{prefix}-{i}") for i in range(n)]
+    if mode == "batch":
+        producer = Producer(conn.channel(), exchange=Exchange(f"{namespace}.events", type="direct", durable=True))
+        for env in envelopes:  # exactly as the relay publishes
+            msg = celery_task_message(env, consumer=CONSUMER, routing_key=f"{namespace}.{CONSUMER}")
+            producer.publish(msg.body, routing_key=msg.routing_key, headers=msg.headers,
+                             content_type="application/json", content_encoding="utf-8", delivery_mode=2,
+                             **msg.properties)
+        return
+    from celery import Celery
+
+    app = Celery("plain-sender", broker=BROKER_URL)
+    app.conf.update(task_serializer="json", accept_content=["json"])
+    queue = plain_queue(namespace)
+    with app.producer_or_acquire() as producer:
+        for env in envelopes:
+            app.send_task(PLAIN_TASK, args=[env.to_dict()], queue=queue, producer=producer)
+
+
+def run_round(mode: str, worker: Worker, engine: sa.Engine, namespace: str, prefix: str, n: int,
+              conn: Connection) -> dict[str, float]:
+    def done() -> bool:
+        with engine.connect() as c:
+            return int(c.execute(sa.text("SELECT count(*) FROM search_documents WHERE order_id LIKE :p"),
+                                 {"p": f"{prefix}-%"}).scalar_one()) >= n
+
+    before = worker.sample(engine)
+    t = time.perf_counter()
+    publish(mode, namespace, prefix, n, conn)
+    wait_until(f"{n} {mode} deliveries", done, worker)
+    wall = time.perf_counter() - t
+    cpu = delta_ms(before, worker.sample(engine))
+    per = {k: v / n for k, v in cpu.items()}
+    per["total"] = sum(per[k] for k in PROCESSES)
+    per["total_without_broker"] = per["total"] - per["broker"]
+    per["deliveries_per_s"] = n / wall
+    return per
+
+
+def batch_counts(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as c:
+        rows = c.execute(sa.text("SELECT name, sum(value) FROM outbox_counters WHERE consumer = :c GROUP BY name"),
+                         {"c": CONSUMER}).all()
+    out: dict[str, int] = {}
+    for name, value in rows:
+        base = str(name).split("#")[0]
+        out[base] = out.get(base, 0) + int(value)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--deliveries", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--prefetch", type=int, default=100, help="worker_prefetch_multiplier of both workers")
+    args = parser.parse_args()
+    n = args.deliveries
+    namespace = f"batchbench{uuid.uuid4().hex[:8]}"
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    with fresh_database() as url, tempfile.TemporaryDirectory() as tmp:
+        from celery_outbox.db import make_engine
+
+        engine = make_engine(url)
+        with workers(url, namespace, Path(tmp), args) as running, Connection(BROKER_URL) as conn:
+            for mode in MODES:  # warm-up: connections, pools, imports
+                run_round(mode, running[mode], engine, namespace, f"warm-{mode}", max(100, n // 5), conn)
+            for r in range(args.rounds):
+                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                    per = run_round(mode, running[mode], engine, namespace, f"r{r}-{mode}", n, conn)
+                    results[mode].append(per)
+                    print(f"round {r + 1} {mode:6}: " + "  ".join(f"{k} {v:.3f}" for k, v in per.items()))
+        counts = batch_counts(engine)
+        engine.dispose()
+    keys = [*PROCESSES, "total", "total_without_broker", "deliveries_per_s"]
+    med = {m: {k: statistics.median(p[k] for p in results[m]) for k in keys} for m in MODES}
+    mean_size = counts.get("batched_messages", 0) / counts["batches"] if counts.get("batches") else float("nan")
+    print(f"\nsearch effect: CPU ms per message, median of {args.rounds} interleaved rounds of {n}, batch_size "
+          f"{args.batch_size}, prefetch multiplier {args.prefetch} (machine shared); mean batch {mean_size:.1f}")
+    print(f"{'process':22} {'batch':>9} {'plain':>9} {'plain/batch':>12}")
+    for k in keys:
+        b, p = med["batch"][k], med["plain"][k]
+        print(f"{k:22} {b:9.3f} {p:9.3f} {p / b if b else float('nan'):12.2f}")
+    write_result("batch_consumer", {
+        "deliveries_per_round": n, "rounds": args.rounds, "batch_size": args.batch_size, "prefetch": args.prefetch,
+        "median": med, "rounds_detail": results, "batch_counters": counts, "mean_batch_size": round(mean_size, 2),
+        "plain_over_batch_cpu": round(med["plain"]["total"] / med["batch"]["total"], 4),
+        "batch_over_plain_throughput": round(med["batch"]["deliveries_per_s"] / med["plain"]["deliveries_per_s"], 4)})
+
+
+if __name__ == "__main__":
+    main()
