@@ -64,6 +64,14 @@ def _utc(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
+def _table(title: str, columns: tuple[str, ...]) -> Table:
+    """A rich table with these column headings (every human listing of these commands is one)."""
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col)
+    return table
+
+
 def _echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
@@ -92,9 +100,7 @@ def list_cmd(ctx: click.Context, source: dl.Source | None, consumer: str | None,
     if not items:
         click.echo("no dead letters")
         return
-    table = Table(title=f"{len(items)} dead letter(s)")
-    for col in ("id", "age", "source", "consumer", "type", "attempts", "error"):
-        table.add_column(col)
+    table = _table(f"{len(items)} dead letter(s)", ("id", "age", "source", "consumer", "type", "attempts", "error"))
     for d in items:
         table.add_row(str(d.id), _age(d.age_ms(now)), d.source, d.consumer or "-", d.type or "?",
                       str(d.attempts), d.error[:100])
@@ -245,9 +251,8 @@ def groups_cmd(ctx: click.Context, as_json: bool) -> None:
     if not found:
         click.echo("no dead letters")
         return
-    table = Table(title=f"{len(found)} group(s), {sum(g.count for g in found)} dead letter(s)")
-    for col in ("group", "count", "consumer", "error", "first seen", "last seen", "sample"):
-        table.add_column(col)
+    table = _table(f"{len(found)} group(s), {sum(g.count for g in found)} dead letter(s)",
+                   ("group", "count", "consumer", "error", "first seen", "last seen", "sample"))
     for g in found:
         error = f"{g.error_class}: {g.message}" if g.error_class else g.message
         table.add_row(g.id, str(g.count), g.consumer, error[:100], _age(now - g.first_seen_ms) + " ago",
@@ -447,10 +452,8 @@ def stats(ctx: click.Context, as_json: bool, fail_on_dead_letters: bool, max_pen
 
 def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     console = _console()
-    outbox_t = Table(title="outbox")
-    for col in ("pending", "due", "retrying", "oldest pending", "due unpublished for", "relay claim held",
-                "published (retained)"):
-        outbox_t.add_column(col)
+    outbox_t = _table("outbox", ("pending", "due", "retrying", "oldest pending", "due unpublished for",
+                                 "relay claim held", "published (retained)"))
     outbox_t.add_row(str(st.pending), str(st.due), str(st.retrying), _age(st.oldest_pending_age_ms),
                      _age(st.oldest_overdue_ms), _age(st.claim_held_ms), str(st.published))
     console.print(outbox_t)
@@ -460,21 +463,16 @@ def _print_stats(known_consumers: tuple[str, ...], st: ops_stats.Stats) -> None:
     # Held by the relay for a worker that runs them (a rolling deploy; docs/scheduled.md "Deploys").
     for w in st.waiting_for_worker:
         console.print(f"waiting for a worker that runs {w.what}: {w.count} (oldest {_age(w.oldest_age_ms)})")
-    re_t = Table(title="re-sent by the reconciler (never arrived)")
-    for col in ("total", "events (per consumer)", "@outbox.task", "plain tasks"):
-        re_t.add_column(col)
+    re_t = _table("re-sent by the reconciler (never arrived)",
+                  ("total", "events (per consumer)", "@outbox.task", "plain tasks"))
     r = st.reconciled
     re_t.add_row(str(r["total"]), str(r["events"]), str(r["tasks"]), str(r["plain_tasks"]))
     console.print(re_t)
-    dead_t = Table(title=f"dead letters: {st.dead_letter_total}")
-    for col in ("source", "consumer", "count", "oldest"):
-        dead_t.add_column(col)
+    dead_t = _table(f"dead letters: {st.dead_letter_total}", ("source", "consumer", "count", "oldest"))
     for g in st.dead_letters:
         dead_t.add_row(g.source, g.consumer or "-", str(g.count), _age(g.oldest_age_ms))
     console.print(dead_t)
-    cons_t = Table(title="consumers")
-    for col in ("consumer", "inbox rows", "duplicates absorbed", "batches (mean size)"):
-        cons_t.add_column(col)
+    cons_t = _table("consumers", ("consumer", "inbox rows", "duplicates absorbed", "batches (mean size)"))
     batches = st.batches
     for name in sorted(set(st.inbox) | set(st.duplicates_absorbed) | set(known_consumers)):
         b = batches.get(name)
@@ -500,9 +498,7 @@ def _print_vacuum(console: Console, v: ops_stats.VacuumStats, now_ms: int) -> No
         console.print(f"replication slot {slot.slot} ({'active' if slot.active else 'INACTIVE'}): xmin "
                       f"{'-' if slot.xmin_age_xids is None else slot.xmin_age_xids} xids, catalog_xmin "
                       f"{'-' if slot.catalog_xmin_age_xids is None else slot.catalog_xmin_age_xids} xids old")
-    vac_t = Table(title="dead tuples (pg_stat_user_tables, estimates)")
-    for col in ("table", "dead", "live", "last autovacuum", "last vacuum"):
-        vac_t.add_column(col)
+    vac_t = _table("dead tuples (pg_stat_user_tables, estimates)", ("table", "dead", "live", "last autovacuum", "last vacuum"))
     def ago(at_ms: int | None) -> str:
         return "never" if at_ms is None else f"{_age(max(0, now_ms - at_ms))} ago"
 
