@@ -501,7 +501,7 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
             report.email_provider_calls = invariants.email_provider_calls(s)
         report.resent = resent_in_logs(base / "logs")
         late = report.resent_not_lost
-        if late:  # DESIGN rule 16: a recovery mechanism acts on evidence of loss, never on age alone
+        if late:  # docs/design.md, rule 16: a recovery mechanism acts on evidence of loss, never on age alone
             report.invariants.violations.append(invariants.Violation(
                 invariant="re-sent only what was lost",
                 detail=f"the reconciler re-sent {len(late)} message(s) the run never removed from the broker "

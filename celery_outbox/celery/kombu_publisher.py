@@ -1,6 +1,6 @@
 """The Kombu publisher: the only module of ``relay`` that imports kombu.
 
-Durability per batch, not per message (DESIGN "measured limits"): on RabbitMQ the channel is put in
+Durability per batch, not per message (docs/design.md, "Measured limits"): on RabbitMQ the channel is put in
 confirm mode once and a whole batch is published before waiting for its acks (or, with
 ``confirm_mode="tx"``, published inside one channel transaction); messages are persistent and
 ``mandatory`` so an unroutable one comes back as a ``basic.return`` and is reported as rejected.

@@ -18,7 +18,7 @@ Three kinds of row:
 
 Not recorded is not lost: a consumer that is behind (a database freeze, a deploy, a peak) has
 recorded nothing of its backlog, and re-sending the backlog would add a copy of it to the queue at
-the worst moment (DESIGN rule 16). So a message older than its floor is re-sent only on evidence:
+the worst moment (docs/design.md, rule 16). So a message older than its floor is re-sent only on evidence:
 
 * **the consumer passed it.** Each pass samples, per target (an event consumer, an ``@outbox.task``
   key, a plain task name), its frontier: the latest publish time among what it recorded. A

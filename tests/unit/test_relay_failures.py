@@ -1,4 +1,4 @@
-"""DESIGN rule 3: message-specific failures are charged to the row; a broker outage is not."""
+"""docs/design.md, rule 3: message-specific failures are charged to the row; a broker outage is not."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DESIGN rule 2: publish FIRST, mark AFTER. A crash in between costs a duplicate, never a loss.
+"""docs/design.md, rule 2: publish FIRST, mark AFTER. A crash in between costs a duplicate, never a loss.
 
 The wrong order (mark first) is assembled here from the relay's own steps, run through the same
 crash, and shown to LOSE the message: the order of the two steps is what the guarantee rests on.
