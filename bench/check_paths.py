@@ -18,7 +18,7 @@ of CPU per call (the minimum over ``--repeats`` timings of ``--calls`` calls eac
   the gate run on a body with more brackets than the depth bound); full path: strings skipped by the
   pattern before the cut, cut: the unrolled pattern;
 * ``envelope``: what a consumer delivery does with its body in the pool, ``delivery.parse_body`` then
-  ``delivery._parse``; full path: the decoded mapping walked again for depth (``Envelope.from_dict``
+  ``delivery.parse_envelope``; full path: the decoded mapping walked again for depth (``Envelope.from_dict``
   without ``decoded_within``), cut: not walked again. Both include ``decode_json``'s cut.
 
 Prints each piece's figures and after/before ratio; writes bench/results/check_paths.json.
@@ -50,7 +50,7 @@ from celery_outbox.celery import gate as gate_module
 from celery_outbox.celery.gate import Gate
 from celery_outbox.clock import SystemClock
 from celery_outbox.consumer import ConsumerSpec
-from celery_outbox.delivery import DeliveryContext, _as_mapping, _parse, parse_body
+from celery_outbox.delivery import DeliveryContext, _as_mapping, parse_body, parse_envelope
 from celery_outbox.messages import Envelope, celery_task_message
 from consumers.testing import order_placed_envelope
 from tests.support.before_cuts import STRING_BEFORE, decode_json_before, depth_exceeds_before
@@ -139,10 +139,10 @@ def main() -> None:
     context = DeliveryContext.build(spec, tables=outbox.tables, settings=settings, clock=SystemClock())
 
     def delivery_envelope() -> Envelope:
-        return _parse(context, parse_body(envelope_text, max_depth=depth), True)
+        return parse_envelope(context, parse_body(envelope_text, max_depth=depth), True)
 
     def delivery_envelope_before() -> Envelope:
-        """``_parse`` before the cut (a gated body): the decoded mapping walked again by ``from_dict``."""
+        """``parse_envelope`` before the cut (a gated body): the decoded mapping walked again by ``from_dict``."""
         mapping = _as_mapping(envelope_text, None, depth)
         envelope = Envelope.from_dict(mapping if mapping is not None else envelope_text, max_depth=depth)
         if not spec.accepts(envelope.type):

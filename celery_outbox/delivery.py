@@ -200,8 +200,10 @@ def parse_body(body: Any, *, max_depth: int) -> Body:
                 headers=bheaders)
 
 
-def _parse(context: DeliveryContext, body: Body, gated: bool) -> Envelope:
-    """Validate the parsed body as an envelope this consumer accepts."""
+def parse_envelope(context: DeliveryContext, body: Body, gated: bool) -> Envelope:
+    """Validate the parsed body as an envelope this consumer accepts (``MalformedMessageError``,
+    ``UnknownEventTypeError``, ``MessageTooLargeError`` when it is not one). Also used by ``batch_delivery``
+    to sort a batch's messages into those it can batch and those that go alone."""
     spec, settings, mapping = context.spec, context.settings, body.mapping
     if body.malformed is not None:
         raise MalformedMessageError(body.malformed.error)
@@ -320,7 +322,7 @@ def _deliver(context: DeliveryContext, sessions: sessionmaker[Session], body: Bo
             if row.deliveries > limit:
                 return _worker_lost(session, row, context=context, body=body, task_id=task_id)
         try:
-            envelope = _parse(context, body, gated)
+            envelope = parse_envelope(context, body, gated)
             # An ordered consumer's delivery also dead-letters parked messages past the timeout (inbox/handle.py).
             outcome = spec.handle(session, envelope, tables=tables, clock=clock, crash_points=context.crash_points,
                                   park_timeout_ms=context.park_timeout_ms)

@@ -46,10 +46,10 @@ from typing import Any
 from celery import current_app
 from celery.worker.state import task_ready
 
-from celery_outbox.batch_delivery import BatchItem, deliver_batch
+from celery_outbox.batch_delivery import BatchItem, deliver_batch_with
 from celery_outbox.celery.strategy import guarded
 from celery_outbox.consumer import ConsumerSpec
-from celery_outbox.delivery import Delivery
+from celery_outbox.delivery import Delivery, DeliveryContext
 from celery_outbox.errors import MalformedMessageError
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import decode_json, storable_text
@@ -82,11 +82,15 @@ class BatchRunner:
 
     def __init__(self, ctx: Context, spec: ConsumerSpec, policy: Backoff) -> None:
         self.ctx, self.spec, self.policy = ctx, spec, policy
+        self._context: DeliveryContext | None = None
 
     def __call__(self, items: Sequence[BatchItem]) -> list[Delivery]:
         ctx = self.ctx
-        return deliver_batch(ctx.sessions(), self.spec, items, tables=ctx.tables, settings=ctx.settings,
-                             clock=ctx.clock, crash_points=ctx.crash_points, policy=self.policy)
+        if self._context is None:  # built at the first batch, in the pool process (the tables may be defined late)
+            self._context = DeliveryContext.build(self.spec, tables=ctx.tables, settings=ctx.settings, clock=ctx.clock,
+                                                  crash_points=ctx.crash_points, policy=self.policy)
+        # the worker's strategy gated every message (size, depth) before it entered the buffer
+        return deliver_batch_with(self._context, ctx.sessions(), items, gated=True)
 
 
 def run_batch(task_name: str, items: list[BatchItem], retries: list[int]) -> list[Settled]:

@@ -132,7 +132,7 @@ def test_flask_outbox_declares_a_batch_consumer_at_import(tmp_path: Any) -> None
 
     front = FlaskOutbox()
 
-    @front.consumer("OrderPlaced", name="search", batch_size=10, batch_wait_ms=5)  # type: ignore[arg-type]
+    @front.consumer("OrderPlaced", name="search", batch_size=10, batch_wait_ms=5)
     def index(session: Session, events: list[Envelope]) -> None:
         pass
 

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from celery_outbox import Settings, messages, task_rules
 from celery_outbox.clock import SystemClock
 from celery_outbox.consumer import ConsumerSpec
-from celery_outbox.delivery import DeliveryContext, _as_mapping, _parse, parse_body
+from celery_outbox.delivery import DeliveryContext, _as_mapping, parse_body, parse_envelope
 from celery_outbox.errors import MalformedMessageError
 from celery_outbox.messages import MalformedDelivery, decode_json
 from celery_outbox.schema import define_tables
@@ -352,7 +352,7 @@ def parsed(body: Any, wrapper_levels: int, *, walk: bool) -> Any:
                                            max_depth=SETTINGS.max_json_depth + wrapper_levels)
     context = DeliveryContext.build(SPEC, tables=TABLES, settings=SETTINGS, clock=SystemClock(),
                                     wrapper_levels=wrapper_levels)
-    return _parse(context, parse_body(body, max_depth=SETTINGS.max_json_depth), True)
+    return parse_envelope(context, parse_body(body, max_depth=SETTINGS.max_json_depth), True)
 
 
 @HYPO

@@ -128,7 +128,7 @@ def test_a_framed_body_gives_the_pool_the_same_envelope_as_the_full_decode(body:
 
 
 def fits(arg: str) -> bool:
-    """The pool's size verdict on a delivered envelope text (``delivery._parse``)."""
+    """The pool's size verdict on a delivered envelope text (``delivery.parse_envelope``)."""
     try:
         check_size(arg, limit=SETTINGS.max_message_bytes)
     except OutboxError:

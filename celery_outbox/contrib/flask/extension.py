@@ -36,6 +36,7 @@ from celery_outbox.contrib.flask.admin import EXT, make_blueprint
 from celery_outbox.contrib.flask.cli import flask_cli
 from celery_outbox.contrib.flask.probes import mount_metrics, mount_readiness
 from celery_outbox.errors import ConfigError
+from celery_outbox.inbox.batch import BatchHandler
 from celery_outbox.inbox.claim import Handler
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import metrics as ops_metrics
@@ -108,11 +109,13 @@ class FlaskOutbox:
         for outbox in list(self._bound):
             make(outbox)
 
-    def consumer(self, event: str | Iterable[str], *, name: str, **options: Any) -> Callable[[Handler], ConsumerSpec]:
-        """``@outbox.consumer(...)`` as on ``Outbox``: the consumer joins every app's outbox at ``init_app``."""
+    def consumer(self, event: str | Iterable[str], *, name: str,
+                 **options: Any) -> Callable[[Handler | BatchHandler], ConsumerSpec]:
+        """``@outbox.consumer(...)`` as on ``Outbox`` (``batch_size=`` too): the consumer joins every app's outbox
+        at ``init_app``."""
         make = consumer(name=name, event=event, **options)
 
-        def decorate(handler: Handler) -> ConsumerSpec:
+        def decorate(handler: Handler | BatchHandler) -> ConsumerSpec:
             spec = make(handler)
             self._declare(lambda outbox: outbox.include(spec))
             return spec
