@@ -239,4 +239,9 @@ class _Via:
 def batching(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
     """``Task.Strategy`` of batch consumer tasks: the consumer gate (``strategy.guarded``), then the buffer."""
     buffer = _Buffer(task, consumer)
+    prefetch = getattr(consumer, "initial_prefetch_count", None)
+    if isinstance(prefetch, int) and 0 < prefetch < buffer.size:  # 0: unlimited
+        log.warning("outbox: consumer task %s batches up to %d messages, but this worker prefetches %d (concurrency x "
+                    "worker_prefetch_multiplier): its batches stop at %d; raise worker_prefetch_multiplier "
+                    "(docs/tasks.md, 'Batch consumers')", task.name, buffer.size, prefetch, prefetch)
     return guarded(task, app, _Via(consumer, buffer.add), **kwargs)
