@@ -18,6 +18,12 @@ after. Modes alternate A-B / B-A after a warm-up; medians printed with the ratio
 ``bench/results/batch_consumer.json``. celery-batches (no inbox) is not compared here: it is not a dependency.
 
     flock /tmp/heavy.lock .venv/bin/python bench/batch_consumer.py [--deliveries 2000] [--rounds 3] [--batch-size 100]
+
+``--latency``: instead, the latency cost of batching at a trickle. One worker of the batch app consumes the batch
+consumer and an unbatched ``@outbox.consumer`` with the same (one-document) upsert; messages go to both at
+``--rate`` per second each for ``--seconds``; per message, publish -> its effect's start (the document's
+``updated_at_ms``, ``effect_now_ms``: after the batch's wait); p50 / p99 of each and their ratio. Writes
+``bench/results/batch_consumer_latency.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from bench._common import fresh_database, write_result  # noqa: E402
 from bench.consumer_cpu import BROKER_URL, PROCESSES, Worker, delta_ms, wait_until  # noqa: E402
 
 CONSUMER = "searchb"
+SINGLE = "searchs"  # the unbatched twin (``--latency``)
 PLAIN_TASK = "bench.plain_search"
 MODES = ("batch", "plain")
 
@@ -104,6 +111,10 @@ def _batch_app() -> Any:
     def index(session: Session, events: list[Envelope]) -> None:
         now = effect_now_ms(session)
         upsert_documents(session, [document(e, now) for e in events])
+
+    @outbox.consumer("OrderPlaced", name=SINGLE)
+    def index_one(session: Session, envelope: Envelope) -> None:
+        upsert_documents(session, [document(envelope, effect_now_ms(session))])
 
     return app
 
@@ -174,6 +185,83 @@ def workers(url: str, namespace: str, home: Path, args: argparse.Namespace) -> I
                 channel.exchange_delete(name)
 
 
+def latency(args: argparse.Namespace) -> None:
+    """``--latency`` (module docstring)."""
+    import threading
+
+    from celery_outbox.messages import celery_task_message
+    from consumers.testing import order_placed_envelope
+
+    namespace = f"batchlat{uuid.uuid4().hex[:8]}"
+    sent: dict[str, float] = {}
+    with fresh_database() as url, tempfile.TemporaryDirectory() as tmp:
+        from celery_outbox.db import make_engine
+
+        engine = make_engine(url)
+        env = {**os.environ, "OUTBOX_DATABASE_URL": url + "?application_name=bench_batch_worker",
+               "OUTBOX_BROKER_URL": BROKER_URL, "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": tmp,
+               "BENCH_BROKER_URL": BROKER_URL, "BENCH_BATCH_SIZE": str(args.batch_size),
+               "BENCH_PREFETCH": str(args.prefetch)}
+        env.pop("OUTBOX_CRASH_POINTS", None)
+        worker = Worker(mode="latency", app="bench.batch_consumer:batch",
+                        queue=f"{namespace}.{CONSUMER},{namespace}.{SINGLE}", env=env, log=Path(tmp) / "w.log",
+                        app_name="bench_batch_worker")
+        try:
+            with Connection(BROKER_URL) as conn:
+                channel = conn.channel()
+
+                def consuming() -> bool:
+                    try:
+                        return all(channel.queue_declare(f"{namespace}.{c}", passive=True).consumer_count >= 1
+                                   for c in (CONSUMER, SINGLE))
+                    except Exception:
+                        return False
+
+                wait_until("the worker consuming", consuming, worker, timeout_s=60)
+                producer = Producer(conn.channel(), exchange=Exchange(f"{namespace}.events", type="direct",
+                                                                      durable=True))
+                total = int(args.rate * args.seconds)
+                start = time.time()
+                for i in range(total):  # open loop: message i of each consumer at start + i / rate
+                    due = start + i / args.rate
+                    pause = due - time.time()
+                    if pause > 0:
+                        threading.Event().wait(pause)
+                    for consumer in (CONSUMER, SINGLE):
+                        env_ = order_placed_envelope(f"{consumer}-{i}")
+                        msg = celery_task_message(env_, consumer=consumer, routing_key=f"{namespace}.{consumer}")
+                        sent[f"{consumer}-{i}"] = time.time() * 1000
+                        producer.publish(msg.body, routing_key=msg.routing_key, headers=msg.headers,
+                                         content_type="application/json", content_encoding="utf-8", delivery_mode=2,
+                                         **msg.properties)
+
+                def done() -> bool:
+                    with engine.connect() as c:
+                        return int(c.execute(sa.text("SELECT count(*) FROM search_documents")).scalar_one()) >= 2 * total
+
+                wait_until("every effect", done, worker, timeout_s=120)
+                with engine.connect() as c:
+                    effects: dict[str, int] = {str(k): int(v) for k, v in c.execute(
+                        sa.text("SELECT order_id, updated_at_ms FROM search_documents"))}
+        finally:
+            worker.stop()
+            engine.dispose()
+    from bench._common import percentile
+
+    out: dict[str, dict[str, float]] = {}
+    for consumer in (CONSUMER, SINGLE):
+        ms = [float(effects[k]) - t for k, t in sent.items() if k.startswith(consumer + "-")]
+        out[consumer] = {"n": len(ms), "p50_ms": round(percentile(ms, 50), 2), "p99_ms": round(percentile(ms, 99), 2)}
+    ratio = out[CONSUMER]["p99_ms"] / out[SINGLE]["p99_ms"] if out[SINGLE]["p99_ms"] else float("nan")
+    print(f"trickle {args.rate}/s per consumer for {args.seconds} s: publish -> effect start")
+    for consumer, label in ((CONSUMER, "batch (wait 50 ms)"), (SINGLE, "unbatched")):
+        print(f"{label:20} p50 {out[consumer]['p50_ms']:8.2f} ms  p99 {out[consumer]['p99_ms']:8.2f} ms")
+    print(f"p99 ratio batch / unbatched: {ratio:.2f}")
+    write_result("batch_consumer_latency", {"rate_per_consumer": args.rate, "seconds": args.seconds,
+                                            "batch_size": args.batch_size, "batch_wait_ms": 50, "latency": out,
+                                            "p99_ratio": round(ratio, 3)})
+
+
 def publish(mode: str, namespace: str, prefix: str, n: int, conn: Connection) -> None:
     from celery_outbox.messages import celery_task_message
     from consumers.testing import order_placed_envelope
@@ -234,7 +322,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--prefetch", type=int, default=100, help="worker_prefetch_multiplier of both workers")
+    parser.add_argument("--latency", action="store_true", help="the trickle latency instead (module docstring)")
+    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=30.0)
     args = parser.parse_args()
+    if args.latency:
+        latency(args)
+        return
     n = args.deliveries
     namespace = f"batchbench{uuid.uuid4().hex[:8]}"
     results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}

@@ -3,10 +3,12 @@
 A batch consumer's task is an ordinary consumer task (``consumer_tasks.define``: same name, queue,
 acks late, time limits, the gate of ``strategy.guarded``) with one more thing, its ``Strategy``
 (``batching``): in the worker's main process each message that passed the gate becomes a Celery
-``Request`` as usual, but instead of going to the pool alone it waits in a buffer; when the buffer holds
-``batch_size`` requests, or ``batch_wait_ms`` after the first one arrived, the buffer is flushed as ONE
-pool job (``run_batch``): ``batch_delivery.deliver_batch`` in a pool process, under the consumer's time
-limits. Its results come back to the main process, which then settles each message on its own:
+``Request`` as usual, but instead of going to the pool alone it joins a buffer, which goes to the pool as
+ONE job (``run_batch``) at once while a pool process is free for it, else when a batch of this consumer
+finishes, when ``batch_size`` requests wait, or ``batch_wait_ms`` after the first, whichever comes first
+(``_Buffer``): a trickle waits for nothing, and batches grow with the load. The job runs
+``batch_delivery.deliver_batch_with`` in a pool process, under the consumer's time limits. Its results come
+back to the main process, which then settles each message on its own:
 
 - PROCESSED / DUPLICATE: acked (after the batch's commit: acks late, per message);
 - RETRY: the pool process has already published the message again with its countdown and retry count,
@@ -119,13 +121,20 @@ def run_batch(task_name: str, items: list[BatchItem], retries: list[int]) -> lis
 
 
 class _Buffer:
-    """The requests of one batch consumer waiting in a worker's main process (module docstring)."""
+    """The requests of one batch consumer waiting in a worker's main process (module docstring).
+
+    A batch goes to the pool at once while fewer of this consumer's batches are running than the pool has
+    processes: a trickle waits for nothing. While every process is busy, requests gather here, and go as
+    one batch when a batch finishes, when ``batch_size`` of them are waiting, or ``batch_wait_ms`` after the
+    first of them, whichever comes first: under load, batches grow by themselves."""
 
     def __init__(self, task: Any, consumer: Any) -> None:
         self.task, self.consumer = task, consumer
         self.size: int = task.outbox_batch_size
         self.wait_s: float = task.outbox_batch_wait_ms / 1000.0
         self.soft, self.hard = task.soft_time_limit, task.time_limit
+        self.slots = max(1, int(getattr(consumer.pool, "num_processes", None) or 1))
+        self.running = 0
         self.pending: list[Any] = []
         self.timer_entry: Any = None
         self.lock = threading.Lock()  # the solo and threads pools run the timer on a thread of its own
@@ -133,7 +142,7 @@ class _Buffer:
     def add(self, request: Any) -> None:
         with self.lock:
             self.pending.append(request)
-            if len(self.pending) >= self.size:
+            if len(self.pending) >= self.size or self.running < self.slots:
                 batch = self._take()
             else:
                 if self.timer_entry is None:
@@ -144,12 +153,22 @@ class _Buffer:
     def on_timer(self) -> None:
         with self.lock:
             self.timer_entry = None
-            batch = self._take()
+            batch = self._take() if self.pending else []
+        if batch:
+            self._send(batch)
+
+    def on_done(self) -> None:
+        """A batch of this consumer finished (settled or lost): what waits goes now."""
+        with self.lock:
+            self.running -= 1
+            batch = self._take() if self.pending else []
         if batch:
             self._send(batch)
 
     def _take(self) -> list[Any]:
+        """The waiting requests, counted as one running batch (the caller sends them)."""
         batch, self.pending = self.pending, []
+        self.running += 1
         if self.timer_entry is not None:
             with contextlib.suppress(Exception):  # an entry that already ran
                 self.timer_entry.cancel()
@@ -164,11 +183,21 @@ class _Buffer:
         started = time.monotonic()
         for r in batch:
             r.send_event("task-started")
-        self.consumer.pool.apply_async(
-            run_batch, args=(self.task.name, items, retries),
-            callback=lambda settled: _settle(batch, settled, time.monotonic() - started),
-            error_callback=lambda exc_info: _lost(batch, exc_info),
-            soft_timeout=self.soft, timeout=self.hard)
+
+        def settled(results: list[Settled]) -> None:
+            try:
+                _settle(batch, results, time.monotonic() - started)
+            finally:
+                self.on_done()
+
+        def lost(exc_info: Any) -> None:
+            try:
+                _lost(batch, exc_info)
+            finally:
+                self.on_done()
+
+        self.consumer.pool.apply_async(run_batch, args=(self.task.name, items, retries), callback=settled,
+                                       error_callback=lost, soft_timeout=self.soft, timeout=self.hard)
 
 
 def _message_id(request: Any) -> str:

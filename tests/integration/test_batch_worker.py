@@ -164,7 +164,7 @@ def test_a_worker_sigkilled_mid_batch_loses_nothing_and_doubles_nothing(rig: Rig
     os.killpg(first.pid, signal.SIGKILL)  # the whole worker: main process and pool, mid-batch
     first.wait(timeout=10)
     rig.start("survivor")
-    rig.wait("every effect", lambda: (len(rig.effects()) == n, rig.effects()), timeout_s=120)
+    rig.wait("every effect", lambda: (len(rig.effects()) == n, rig.effects()), timeout_s=240)
     time.sleep(1)  # nothing more arrives: no message runs twice
     assert rig.effects() == {f"o-{i}": 1 for i in range(n)}
     with rig.engine.connect() as c:

@@ -30,6 +30,8 @@ class Timer:
 
 
 class Pool:
+    num_processes = 1
+
     def __init__(self) -> None:
         self.jobs: list[dict[str, Any]] = []
 
@@ -71,31 +73,47 @@ class Request:
         self.events.append((type, fields))
 
 
-def test_the_buffer_flushes_one_pool_job_at_batch_size_and_cancels_its_timer() -> None:
-    consumer = Consumer()
+def test_a_trickle_goes_at_once_and_batches_gather_while_the_pool_is_busy() -> None:
+    consumer = Consumer()  # a pool of one process
     buffer = _Buffer(Task(), consumer)
-    requests = [Request("a"), Request("b", retries=2), Request("c", redelivered=True), Request("d")]
-    for r in requests[:3]:
-        buffer.add(r)
-    # Then the third request flushed the batch: one job, under the consumer's time limits
-    assert len(consumer.pool.jobs) == 1
+    requests = [Request("a"), Request("b", retries=2), Request("c", redelivered=True), Request("d"), Request("e"),
+                Request("f"), Request("g")]
+    # A message that finds the pool free goes at once, alone: a trickle waits for nothing
+    buffer.add(requests[0])
+    assert [[i.request_id for i in j["args"][1]] for j in consumer.pool.jobs] == [[requests[0].id]]
     job = consumer.pool.jobs[0]
     assert (job["fn"], job["soft_timeout"], job["timeout"]) == (run_batch, 18.0, 20.0)
-    name, items, retries = job["args"]
-    assert name == Task.name and [i.request_id for i in items] == [r.id for r in requests[:3]]
-    assert [(i.first_delivery, i.redelivered) for i in items] == [(True, False), (False, False), (True, True)]
-    assert retries == [0, 2, 0]
-    assert [e.cancelled for _, e in consumer.timer.entries] == [True]  # the wait of the first one, no longer needed
-    assert all(r.events == [("task-started", {})] for r in requests[:3])
-    # When one more arrives, Then it waits for batch_wait_ms, and the timer flushes it alone
-    buffer.add(requests[3])
-    assert len(consumer.pool.jobs) == 1
+    assert consumer.timer.entries == []
+    # While it runs, the next ones gather; the third makes batch_size and goes (the pool queues it)
+    for r in requests[1:4]:
+        buffer.add(r)
+    assert len(consumer.pool.jobs) == 2
+    name, items, retries = consumer.pool.jobs[1]["args"]
+    assert name == Task.name and [i.request_id for i in items] == [r.id for r in requests[1:4]]
+    assert [(i.first_delivery, i.redelivered) for i in items] == [(False, False), (True, True), (True, False)]
+    assert retries == [2, 0, 0]
+    assert [(secs, e.cancelled) for secs, e in consumer.timer.entries] == [(0.05, True)]  # its wait, not needed
+    assert all(r.events == [("task-started", {})] for r in requests[:4])
+    # When a batch finishes, what gathered meanwhile goes at once
+    buffer.add(requests[4])
+    assert len(consumer.pool.jobs) == 2
+    consumer.pool.jobs[0]["callback"]([Settled(outcome=Outcome.PROCESSED.value, deliveries=1)])
+    assert requests[0].settled == [("ack", False)]
+    assert [i.request_id for i in consumer.pool.jobs[2]["args"][1]] == [requests[4].id]
+    # And while the pool stays busy, batch_wait_ms bounds the wait of what gathers
+    buffer.add(requests[5])
+    buffer.add(requests[6])
+    assert len(consumer.pool.jobs) == 3
     secs, _ = consumer.timer.entries[-1]
     assert secs == 0.05
     buffer.on_timer()
-    assert len(consumer.pool.jobs) == 2 and [i.request_id for i in consumer.pool.jobs[1]["args"][1]] == [requests[3].id]
-    buffer.on_timer()  # a timer with nothing left to flush sends nothing
-    assert len(consumer.pool.jobs) == 2
+    assert [i.request_id for i in consumer.pool.jobs[3]["args"][1]] == [requests[5].id, requests[6].id]
+    buffer.on_timer()  # a timer with nothing left to send sends nothing
+    assert len(consumer.pool.jobs) == 4
+    # A lost batch frees its slot too
+    consumer.pool.jobs[1]["error_callback"](RuntimeError("WorkerLostError"))
+    assert [r.settled for r in requests[1:4]] == [[("reject", True)]] * 3
+    assert buffer.running == 2
 
 
 def test_each_message_of_a_finished_batch_is_settled_on_its_own() -> None:
