@@ -22,17 +22,20 @@ See docs/tasks.md, "Batch consumers".
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from celery_outbox import tracing
 from celery_outbox.clock import Clock
 from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.delivery import Body, Delivery, DeliveryContext, deliver_with, parse_body, parse_envelope
 from celery_outbox.errors import ConfigError, OutboxError
 from celery_outbox.inbox.claim import CrashSite
+from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.policy import Backoff
 from celery_outbox.schema import Tables
@@ -115,7 +118,18 @@ def deliver_batch_with(context: DeliveryContext, sessions: sessionmaker[Session]
             results[index] = Delivery(outcome=outcome, deliveries=1)
 
     if batchable:
-        run(batchable)
+        # One CONSUMER span per message, open over its batch (each continues the trace its envelope carries; the
+        # messages of a batch are linked to one another); a message that goes alone also gets its own delivery's.
+        with contextlib.ExitStack() as spans:
+            opened = [(index, spans.enter_context(tracing.consuming(
+                consumer=spec.name, destination=context.destination, message_id=str(envelope.message_id),
+                event_type=envelope.type, headers=envelope.headers))) for index, envelope in batchable]
+            run(batchable)
+            for index, span in opened:
+                result = results[index]
+                if result is not None:
+                    span.record(result.outcome.value, deliveries=result.deliveries, error=result.error,
+                                failed=result.outcome in (Outcome.RETRY, Outcome.DEAD_LETTERED))
     for index in range(len(items)):
         if index not in taken:
             alone(index)

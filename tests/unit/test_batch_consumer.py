@@ -300,3 +300,32 @@ def test_concurrent_batches_with_overlapping_keys_process_each_message_once(
         assert (flat.count(Outcome.PROCESSED), flat.count(Outcome.DUPLICATE)) == (40, 20)
     finally:
         DOCS.drop(engine, checkfirst=True)
+
+
+def test_each_message_of_a_batch_has_its_consumer_span_in_its_own_trace(
+        sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry import propagate
+    from opentelemetry import trace as otel_trace
+
+    from tests.support.tracing import memory_tracer
+
+    engine = sqlite_sessions.kw["bind"]
+    DOCS.create(engine, checkfirst=True)
+    with memory_tracer(monkeypatch) as exporter:
+        batch = []
+        for i in range(3):  # each message carries the trace of the transaction that published it
+            with otel_trace.get_tracer("test").start_as_current_span(f"order-{i}"):
+                headers: dict[str, Any] = {}
+                propagate.inject(headers)
+            batch.append(Envelope(message_id=uuid.uuid4(), type="OrderPlaced", payload={"order_id": f"o-{i}"},
+                                  headers=headers))
+        results = deliver_batch(sqlite_sessions, spec_of(Index()), [item(e) for e in batch], tables=tables,
+                                settings=Settings(), clock=clock)
+        assert [r.outcome for r in results] == [Outcome.PROCESSED] * 3
+        spans = exporter.get_finished_spans()
+    parents = {s.name: s.context.trace_id for s in spans if s.name.startswith("order-")}
+    consumers = [s for s in spans if s.kind == otel_trace.SpanKind.CONSUMER]
+    got = sorted((s.context.trace_id, dict(s.attributes or {})["messaging.message.id"],
+                  dict(s.attributes or {})["outbox.outcome"]) for s in consumers)
+    assert got == sorted((parents[f"order-{i}"], str(batch[i].message_id), "processed") for i in range(3))
