@@ -40,6 +40,8 @@ def test_the_wheel_holds_only_celery_outbox(wheel: Path) -> None:
     # the library's migrations and the Django migrations ship with it
     assert any(n.startswith("celery_outbox/migrations/versions/") for n in names)
     assert "celery_outbox/py.typed" in names
+    # and the Flask admin pages' templates
+    assert "celery_outbox/contrib/flask/templates/outbox_admin/list.html" in names
 
 
 def test_users_own_orders_and_consumers_packages_win(wheel: Path, tmp_path: Path) -> None:
