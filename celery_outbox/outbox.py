@@ -30,6 +30,7 @@ from celery_outbox.cancel import cancel as cancel_row
 from celery_outbox.celery import (
     beat,
     consumer_tasks,
+    delayed_retry,
     events,
     gate,
     idempotent_task,
@@ -96,6 +97,9 @@ class Outbox:
         self._install_enqueue()
         gate.register(self)  # every task message a worker of this app takes is checked (celery/gate.py)
         app.steps["consumer"].add(events.UnconfirmedTaskEvents)  # task events without confirm waits (celery/events.py)
+        # quorum queues: retries wait in the broker's delay chain, not in a worker (celery/delayed_retry.py)
+        app.steps["consumer"].add(delayed_retry.delayed_retries_step(
+            (self.settings.exchange_name, f"{self.settings.namespace}.relay")))
         tracing_hook.install(self)  # OUTBOX_TRACER_PROVIDER: here and in each worker pool process
         app.steps["worker"].add(self._boot_check_step())
         app.steps["worker"].add(receipts.receipt_step(self))  # plain outbox tasks' receipts (reconciler)

@@ -30,7 +30,7 @@ from celery.exceptions import Reject
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import tracing
-from celery_outbox.celery import batch_tasks, events
+from celery_outbox.celery import batch_tasks, delayed_retry, events
 from celery_outbox.celery.config import consumer_time_limits
 from celery_outbox.celery.strategy import STRATEGY
 from celery_outbox.consumer import ConsumerSpec
@@ -99,9 +99,10 @@ def deliver_or_retry(task: Any, sessions: Callable[[], sessionmaker[Session]], c
         result = Delivery(outcome=Outcome.RETRY, deliveries=0,
                           error=storable_text(f"{e.__class__.__name__}: {e}", limit=2000),
                           retry_in_s=policy.delay_s(1))
-    if result.retry_in_s is not None:
-        raise task.retry(countdown=result.retry_in_s, max_retries=None,
-                         exc=RedeliveryError(result.error or "failed"))
+    if result.retry_in_s is not None:  # on a quorum queue the wait is the broker's (celery/delayed_retry.py)
+        countdown, route = delayed_retry.retry_options(task, result.retry_in_s)
+        raise task.retry(countdown=countdown, max_retries=None, exc=RedeliveryError(result.error or "failed"),
+                         **route)
     return result
 
 

@@ -44,7 +44,7 @@ from celery.exceptions import Reject
 from vine import promise
 
 from celery_outbox import tracing
-from celery_outbox.celery import events
+from celery_outbox.celery import delayed_retry, events
 from celery_outbox.celery.config import consumer_time_limits
 from celery_outbox.celery.consumer_tasks import DeadLettered
 from celery_outbox.celery.enqueue import OWN_PREFIXES, carried, own_task_names
@@ -299,8 +299,9 @@ def define_poison_task(outbox: Any) -> Any:
                 time.sleep(min(backoff.delay_s(1), soft_limit / 2))
                 raise Reject(f"the database is down ({_error(e)}): the broker delivers the message again",
                              requeue=True) from None
-            raise self.retry(countdown=backoff.delay_s(retries + 1), max_retries=None,
-                             exc=DatabaseError(_error(e))) from None
+            countdown, route = delayed_retry.retry_options(self, backoff.delay_s(retries + 1))
+            raise self.retry(countdown=countdown, max_retries=None, exc=DatabaseError(_error(e)),
+                             **route) from None
         if recorded:
             events.dead_lettered(app, source="consumer", consumer=key, message_id=message_id, error=malformed.error,
                                  event_type=name, attempts=1, **events.task_sender(self))
