@@ -49,6 +49,7 @@ from celery import current_app
 from celery.worker.state import task_ready
 
 from celery_outbox.batch_delivery import BatchItem, deliver_batch_with
+from celery_outbox.celery import delayed_retry
 from celery_outbox.celery.strategy import guarded
 from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.delivery import Delivery, DeliveryContext
@@ -110,8 +111,10 @@ def run_batch(task_name: str, items: list[BatchItem], retries: list[int]) -> lis
         requeue = False
         if result.retry_in_s is not None:
             try:  # what Task.retry does: the same message again, its countdown, one more retry
-                task.apply_async(args=(item.body,), task_id=item.request_id, countdown=result.retry_in_s,
-                                 retries=tries + 1)
+                countdown, route = delayed_retry.queue_retry_options(  # quorum: the broker's delay chain
+                    task.app, task.app.amqp.queues.get(getattr(task, "outbox_queue", None)), result.retry_in_s)
+                task.apply_async(args=(item.body,), task_id=item.request_id, countdown=countdown,
+                                 retries=tries + 1, **route)
             except Exception as e:
                 log.warning("outbox: could not publish the retry of %s (%s); requeueing it", item.request_id, e)
                 requeue = True

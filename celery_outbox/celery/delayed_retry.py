@@ -93,8 +93,14 @@ def retry_options(task: Any, countdown: float) -> tuple[float, dict[str, Any]]:
     request = task.request
     if getattr(request, "is_eager", False):
         return countdown, {}
-    queue = delivered_queue(task.app, getattr(request, "delivery_info", None))
-    if queue is None or not is_quorum(queue) or not _uses_amqp(task.app):
+    return queue_retry_options(task.app, delivered_queue(task.app, getattr(request, "delivery_info", None)),
+                               countdown)
+
+
+def queue_retry_options(app: Any, queue: Any, countdown: float) -> tuple[float, dict[str, Any]]:
+    """``retry_options`` for a message of ``queue`` (one of the app's declared queues, or ``None``), for a
+    retry sent with ``apply_async`` (a batch consumer's)."""
+    if queue is None or not is_quorum(queue) or not _uses_amqp(app):
         return countdown, {}
     target = Queue(queue.name, Exchange(DELIVERY_EXCHANGE, type="topic", durable=True), routing_key=queue.routing_key,
                    durable=True, queue_arguments=dict(queue.queue_arguments or {}))

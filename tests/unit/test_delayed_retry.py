@@ -117,3 +117,12 @@ def test_celerys_warning_is_dropped_for_the_librarys_exchanges_only(caplog: pyte
         assert [r.getMessage().split()[1] for r in caplog.records] == ["theirs"]
     finally:
         logger.filters[:] = before
+
+
+def test_a_batch_consumers_retry_takes_the_chain_too(sqlite_url: str) -> None:
+    """A batch consumer re-sends a failed message with ``apply_async`` (celery/batch_tasks.py), by its queue."""
+    app = _app(sqlite_url)
+    countdown, options = delayed_retry.queue_retry_options(app, app.amqp.queues["ns.shipping"], 1.5)
+    assert countdown == 2.0
+    assert _sent(app, countdown, options)["routing_key"] == "0." * 26 + "1.0.ns.shipping"
+    assert delayed_retry.queue_retry_options(app, None, 1.5) == (1.5, {})
