@@ -134,6 +134,36 @@ class DeployHold:
     recheck_ms: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class RelayConfig:
+    """What every batch of one relay shares, built once (``from_settings``) and passed down the claim,
+    send, finish and mark steps.
+
+    ``routes``: event type -> consumer names; ``namespace`` names the queues (``<namespace>.<consumer>``,
+    as ``Settings.queue_name``); a rejected row is due again after ``backoff_ms`` of its attempts and
+    dead-lettered at ``max_attempts``; ``hold``: deploy-safe publishing (None: off); ``statements``: the
+    claim, mark and next-due read built once for the relay's dialect (None: built per batch).
+    """
+
+    tables: Tables
+    routes: Mapping[str, Sequence[str]]
+    namespace: str = "outbox"
+    max_message_bytes: int
+    max_attempts: int
+    base_delay_ms: int
+    max_delay_ms: int
+    hold: DeployHold | None = None
+    statements: RelayStatements | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, tables: Tables, routes: Mapping[str, Sequence[str]] | None = None,
+                      statements: RelayStatements | None = None) -> RelayConfig:
+        return cls(tables=tables, routes=settings.routes if routes is None else routes, namespace=settings.namespace,
+                   max_message_bytes=settings.max_message_bytes, max_attempts=settings.relay_max_attempts,
+                   base_delay_ms=settings.relay_base_delay_ms, max_delay_ms=settings.relay_max_delay_ms,
+                   hold=hold_from_settings(settings), statements=statements)
+
+
 REGISTRY_TTL_MS = 1_000  # the longest ``RegistryCache`` answers from memory (at most a tenth of a heartbeat)
 
 
@@ -267,34 +297,32 @@ class Marked:
     next_due_read: bool = False
 
 
-def mark_batch(session: Session, now_ms: int, *, tables: Tables, published: Sequence[ClaimedRow],
-               failed: Mapping[int, tuple[ClaimedRow, str]], max_attempts: int, base_delay_ms: int,
-               max_delay_ms: int, dead_now: Mapping[int, tuple[ClaimedRow, str]] | None = None,
+def mark_batch(session: Session, now_ms: int, config: RelayConfig, *, published: Sequence[ClaimedRow],
+               failed: Mapping[int, tuple[ClaimedRow, str]], dead_now: Mapping[int, tuple[ClaimedRow, str]] | None = None,
                count: bool = False, held: Sequence[tuple[ClaimedRow, str]] = (), held_until_ms: int = 0,
                ) -> tuple[int, int, int]:
     """``mark_rows`` returning (marked, failed, dead_lettered); the caller commits."""
-    m = mark_rows(session, now_ms, tables=tables, published=published, failed=failed, max_attempts=max_attempts,
-                  base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms, dead_now=dead_now, count=count,
+    m = mark_rows(session, now_ms, config, published=published, failed=failed, dead_now=dead_now, count=count,
                   held=held, held_until_ms=held_until_ms)
     return m.marked, m.failed, m.dead_lettered
 
 
-def mark_rows(session: Session, now_ms: int, *, tables: Tables, published: Sequence[ClaimedRow],
-              failed: Mapping[int, tuple[ClaimedRow, str]], max_attempts: int, base_delay_ms: int,
-              max_delay_ms: int, dead_now: Mapping[int, tuple[ClaimedRow, str]] | None = None,
-              count: bool = False, held: Sequence[tuple[ClaimedRow, str]] = (), held_until_ms: int = 0,
-              statements: RelayStatements | None = None) -> Marked:
+def mark_rows(session: Session, now_ms: int, config: RelayConfig, *, published: Sequence[ClaimedRow],
+              failed: Mapping[int, tuple[ClaimedRow, str]], dead_now: Mapping[int, tuple[ClaimedRow, str]] | None = None,
+              count: bool = False, held: Sequence[tuple[ClaimedRow, str]] = (), held_until_ms: int = 0) -> Marked:
     """Mark in the current transaction (the caller commits).
 
     Failed rows: one executemany UPDATE charging an attempt (backoff, dead letter at
-    ``max_attempts``). ``dead_now`` rows are dead-lettered whatever their attempts. ``held`` rows
+    ``config.max_attempts``). ``dead_now`` rows are dead-lettered whatever their attempts. ``held`` rows
     (waiting for a worker that runs them) are due again at ``held_until_ms`` with what they wait for
     in ``held_for``, their attempts untouched (a deploy is not their failure). Published rows, last:
     ONE statement with one array parameter (Postgres, ``= ANY(:ids)``; with ``count`` the relay's
     ``published`` counter is added and the next due time read in that same statement, which sees the
-    updates above) or one ``IN`` UPDATE (SQLite, counter staged after it). ``statements``: the prebuilt
-    Postgres mark (``RelayStatements``).
+    updates above) or one ``IN`` UPDATE (SQLite, counter staged after it). ``config.statements``: the
+    prebuilt Postgres mark (``RelayStatements``).
     """
+    tables, statements = config.tables, config.statements
+    max_attempts, base_delay_ms, max_delay_ms = config.max_attempts, config.base_delay_ms, config.max_delay_ms
     marked = n_failed = n_dead = 0
     next_due: int | None = None
     due_read = False
@@ -391,7 +419,6 @@ class Claimed:
     result: BatchResult
     limit: int
     recheck_ms: int = 0  # held rows are due again this long after the batch is marked
-    statements: RelayStatements | None = None  # the prebuilt claim and mark (the standalone relay's)
 
 
 @dataclass(kw_only=True)
@@ -413,23 +440,22 @@ def _abort(session: Session, spans: tracing.RelaySpans, e: BaseException) -> Non
         log.debug("rollback after a failed batch failed", exc_info=True)
 
 
-def claim_batch(session: Session, clock: Clock, *, tables: Tables, limit: int,
-                routes: Mapping[str, Sequence[str]], max_message_bytes: int, namespace: str,
-                hold: DeployHold | None = None, registry_cache: RegistryCache | None = None,
-                statements: RelayStatements | None = None, read_next_due: bool = False) -> Claimed:
+def claim_batch(session: Session, clock: Clock, config: RelayConfig, *, limit: int,
+                registry_cache: RegistryCache | None = None, read_next_due: bool = False) -> Claimed:
     """Claim up to ``limit`` due rows (earliest due first, then seq) and build their broker messages (nothing is sent).
 
     An empty claim is committed at once. On SQLite the read transaction is committed before
     returning, so the database's one write lock is never held across broker I/O. An exception rolls
-    back (releasing the claim) and propagates. With ``hold``, task rows no live worker of their queue
-    runs are set aside (``Built.held``) and put back for ``hold.recheck_ms`` when the batch is marked;
-    ``registry_cache`` spares the registry read while it is fresh (``RegistryCache``); ``statements``, the
-    building of the claim and the mark (``RelayStatements``, built for this session's dialect). With
-    ``read_next_due`` (and ``statements``) a claim that comes back empty also reads the next due time
-    (``BatchResult.next_due_ms``) in its own transaction, before its commit: the standalone relay sleeps
-    until then without a session and a query of its own (relay/loop.py). Only valid when no batch of
-    the same relay is in flight (its rows still look pending): the loop asks for it on a drain's first claim.
+    back (releasing the claim) and propagates. With ``config.hold``, task rows no live worker of their
+    queue runs are set aside (``Built.held``) and put back for ``hold.recheck_ms`` when the batch is
+    marked; ``registry_cache`` spares the registry read while it is fresh (``RegistryCache``). With
+    ``read_next_due`` (and ``config.statements``) a claim that comes back empty also reads the next due
+    time (``BatchResult.next_due_ms``) in its own transaction, before its commit: the standalone relay
+    sleeps until then without a session and a query of its own (relay/loop.py). Only valid when no batch
+    of the same relay is in flight (its rows still look pending): the loop asks for it on a drain's first claim.
     """
+    tables, routes, namespace, hold, statements = (config.tables, config.routes, config.namespace, config.hold,
+                                                   config.statements)
     result = BatchResult()
     spans = tracing.NO_RELAY_SPANS
     try:
@@ -444,19 +470,18 @@ def claim_batch(session: Session, clock: Clock, *, tables: Tables, limit: int,
         if not rows or not is_postgres(session):
             session.commit()  # SQLite: single relay; do not hold the write lock across broker I/O
         if not rows:
-            return Claimed(session=session, rows=rows, built=_EMPTY, spans=spans, result=result, limit=limit,
-                           statements=statements)
+            return Claimed(session=session, rows=rows, built=_EMPTY, spans=spans, result=result, limit=limit)
         spans = tracing.relay_spans(rows, routes=routes, namespace=namespace)  # one span per row if configured
         built = spans.build(rows, lambda rs: build_messages(rs, routes=routes, namespace=namespace,
-                                                           max_message_bytes=max_message_bytes, held=held))
+                                                           max_message_bytes=config.max_message_bytes, held=held))
         return Claimed(session=session, rows=rows, built=built, spans=spans, result=result, limit=limit,
-                       recheck_ms=0 if hold is None else hold.recheck_ms, statements=statements)
+                       recheck_ms=0 if hold is None else hold.recheck_ms)
     except BaseException as e:
         _abort(session, spans, e)
         raise
 
 
-def _broker_down(claimed: Claimed, e: BrokerUnavailableError, clock: Clock, *, tables: Tables,
+def _broker_down(claimed: Claimed, e: BrokerUnavailableError, clock: Clock, config: RelayConfig, *,
                  breaker: CircuitBreaker | None) -> BatchResult:
     """Leave every row of the batch as it was (pending, no attempt charged) and trip the breaker."""
     session, result = claimed.session, claimed.result
@@ -468,11 +493,11 @@ def _broker_down(claimed: Claimed, e: BrokerUnavailableError, clock: Clock, *, t
         breaker.record_failure(clock.now_ms(), str(e))
     log.warning("broker unavailable, %s row(s) left pending: %s", result.duplicates_risked, e)
     claimed.spans.fail("broker_unavailable", str(e))
-    counters.increment(session, counters.RELAY, counters.BROKER_UNAVAILABLE, tables=tables)
+    counters.increment(session, counters.RELAY, counters.BROKER_UNAVAILABLE, tables=config.tables)
     return result
 
 
-def send_claimed(claimed: Claimed, publisher: Publisher, clock: Clock, *, tables: Tables,
+def send_claimed(claimed: Claimed, publisher: Publisher, clock: Clock, config: RelayConfig, *,
                  breaker: CircuitBreaker | None = None,
                  crash_points: CrashPointsLike | None = None) -> InFlight | BatchResult:
     """Put a claimed batch on the wire. Returns the ``InFlight`` batch, or the finished
@@ -487,15 +512,14 @@ def send_claimed(claimed: Claimed, publisher: Publisher, clock: Clock, *, tables
         try:
             wait = start_publish(publisher, messages)
         except BrokerUnavailableError as e:
-            return _broker_down(claimed, e, clock, tables=tables, breaker=breaker)
+            return _broker_down(claimed, e, clock, config, breaker=breaker)
         return InFlight(claimed=claimed, wait=wait)
     except BaseException as e:
         _abort(claimed.session, claimed.spans, e)
         raise
 
 
-def finish_batch(flight: InFlight, clock: Clock, *, tables: Tables, max_attempts: int, base_delay_ms: int,
-                 max_delay_ms: int, breaker: CircuitBreaker | None = None,
+def finish_batch(flight: InFlight, clock: Clock, config: RelayConfig, *, breaker: CircuitBreaker | None = None,
                  crash_points: CrashPointsLike | None = None) -> BatchResult:
     """Wait for the broker's answer, THEN mark the rows and commit (publish first, mark after)."""
     claimed = flight.claimed
@@ -504,7 +528,7 @@ def finish_batch(flight: InFlight, clock: Clock, *, tables: Tables, max_attempts
         try:
             report = flight.wait()
         except BrokerUnavailableError as e:
-            return _broker_down(claimed, e, clock, tables=tables, breaker=breaker)
+            return _broker_down(claimed, e, clock, config, breaker=breaker)
         rejected_rows: dict[int, tuple[ClaimedRow, str]] = {}
         for index, error in report.rejected.items():
             owner = built.owners[index]
@@ -520,25 +544,25 @@ def finish_batch(flight: InFlight, clock: Clock, *, tables: Tables, max_attempts
                      if i not in built.unpublishable and i not in rejected_rows and i not in built.held]
         dead_now = {i: (rows[i], why) for i, why in built.unpublishable.items()}
         held = [(rows[i], f"waiting for a worker that runs {why}") for i, why in built.held.items()]
-        m = mark_rows(
-            session, done, tables=tables, published=published, failed=rejected_rows, dead_now=dead_now,
-            max_attempts=max_attempts, base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms, count=True,
-            held=held, held_until_ms=done + claimed.recheck_ms, statements=claimed.statements)
+        m = mark_rows(session, done, config, published=published, failed=rejected_rows, dead_now=dead_now, count=True,
+                      held=held, held_until_ms=done + claimed.recheck_ms)
         marked, result.failed, result.dead_lettered = m.marked, m.failed, m.dead_lettered
         result.next_due_ms, result.next_due_read = m.next_due_ms, m.next_due_read
         result.held = len(held)
         if held:
             log.info("%s task row(s) held: %s", len(held), "; ".join(sorted({why for _, why in held}))[:500])
         with wrap_driver_errors("counting the relay batch"):
-            counters.stage_increment(session, counters.RELAY, counters.PUBLISH_FAILURES, len(rejected_rows), tables=tables)
-            counters.stage_increment(session, counters.RELAY, counters.DEAD_LETTERED, result.dead_lettered, tables=tables)
+            counters.stage_increment(session, counters.RELAY, counters.PUBLISH_FAILURES, len(rejected_rows),
+                                     tables=config.tables)
+            counters.stage_increment(session, counters.RELAY, counters.DEAD_LETTERED, result.dead_lettered,
+                                     tables=config.tables)
         with wrap_driver_errors("committing the relay batch"):
             session.commit()
         # a held row's span ends "failed" with what it waits for (no attempt was charged)
         spans.finish(rejected={**rejected_rows, **{i: (rows[i], f"held: {why}") for i, why in built.held.items()}},
-                     dead_now=dead_now, max_attempts=max_attempts)
+                     dead_now=dead_now, max_attempts=config.max_attempts)
         result.dead_lettered_rows = [(str(r.message_id), why) for r, why in dead_now.values()] + [
-            (str(r.message_id), why) for r, why in rejected_rows.values() if r.attempts + 1 >= max_attempts]
+            (str(r.message_id), why) for r, why in rejected_rows.values() if r.attempts + 1 >= config.max_attempts]
         result.published = marked
         result.already_published = len(published) - marked
         if result.already_published:
@@ -556,10 +580,17 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, tabl
                    routes: Mapping[str, Sequence[str]], max_message_bytes: int, namespace: str = "outbox",
                    breaker: CircuitBreaker | None = None, crash_points: CrashPointsLike | None = None,
                    hold: DeployHold | None = None) -> BatchResult:
+    """``dispatch`` with its ``RelayConfig`` built from these keywords (one-off callers and tests)."""
+    config = RelayConfig(tables=tables, routes=routes, namespace=namespace, max_message_bytes=max_message_bytes,
+                         max_attempts=max_attempts, base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms, hold=hold)
+    return dispatch(session, publisher, clock, config, batch_size=batch_size, breaker=breaker, crash_points=crash_points)
+
+
+def dispatch(session: Session, publisher: Publisher, clock: Clock, config: RelayConfig, *, batch_size: int,
+             breaker: CircuitBreaker | None = None, crash_points: CrashPointsLike | None = None) -> BatchResult:
     """Claim up to ``batch_size`` due rows (earliest due first, then seq), publish them, then mark them in one commit.
 
-    ``namespace`` names the queues (``<namespace>.<consumer>``, as ``Settings.queue_name``). A broker
-    outage (``BrokerUnavailableError``) leaves every row as it was, trips ``breaker`` and returns
+    A broker outage (``BrokerUnavailableError``) leaves every row as it was, trips ``breaker`` and returns
     ``broker_unavailable=True``; it is never charged to a row. Any other exception rolls back (on
     Postgres releasing the claim) and propagates. The pipelined relay (relay/loop.py) runs the same
     three steps (``claim_batch``, ``send_claimed``, ``finish_batch``), overlapped across batches.
@@ -568,28 +599,22 @@ def dispatch_batch(session: Session, publisher: Publisher, clock: Clock, *, tabl
     if breaker is not None and not breaker.allow(now):
         return BatchResult(broker_unavailable=True, breaker_open=True, error=breaker.last_error)
     limit = breaker.batch_limit(now, batch_size) if breaker is not None else batch_size
-    claimed = claim_batch(session, clock, tables=tables, limit=limit, routes=routes,
-                          max_message_bytes=max_message_bytes, namespace=namespace, hold=hold)
+    claimed = claim_batch(session, clock, config, limit=limit)
     if not claimed.rows:
         return claimed.result
-    flight = send_claimed(claimed, publisher, clock, tables=tables, breaker=breaker, crash_points=crash_points)
+    flight = send_claimed(claimed, publisher, clock, config, breaker=breaker, crash_points=crash_points)
     if isinstance(flight, BatchResult):
         return flight
-    return finish_batch(flight, clock, tables=tables, max_attempts=max_attempts, base_delay_ms=base_delay_ms,
-                        max_delay_ms=max_delay_ms, breaker=breaker, crash_points=crash_points)
+    return finish_batch(flight, clock, config, breaker=breaker, crash_points=crash_points)
 
 
 def dispatch_with_settings(session: Session, publisher: Publisher, clock: Clock, settings: Settings, *,
                            tables: Tables, breaker: CircuitBreaker | None = None, crash_points: CrashPointsLike | None = None,
                            batch_size: int | None = None,
                            routes: Mapping[str, Sequence[str]] | None = None) -> BatchResult:
-    """``dispatch_batch`` with every knob taken from ``settings``."""
-    return dispatch_batch(
-        session, publisher, clock, tables=tables, batch_size=batch_size or settings.relay_batch_size,
-        max_attempts=settings.relay_max_attempts, base_delay_ms=settings.relay_base_delay_ms,
-        max_delay_ms=settings.relay_max_delay_ms, routes=settings.routes if routes is None else routes,
-        max_message_bytes=settings.max_message_bytes, namespace=settings.namespace,
-        breaker=breaker, crash_points=crash_points, hold=hold_from_settings(settings))
+    """``dispatch`` with every knob taken from ``settings``."""
+    return dispatch(session, publisher, clock, RelayConfig.from_settings(settings, tables=tables, routes=routes),
+                    batch_size=batch_size or settings.relay_batch_size, breaker=breaker, crash_points=crash_points)
 
 
 def hold_from_settings(settings: Settings) -> DeployHold | None:

@@ -56,11 +56,11 @@ from celery_outbox.relay.dispatch import (
     Claimed,
     CrashPointsLike,
     RegistryCache,
+    RelayConfig,
     breaker_from_settings,
     claim_batch,
-    dispatch_with_settings,
+    dispatch,
     finish_batch,
-    hold_from_settings,
     send_claimed,
 )
 from celery_outbox.relay.publisher import Publisher
@@ -264,11 +264,12 @@ class RelayLoop:
         self.commit_rate = CommitRate(horizon_s=GATHER_RATE_HORIZON_S)
         self._due_hint: DrainResult | None = None  # the last drain, when its mark read the next due time
         self.max_batches_per_drain = max_batches_per_drain
-        # Read once, not per claim; the worker registry is reused for a second between wake-ups (RegistryCache).
-        self._hold = hold_from_settings(settings)
-        self._registry_cache = RegistryCache.for_hold(self._hold) if self._hold is not None else None
-        # The claim and the mark, built once (relay/queries.py ``RelayStatements``), not per wake-up.
-        self._statements = RelayStatements.build(tables, bind.dialect) if bind is not None else None
+        # Read once, not per claim, with the claim and the mark built once (relay/queries.py ``RelayStatements``);
+        # the worker registry is reused for a second between wake-ups (RegistryCache).
+        self.config = RelayConfig.from_settings(
+            settings, tables=tables, routes=self.routes,
+            statements=RelayStatements.build(tables, bind.dialect) if bind is not None else None)
+        self._registry_cache = RegistryCache.for_hold(self.config.hold) if self.config.hold is not None else None
         # Called with every finished drain (e.g. the CLI sends Celery events for its dead letters);
         # it must not raise, and if it does the error is logged: the drain is done either way.
         self.on_drain = on_drain
@@ -342,9 +343,8 @@ class RelayLoop:
             asked = self.sizer.size
             self._coalesce_notifies()
             with self.session_factory() as session:
-                result = dispatch_with_settings(session, self.publisher, self.clock, self.settings, tables=self.tables,
-                                                breaker=self.breaker, crash_points=self.crash_points,
-                                                batch_size=asked, routes=self.routes)
+                result = dispatch(session, self.publisher, self.clock, self.config, batch_size=asked,
+                                  breaker=self.breaker, crash_points=self.crash_points)
             total.add(result)
             self._progress()
             if not result.breaker_open:
@@ -362,11 +362,8 @@ class RelayLoop:
         self._coalesce_notifies()
         session = self.session_factory()
         try:
-            return claim_batch(session, self.clock, tables=self.tables,
-                               limit=self.breaker.batch_limit(now, self.sizer.size), routes=self.routes,
-                               max_message_bytes=self.settings.max_message_bytes, namespace=self.settings.namespace,
-                               hold=self._hold, registry_cache=self._registry_cache, statements=self._statements,
-                               read_next_due=first)
+            return claim_batch(session, self.clock, self.config, limit=self.breaker.batch_limit(now, self.sizer.size),
+                               registry_cache=self._registry_cache, read_next_due=first)
         except BaseException:
             session.close()
             raise
@@ -382,7 +379,7 @@ class RelayLoop:
         was not published yet, its claim dies with its connection. The next batch is claimed only
         after a full one: a short batch means the outbox is drained for now.
         """
-        settings, crash_points = self.settings, self.crash_points
+        crash_points = self.crash_points
         nxt = self._claim_next(first=True)
         try:
             batches = 0
@@ -394,7 +391,7 @@ class RelayLoop:
                 if not claimed.rows:
                     total.add(claimed.result)
                     return
-                flight = send_claimed(claimed, self.publisher, self.clock, tables=self.tables, breaker=self.breaker,
+                flight = send_claimed(claimed, self.publisher, self.clock, self.config, breaker=self.breaker,
                                       crash_points=crash_points)
                 if isinstance(flight, BatchResult):  # the broker is away: every row left pending
                     total.add(flight)
@@ -407,10 +404,7 @@ class RelayLoop:
                 if crash_points is not None and isinstance(nxt, Claimed) and nxt.rows:
                     crash_points.reached("relay_in_flight_next_claimed")
                 try:
-                    result = finish_batch(flight, self.clock, tables=self.tables,
-                                          max_attempts=settings.relay_max_attempts,
-                                          base_delay_ms=settings.relay_base_delay_ms,
-                                          max_delay_ms=settings.relay_max_delay_ms, breaker=self.breaker,
+                    result = finish_batch(flight, self.clock, self.config, breaker=self.breaker,
                                           crash_points=crash_points)
                 finally:
                     claimed.session.close()

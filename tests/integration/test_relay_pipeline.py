@@ -139,7 +139,7 @@ def test_the_kombu_publisher_sends_ahead() -> None:
 @pytest.mark.parametrize("count", [True, False])
 def test_the_array_mark_stamps_and_counts_only_rows_no_other_relay_stamped(
         pg_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables, count: bool) -> None:
-    from celery_outbox.relay.dispatch import claim_due, mark_batch
+    from celery_outbox.relay.dispatch import RelayConfig, claim_due, mark_batch
 
     # Given 5 claimed rows, the first of which another relay stamped meanwhile (at time 7)
     insert_pending(pg_sessions, clock.now_ms(), 5, tables=tables, payload=lambda i, mid: {})
@@ -151,8 +151,9 @@ def test_the_array_mark_stamps_and_counts_only_rows_no_other_relay_stamped(
         s.commit()
     # When this relay marks all 5 with one array parameter
     with pg_sessions() as s:
-        marked, failed, dead = mark_batch(s, clock.now_ms(), tables=tables, published=rows, failed={},
-                                          max_attempts=3, base_delay_ms=1, max_delay_ms=1, count=count)
+        config = RelayConfig(tables=tables, routes={}, max_message_bytes=10_000, max_attempts=3, base_delay_ms=1,
+                             max_delay_ms=1)
+        marked, failed, dead = mark_batch(s, clock.now_ms(), config, published=rows, failed={}, count=count)
         s.commit()
     # Then it stamped (and, when asked, counted) the 4 it held, and left the other relay's stamp alone
     assert (marked, failed, dead) == (4, 0, 0)

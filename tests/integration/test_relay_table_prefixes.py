@@ -64,7 +64,7 @@ def test_two_relays_on_two_prefixes_in_one_process_each_publish_and_mark_their_o
             assert pending == 0
         # And their prebuilt statements name their own tables only
         for p, other in zip(PREFIXES, reversed(PREFIXES), strict=True):
-            statements = loops[p]._statements
+            statements = loops[p].config.statements
             assert statements is not None and statements.mark is not None
             own, others = tables[p].names(), tables[other].names()
             for sql in (str(statements.claim.compile(engine)), str(statements.mark),

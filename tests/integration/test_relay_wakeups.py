@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox import Tables, workers
 from celery_outbox.clock import ManualClock
 from celery_outbox.messages import TASK_KIND
-from celery_outbox.relay.dispatch import ClaimedRow, RegistryCache, claim_due, held_rows, mark_rows
+from celery_outbox.relay.dispatch import ClaimedRow, RegistryCache, RelayConfig, claim_due, held_rows, mark_rows
 from celery_outbox.relay.loop import GATHER_MIN_COMMITS, RelayLoop
 from celery_outbox.relay.queries import due_pending, mark_published_pg, next_due
 from celery_outbox.testing.memory import InMemoryPublisher
@@ -50,8 +50,9 @@ def test_the_mark_reads_the_earliest_due_time_of_the_other_pending_rows(
     with pg_sessions() as s:
         a, b = claim_due(s, now, 2, tables=tables)
         # When the batch is marked: a published, b rejected (backoff 1 s)
-        m = mark_rows(s, now, tables=tables, published=[a], failed={1: (b, "nack")}, max_attempts=5,
-                      base_delay_ms=1_000, max_delay_ms=60_000, count=True)
+        config = RelayConfig(tables=tables, routes={}, max_message_bytes=10_000, max_attempts=5, base_delay_ms=1_000,
+                             max_delay_ms=60_000)
+        m = mark_rows(s, now, config, published=[a], failed={1: (b, "nack")}, count=True)
         s.commit()
     # Then the mark read the next due time: b's backoff (the update before it is seen; a is not counted),
     # the same as the query the loop used to send before it slept

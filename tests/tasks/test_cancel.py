@@ -16,7 +16,7 @@ from freezegun import freeze_time
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import AlreadyPublishedError, ManualClock, NotFoundError, Tables, ValidationError, counters
-from celery_outbox.relay.dispatch import InFlight, claim_batch, finish_batch, send_claimed
+from celery_outbox.relay.dispatch import InFlight, RelayConfig, claim_batch, finish_batch, send_claimed
 from celery_outbox.testing import InMemoryPublisher, drain
 from tests.tasks.test_enqueue import TaskApp
 from tests.tasks.test_scheduled import T0, T0_MS
@@ -96,9 +96,10 @@ def test_postgres_a_cancel_racing_the_relay_waits_and_reports_the_publish(pg_ses
         sent = tasks.mail.delay("a@example.com")
     # Given the relay has claimed the row (FOR UPDATE SKIP LOCKED) and put it on the wire, not yet marked
     relay_session, publisher = pg_sessions(), InMemoryPublisher()
-    claimed = claim_batch(relay_session, tasks.outbox.clock, tables=tables, limit=10, routes={},
-                          max_message_bytes=256 * 1024, namespace="outbox")
-    flight = send_claimed(claimed, publisher, tasks.outbox.clock, tables=tables)
+    config = RelayConfig(tables=tables, routes={}, max_message_bytes=256 * 1024, max_attempts=3, base_delay_ms=1000,
+                         max_delay_ms=1000)
+    claimed = claim_batch(relay_session, tasks.outbox.clock, config, limit=10)
+    flight = send_claimed(claimed, publisher, tasks.outbox.clock, config)
     assert publisher.message_ids() == [sent.id]
     # When a cancel runs meanwhile
     outcome: list[BaseException | None] = []
@@ -125,7 +126,7 @@ def test_postgres_a_cancel_racing_the_relay_waits_and_reports_the_publish(pg_ses
             pytest.fail("the cancel never waited on the relay's lock")
     # And the relay marks and commits
     assert isinstance(flight, InFlight)
-    finish_batch(flight, tasks.outbox.clock, tables=tables, max_attempts=3, base_delay_ms=1000, max_delay_ms=1000)
+    finish_batch(flight, tasks.outbox.clock, config)
     relay_session.close()
     thread.join(timeout=30)
     # Then the cancel reports the publish, it did not delete the published row

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.clock import Clock, ManualClock
-from celery_outbox.relay.dispatch import build_messages, claim_due, dispatch_batch, mark_batch
+from celery_outbox.relay.dispatch import RelayConfig, build_messages, claim_due, dispatch_batch, mark_batch
 from celery_outbox.relay.publisher import Publisher
 from celery_outbox.schema import Tables
 from celery_outbox.testing.memory import InMemoryPublisher, PublisherCrashed
@@ -47,7 +47,9 @@ def dispatch_batch_mark_first(session: Session, publisher: Publisher, clock: Clo
     now = clock.now_ms()
     rows = claim_due(session, now, OPTS["batch_size"], tables=tables)
     built = build_messages(rows, routes=ROUTES, namespace="t", max_message_bytes=10_000)
-    mark_batch(session, now, tables=tables, published=rows, failed={}, max_attempts=3, base_delay_ms=1_000, max_delay_ms=60_000)
+    config = RelayConfig(tables=tables, routes=ROUTES, namespace="t", max_message_bytes=10_000, max_attempts=3,
+                         base_delay_ms=1_000, max_delay_ms=60_000)
+    mark_batch(session, now, config, published=rows, failed={})
     session.commit()
     if die_between:
         raise Died("between mark and publish")
