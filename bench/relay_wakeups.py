@@ -8,24 +8,30 @@ at each offered rate for ``--seconds``, waits until the outbox is drained, and r
 - the relay process's CPU (``/proc/<pid>/stat``, user + system) per order;
 - the CPU of the relay's Postgres backends (every client backend of the run's database but this
   script's own, which are named ``relay-wakeups-bench``) per order;
+- the CPU of the RabbitMQ server (the process listening on the broker's port, read from ``/proc``; a
+  shared server also serves whatever else runs meanwhile: run it alone) per order. The relay talks to
+  RabbitMQ directly, not through the chaos environment's proxy (which would add its latency to every
+  confirm);
 - orders per batch (a batch stamps its rows with one ``published_at_ms``: distinct stamps);
 - commit -> published latency per row (``published_at_ms - created_at_ms``: the relay stamps the row
   after the broker confirmed it), p50 / p99.
 
 Variants run interleaved in every round (a fresh relay process each): ``--gather-ms`` values of this
 tree's relay (``OUTBOX_RELAY_GATHER_MS``) and, with ``--baseline-src DIR``, the relay of another source
-tree (e.g. ``git archive main | tar -x -C DIR``) put first on the relay's PYTHONPATH. No worker runs:
+tree (e.g. ``git archive main | tar -x -C DIR``) put first on the relay's PYTHONPATH (``--variant-src
+NAME=DIR``, repeatable, adds more such trees). No worker runs:
 the broker keeps the messages (queues purged between steps); the reconcile interval is set to a day so
 the reconciler (which would re-send what no consumer recorded) stays out of the figures. Prints
 medians over rounds and the ratios against the first variant; writes bench/results/<name>.json.
 
     .venv/bin/python bench/relay_wakeups.py [--rates 40,80,160] [--seconds 8] [--rounds 2]
-        [--gather-ms 0,5,10] [--baseline-src /tmp/base]
+        [--gather-ms 0,5,10] [--baseline-src /tmp/base] [--variant-src name=/tmp/other]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -61,6 +67,27 @@ def cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def broker_pid(url: str) -> int:
+    """The pid of the process listening on the broker URL's port (0 when it cannot be found)."""
+    port = int(url.split("@", 1)[-1].split("/", 1)[0].rpartition(":")[2] or 5672)
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # LISTEN on the port
+                    inodes.add(f[9])
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return int(proc.name)
+    return 0
 
 
 def backends_cpu_s(engine: sa.Engine, db_name: str) -> dict[int, float]:
@@ -103,12 +130,16 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4, help="writer threads")
     parser.add_argument("--gather-ms", default="0", help="OUTBOX_RELAY_GATHER_MS values of this tree's relay")
     parser.add_argument("--baseline-src", default="", help="a source tree whose relay runs as the variant 'base'")
+    parser.add_argument("--variant-src", action="append", default=[], help="NAME=DIR: another source tree's relay")
     parser.add_argument("--name", default="relay_wakeups", help="bench/results/<name>.json")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     variants: dict[str, dict[str, str]] = {}
     if args.baseline_src:
         variants["base"] = {"PYTHONPATH": os.pathsep.join([args.baseline_src, str(REPO)])}
+    for spec in args.variant_src:
+        vname, _, src = spec.partition("=")
+        variants[vname] = {"PYTHONPATH": os.pathsep.join([src, str(REPO)])}
     for g in filter(None, args.gather_ms.split(",")):
         variants[f"gather{int(g)}"] = {"OUTBOX_RELAY_GATHER_MS": str(int(g))}
     work = Path(tempfile.mkdtemp(prefix="outbox-wakeups-"))
@@ -116,6 +147,10 @@ def main() -> None:
     runs: dict[str, dict[float, list[dict[str, float]]]] = {v: {r: [] for r in rates} for v in variants}
     with ChaosEnvironment(broker="rabbitmq", workdir=work, extra_env=extra) as env:
         from relay.factory import create_outbox
+
+        # The relay publishes to RabbitMQ itself, past the environment's fault-injection proxy.
+        direct = {"OUTBOX_BROKER_URL": getattr(env.broker, "upstream_url", env.broker.url)}
+        rabbit = broker_pid(direct["OUTBOX_BROKER_URL"])
 
         engine = make_engine(env.database_url, settings=env.settings, connect_args={"application_name": APP_NAME},
                              pool_size=args.clients + 2)
@@ -145,7 +180,7 @@ def main() -> None:
             order = list(variants) if rnd % 2 == 0 else list(variants)[::-1]
             for v in order:
                 relay = env.processes.add(ManagedProcess(
-                    name=f"relay-{v}-{rnd}", argv=relay_argv(), env={**env.env, **variants[v]},
+                    name=f"relay-{v}-{rnd}", argv=relay_argv(), env={**env.env, **direct, **variants[v]},
                     log_dir=work / "logs", cwd=REPO))
                 relay.start()
                 env.wait(lambda relay=relay: "relay loop started" in relay.log_path.read_text(errors="replace"),  # type: ignore[misc]
@@ -157,10 +192,10 @@ def main() -> None:
                 for rate in rates:
                     tag = f"{v}-{rnd}-{rate:g}"
                     t0_ms = int(time.time() * 1000)
-                    cpu0, pg0 = cpu_s(relay.pid), backends_cpu_s(engine, env.db_name)
+                    cpu0, pg0, mq0 = cpu_s(relay.pid), backends_cpu_s(engine, env.db_name), cpu_s(rabbit)
                     n = offer(write, tag=tag, rate=rate, seconds=args.seconds, clients=args.clients)
                     env.wait(lambda: pending() == 0, timeout_s=120, what=f"{tag} drained")
-                    cpu1, pg1 = cpu_s(relay.pid), backends_cpu_s(engine, env.db_name)
+                    cpu1, pg1, mq1 = cpu_s(relay.pid), backends_cpu_s(engine, env.db_name), cpu_s(rabbit)
                     pg = sum(c - pg0.get(pid, 0.0) for pid, c in pg1.items())
                     with sessions() as s:
                         lat = [float(x) for x in s.execute(
@@ -170,11 +205,13 @@ def main() -> None:
                         batches = int(s.execute(sa.select(sa.func.count(sa.distinct(table.c.published_at_ms)))
                                                 .where(table.c.created_at_ms >= t0_ms)).scalar_one())
                     got = {"orders": n, "relay_cpu_ms_per_order": 1000 * (cpu1 - cpu0) / n,
-                           "pg_cpu_ms_per_order": 1000 * pg / n, "p50_ms": percentile(lat, 50),
+                           "pg_cpu_ms_per_order": 1000 * pg / n, "rabbitmq_cpu_ms_per_order": 1000 * (mq1 - mq0) / n,
+                           "p50_ms": percentile(lat, 50),
                            "p99_ms": percentile(lat, 99), "orders_per_batch": n / max(1, batches)}
                     runs[v][rate].append(got)
                     print(f"  round {rnd} {v:9s} {rate:5.0f}/s: relay {got['relay_cpu_ms_per_order']:.2f} ms CPU/order, "
-                          f"pg {got['pg_cpu_ms_per_order']:.2f} ms/order, commit->published p50 {got['p50_ms']:.0f} "
+                          f"pg {got['pg_cpu_ms_per_order']:.2f}, rabbitmq {got['rabbitmq_cpu_ms_per_order']:.2f} ms/order, "
+                          f"commit->published p50 {got['p50_ms']:.0f} "
                           f"p99 {got['p99_ms']:.0f} ms, {got['orders_per_batch']:.1f} orders/batch", flush=True)
                     purge()
                 if relay.proc is not None:
@@ -189,16 +226,17 @@ def main() -> None:
             m = {k: statistics.median(r[k] for r in runs[v][rate]) for k in runs[v][rate][0]}
             med.setdefault(v, {})[f"{rate:g}"] = m
             b = med[first][f"{rate:g}"]
-            total = m["relay_cpu_ms_per_order"] + m["pg_cpu_ms_per_order"]
-            btotal = b["relay_cpu_ms_per_order"] + b["pg_cpu_ms_per_order"]
+            parts = ("relay_cpu_ms_per_order", "pg_cpu_ms_per_order", "rabbitmq_cpu_ms_per_order")
+            total, btotal = sum(m[k] for k in parts), sum(b[k] for k in parts)
             print(f"  {rate:5.0f}/s {v:9s} relay {m['relay_cpu_ms_per_order']:.2f} + pg {m['pg_cpu_ms_per_order']:.2f} "
-                  f"= {total:.2f} ms CPU/order (x{total / btotal:.2f})  p50 {m['p50_ms']:.0f} ms  p99 {m['p99_ms']:.0f} ms  "
+                  f"+ rabbitmq {m['rabbitmq_cpu_ms_per_order']:.2f} = {total:.2f} ms CPU/order (x{total / btotal:.2f})  "
+                  f"p50 {m['p50_ms']:.0f} ms  p99 {m['p99_ms']:.0f} ms  "
                   f"{m['orders_per_batch']:.1f} orders/batch")
     write_result(args.name, {"rates": rates, "seconds_per_step": args.seconds, "rounds": args.rounds,
                               "clients": args.clients, "variants": variants, "medians": med,
                               "runs": {v: {f"{r:g}": x for r, x in d.items()} for v, d in runs.items()},
                               "env": "outbox relay (LISTEN/NOTIFY), defaults but reconcile interval 1 day; "
-                                     "RabbitMQ; no worker"})
+                                     "RabbitMQ (direct, no proxy; its server's CPU counted); no worker"})
 
 
 if __name__ == "__main__":
