@@ -376,8 +376,11 @@ class RelayLoop:
         still locks); then wait for N's confirms, mark N and commit; then send N+1. Publish first,
         mark after holds for every row, and only ONE batch is ever published and unmarked, so a
         crash re-publishes at most ``relay_max_in_flight_rows`` rows (the inbox absorbs them); N+1
-        was not published yet, its claim dies with its connection. The next batch is claimed only
-        after a full one: a short batch means the outbox is drained for now.
+        was not published yet, its claim dies with its connection. The next batch is claimed after a
+        full one, or when commits were notified while N was claimed and sent (smart batching: N+1 takes
+        what arrived while N was in flight, and the loop does not go back to its wait for it); a short
+        batch with nothing notified since means the outbox is drained for now. Nothing ever waits for
+        commits that are not there.
         """
         crash_points = self.crash_points
         nxt = self._claim_next(first=True)
@@ -398,8 +401,8 @@ class RelayLoop:
                     return
                 batches += 1
                 self.sizer.observe(asked=claimed.limit, claimed=len(claimed.rows))
-                more = (len(claimed.rows) >= claimed.limit and not self.stopping
-                        and batches < self.max_batches_per_drain)
+                more = not self.stopping and batches < self.max_batches_per_drain and (
+                    len(claimed.rows) >= claimed.limit or self._coalesce_notifies() > 0)
                 nxt = self._claim_next() if more else BatchResult()
                 if crash_points is not None and isinstance(nxt, Claimed) and nxt.rows:
                     crash_points.reached("relay_in_flight_next_claimed")
@@ -737,22 +740,23 @@ class RelayLoop:
         due = hint.next_due_ms
         return self.poll_interval_s if due is None else max(0.01, (due - self.clock.now_ms()) / 1000)
 
-    def _coalesce_notifies(self) -> None:
+    def _coalesce_notifies(self) -> int:
         """Read and drop the notifications that have arrived, just before a claim: their commits are
         visible to it (Postgres delivers a NOTIFY after its transaction committed), so the claim takes
         their rows, and they must not wake the loop again for nothing after this drain. A notification
-        that arrives later wakes it as usual."""
+        that arrives later wakes it as usual. Returns how many were read."""
         if self._listener is None:
-            return
+            return 0
         try:
             n = self._listener.consume()
         except Exception as e:  # the LISTEN connection is broken: poll until it is back (``_ensure_listener``)
             log.warning("reading outbox notifications failed; polling until LISTEN works again: %s", e)
             self._close_listener()
-            return
+            return 0
         self.stats.coalesced += n
         if n:
             self.commit_rate.add(n, at=time.monotonic())
+        return n
 
     def _consume_wakeup(self) -> int:
         """The notifications that woke the wait: read, dropped and counted into the commit rate."""

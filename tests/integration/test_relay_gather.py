@@ -104,9 +104,13 @@ def test_a_listen_connection_broken_during_the_gather_costs_no_row_and_listens_a
     # Given a running loop, a commit whose NOTIFY wakes it, and during the gather a second commit and the
     # LISTEN connection terminated by the server
     during_gather(loop, commit_then_break)
+    loop.poll_interval_s = 1.0
     runner = threading.Thread(target=loop.run, kwargs={"handle_signals": False}, daemon=True)
     runner.start()
     try:
+        # (committed once the loop waits, polling seldom, so its NOTIFY is what wakes it: a drain running
+        # meanwhile would claim the row and drop its notification, and nothing would gather)
+        assert until(lambda: loop.stats.waits >= 1), loop.stats
         insert_pending(pg_sessions, clock.now_ms(), 1, tables=tables)
         # When the loop goes on, Then both commits' rows are published (the claim does not need their
         # notifications) and it LISTENs again on a new connection
