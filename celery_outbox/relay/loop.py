@@ -378,11 +378,13 @@ class RelayLoop:
         crash re-publishes at most ``relay_max_in_flight_rows`` rows (the inbox absorbs them); N+1
         was not published yet, its claim dies with its connection. The next batch is claimed after a
         full one, or when commits were notified while N was claimed and sent (smart batching: N+1 takes
-        what arrived while N was in flight, and the loop does not go back to its wait for it); a short
-        batch with nothing notified since means the outbox is drained for now. Nothing ever waits for
-        commits that are not there.
+        what arrived while N was in flight, and the loop does not go back to its wait for it, for up to a
+        poll interval, so the reconciler and retention still get their turn); a short batch with nothing
+        notified since means the outbox is drained for now. Nothing ever waits for commits that are not there.
         """
         crash_points = self.crash_points
+        # notified commits keep the drain going for at most a poll interval: the periodic jobs run between drains
+        follow_until = time.monotonic() + self.poll_interval_s
         nxt = self._claim_next(first=True)
         try:
             batches = 0
@@ -402,7 +404,8 @@ class RelayLoop:
                 batches += 1
                 self.sizer.observe(asked=claimed.limit, claimed=len(claimed.rows))
                 more = not self.stopping and batches < self.max_batches_per_drain and (
-                    len(claimed.rows) >= claimed.limit or self._coalesce_notifies() > 0)
+                    len(claimed.rows) >= claimed.limit
+                    or (time.monotonic() < follow_until and self._coalesce_notifies() > 0))
                 nxt = self._claim_next() if more else BatchResult()
                 if crash_points is not None and isinstance(nxt, Claimed) and nxt.rows:
                     crash_points.reached("relay_in_flight_next_claimed")
