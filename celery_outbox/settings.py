@@ -114,10 +114,10 @@ class Settings:
         doc="`outbox relay` on Postgres: after a NOTIFY wakes it, it waits this long for more commits before "
             "claiming, so one claim, publish, confirm wait and mark serve several commits; it does so only while "
             "the commit rate (the notifications it read, decayed over one second: relay/adaptive.py `CommitRate`) "
-            "expects at least 4 more commits within the window (`GATHER_MIN_COMMITS` in relay/loop.py), so at "
-            "20 ms it gathers from about 200 commits/s and below that it claims at once, and a trickle pays no "
+            "expects at least one more commit within the window (`GATHER_MIN_COMMITS` in relay/loop.py), so at "
+            "20 ms it gathers from about 50 commits/s and below that it claims at once, and a trickle pays no "
             "latency; costs at most this much commit -> published latency, and only at those rates (measured: "
-            "docs/benchmarks.md, \"A longer gather, only where it pays\" and \"Gathering by commit rate\")")
+            "docs/benchmarks.md, \"Gathering from 50 commits/s\")")
     relay_listen_url: str = setting(
         "", UrlRule(("postgresql",), "empty (the database URL) or postgresql://"),
         doc="`outbox relay` on Postgres: the URL of its LISTEN connection, when the database URL goes through a "

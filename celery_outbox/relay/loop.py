@@ -79,11 +79,12 @@ STOP_GIVE_UP_S = 0.7  # after SIGTERM: when ``run`` returns even if the loop's t
 _TICK_S = 0.05  # how often the watchdog looks
 # A NOTIFY gathers (``relay_gather_ms``) only while the commit rate, decayed over this horizon, expects
 # GATHER_MIN_COMMITS more commits within the window (relay/adaptive.py ``CommitRate``): a wake-up's claim,
-# confirm wait, mark and COMMIT then serve at least five commits for the window's latency, and with the
-# default 20 ms window the loop gathers from 200 commits/s, never at the rates the latency bench runs
-# (20-80 orders/s; docs/benchmarks.md, "A longer gather, only where it pays").
+# confirm wait, mark and COMMIT (and the broker's confirm) are then paid once for two commits or more instead
+# of once per commit, which is most of the relay's cost per order at moderate rates. With the default 20 ms
+# window the loop gathers from 50 commits/s, never at a trickle (20 orders/s: docs/benchmarks.md,
+# "Gathering from 50 commits/s").
 GATHER_RATE_HORIZON_S = 1.0
-GATHER_MIN_COMMITS = 4
+GATHER_MIN_COMMITS = 1
 # A new LISTEN connection must hear a probe NOTIFY sent through the relay's sessions within this long, or
 # the relay polls (a transaction pooler in between: see the module docstring), and LISTENs again this
 # much later.
