@@ -19,7 +19,9 @@ of CPU per call (the minimum over ``--repeats`` timings of ``--calls`` calls eac
   pattern before the cut, cut: the unrolled pattern;
 * ``envelope``: what a consumer delivery does with its body in the pool, ``delivery.parse_body`` then
   ``delivery.parse_envelope``; full path: the decoded mapping walked again for depth (``Envelope.from_dict``
-  without ``decoded_within``), cut: not walked again. Both include ``decode_json``'s cut.
+  without ``decoded_within``), cut: not walked again. Both include ``decode_json``'s cut; the cut path's
+  ``parse_body`` also reads what the delivery reads once for all its steps (the malformed-delivery marker, the
+  body's type and headers, one ``Body``), which the full path leaves out.
 
 Prints each piece's figures and after/before ratio; writes bench/results/check_paths.json.
 
