@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from celery_outbox.errors import ConfigError
+from celery_outbox.errors import EXTRAS, ConfigError, missing_extra
 from celery_outbox.outbox import Outbox
 
 APP_ENV = "OUTBOX_APP"
@@ -102,13 +102,6 @@ def _on_path(root: Path) -> None:
         sys.path.insert(0, entry)
 
 
-def missing_extra(name: str | None) -> str | None:
-    """The extra that installs the top-level module ``name``, if it is one of the optional dependencies."""
-    top = (name or "").split(".")[0]
-    return {"django": "django", "flask": "flask", "flask_sqlalchemy": "flask", "redis": "redis",
-            "psycopg2": "postgres", "psycopg": "postgres"}.get(top)
-
-
 def load_outbox(spec: str, *, origin: str = "-A") -> Outbox:
     """``module`` or ``module:attr`` -> the ``Outbox`` there (an attribute named outbox, or the only one)."""
     module_name, _, attr = spec.partition(":")
@@ -118,9 +111,11 @@ def load_outbox(spec: str, *, origin: str = "-A") -> Outbox:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        extra = missing_extra(e.name)
-        if extra is not None:
-            raise ConfigError(f"{said}: No module named {e.name!r}: pip install \"celery-outbox[{extra}]\"") from None
+        top = (e.name or "").split(".")[0]
+        if top in EXTRAS:
+            raise ConfigError(f"{said}: {missing_extra(e.name, needed_by=spec)}") from None
+        if top != module_name.split(".")[0]:
+            raise ConfigError(f"{said}: {spec} imports {e.name!r}, which is not installed") from None
         raise ConfigError(f"{said}: cannot import {e.name!r}; run from your project's directory") from None
     if attr:
         found = getattr(module, attr, None)

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from celery_outbox.cli import cli
-from celery_outbox.cli.app import NO_APP, find_app
+from celery_outbox.cli.app import NO_APP, find_app, load_outbox
 from celery_outbox.errors import ConfigError
 
 OUTBOX = str(Path(sys.executable).parent / "outbox")
@@ -227,3 +227,21 @@ def test_manage_py_outbox_help_names_no_app_of_this_repository(tmp_path: Path) -
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "-A, --app" in r.stdout and "relay.app" not in r.stdout
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ("import redis_is_hidden_here", "imports 'redis_is_hidden_here', which is not installed"),
+    ("import redis", 'pip install "celery-outbox[redis]"'),
+])
+def test_an_app_whose_dependency_is_missing_is_one_line_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, words: str) -> None:
+    # Given a user's module that imports a module this environment does not have (redis hidden here)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "redis", None)
+    (tmp_path / "needs_dep_app.py").write_text(body + "\n")
+    # When the command is pointed at it
+    with pytest.raises(ConfigError) as raised:
+        load_outbox("needs_dep_app")
+    # Then one line names what is missing (and the extra that installs it, when it is one of ours)
+    message = str(raised.value)
+    assert words in message and "\n" not in message
