@@ -8,7 +8,7 @@ ORDERS ?= 100
 # The reference deployment names its Outbox for the `outbox` command, as a user's project does (no default).
 export OUTBOX_APP ?= relay.app
 
-.PHONY: demo test test-django6 lint typecheck unit integration chaos bench docs clean
+.PHONY: demo test test-django6 test-package test-matrix lint typecheck unit integration chaos bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,7 @@ demo: $(DEMO_STAMP)
 test: $(STAMP) lint typecheck
 	$(BIN)/pytest
 	$(MAKE) test-django6
+	$(MAKE) test-matrix
 
 # Django 6 (the newest release; it needs Python >= 3.12) beside the 5.2 LTS of .venv: the Django suite,
 # the django.tasks backend tests and the Django adoption test, in a second virtualenv.
@@ -53,6 +54,25 @@ $(DJ6_STAMP): pyproject.toml
 test-django6: $(DJ6_STAMP)
 	$(DJ6_VENV)/bin/python -c 'import django, sys; assert django.VERSION >= (6,), django.get_version()'
 	$(DJ6_VENV)/bin/pytest tests/django tests/adoption/test_django_adoption.py
+
+# The wheel as a user installs it (tests/package: python -m build, twine check, a fresh venv per extra, the
+# README's quick-starts); `make test` runs it with the rest of tests/.
+test-package: $(STAMP)
+	$(BIN)/pytest tests/package
+
+# The compatibility matrix (docs/compatibility.md): the oldest and the newest releases we claim, each job in its
+# own .venv-matrix-<job>/ (ci/matrix says what each installs and runs). `make test-matrix` runs the jobs that
+# pass (ci/matrix jobs); `make test-matrix-oldest` runs the oldest releases, which do not pass yet.
+MATRIX_JOBS := $(shell ci/matrix jobs)
+
+test-matrix: $(MATRIX_JOBS:%=test-matrix-%)
+.PRECIOUS: .venv-matrix-%/.installed-stamp
+
+.venv-matrix-%/.installed-stamp: pyproject.toml ci/matrix ci/requirements-test.txt $(wildcard ci/constraints-*.txt)
+	ci/matrix install $*
+
+test-matrix-%: .venv-matrix-%/.installed-stamp
+	ci/matrix test $*
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
