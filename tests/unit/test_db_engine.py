@@ -31,7 +31,9 @@ def _server_timeouts(conn: sa.Connection) -> tuple[str, str]:
 
 
 def _libpq(dbapi_conn: Any) -> dict[str, str]:
-    params: dict[str, str] = dbapi_conn.get_dsn_parameters()
+    """The connection's libpq parameters: psycopg2's get_dsn_parameters(), psycopg 3's info.get_parameters()."""
+    read = getattr(dbapi_conn, "get_dsn_parameters", None) or dbapi_conn.info.get_parameters
+    params: dict[str, str] = read()
     return params
 
 
