@@ -18,6 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import Engine, pool
+from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
 from sqlalchemy.orm import Session
 
 from celery_outbox.errors import ConfigError
@@ -51,6 +52,27 @@ class Lent:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
+
+
+class LentPsycopg2Dialect(PGDialect_psycopg2):
+    """psycopg2's dialect without its per-connection setup: it registers the UUID adapter through psycopg2's C
+    functions, which refuse anything but a real psycopg2 connection (a ``Lent`` is a wrapper), and Django's
+    psycopg2 backend has registered that adapter for every connection already."""
+
+    supports_statement_cache = True  # the same SQL as its parent's
+
+    def on_connect(self) -> None:
+        return None
+
+
+def _lent_url(url: str) -> str:
+    """The URL the lent engine is built on: psycopg2's goes through ``LentPsycopg2Dialect``."""
+    if not url.startswith("postgresql+psycopg2://"):
+        return url
+    from sqlalchemy.dialects import registry
+
+    registry.register("postgresql.celery_outbox_lent_psycopg2", __name__, "LentPsycopg2Dialect")
+    return "postgresql+celery_outbox_lent_psycopg2://"
 
 
 def dialect_url(alias: str) -> str:
@@ -88,7 +110,7 @@ class LentSessions:
                 # the claim reads the row count of its INSERT ... ON CONFLICT DO NOTHING, which SQLAlchemy's
                 # psycopg 3 dialect reports as -1 unless asked to keep it
                 engine = self._engines[key] = sa.create_engine(
-                    url, creator=lambda: Lent(connections[alias].connection), poolclass=pool.NullPool,
+                    _lent_url(url), creator=lambda: Lent(connections[alias].connection), poolclass=pool.NullPool,
                     execution_options={"preserve_rowcount": True}, **options)
             return engine
 
