@@ -3,7 +3,7 @@
 Real processes on one broker (RabbitMQ by default; ``--broker redis`` runs an own redis-server with
 appendfsync always), DEFAULT settings:
 
-- ``outbox``: ``gunicorn orders.wsgi:app`` (the reference Orders service: order + OrderPlaced row +
+- ``outbox``: ``gunicorn relay.wsgi:app`` (the reference Orders service: order + OrderPlaced row +
   the confirmation e-mail task's row in one commit), ``outbox relay`` (LISTEN/NOTIFY), consumers with
   inbox + effect in one transaction, the e-mail task (orders/tasks.py: provider call, then its inbox row);
 - ``plain``: ``gunicorn bench._plain_web:app`` (the same endpoint without outbox rows; after the
@@ -52,7 +52,7 @@ from orders.service import ORDER_PLACED
 from relay.embedded import free_port
 
 MODES = ("outbox", "plain")
-APPS = {"outbox": "orders.wsgi:app", "plain": "bench._plain_web:app"}
+APPS = {"outbox": "relay.wsgi:app", "plain": "bench._plain_web:app"}
 REPO = Path(__file__).resolve().parent.parent
 
 

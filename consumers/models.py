@@ -1,13 +1,26 @@
-"""The reference consumers' effect tables (the inbox and dead letters are the library's)."""
+"""The reference deployment's declarative ``Base`` and the consumers' effect tables.
+
+``Base`` is declared here, at the bottom of the deployment, so that the consumers' tables and the Orders
+service's (orders/models.py, which stands above the consumers) share one metadata without an import
+running back up. The inbox and dead letters are the library's tables (``celery_outbox.define_tables``).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from orders.models import Base, JSONType, SeqType
+
+class Base(DeclarativeBase):
+    """The reference deployment's own tables (the library's live in ``celery_outbox.define_tables``)."""
+
+
+JSONType = sa.JSON().with_variant(JSONB(), "postgresql")
+# seq is the relay's order: a bigint identity on Postgres, SQLite's rowid alias there.
+SeqType = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
 class Shipment(Base):

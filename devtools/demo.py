@@ -32,8 +32,8 @@ from orders import migrate
 from orders.models import Order
 from orders.service import ORDER_PLACED
 from orders.tasks import NAME as CONFIRMATION
-from orders.web import create_app
 from relay.embedded import EmbeddedRedis
+from relay.web import create_app
 
 EMAIL = "email"  # the confirmation e-mail task's name in the summary (consumers.effects counts it so)
 CONFIRMATION_KEY = task_key(CONFIRMATION)

@@ -1,20 +1,15 @@
-"""The write side's tables: orders, their lines, and the outbox row written in the same commit."""
+"""The Orders service's tables: orders and their lines (the outbox row is written in the same commit).
+
+They declare on the deployment's one ``Base`` (consumers/models.py), so the deployment's migrations
+(orders/migrations) see every table of it in one metadata.
+"""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-
-class Base(DeclarativeBase):
-    """The reference deployment's own tables (the library's live in ``celery_outbox.define_tables``)."""
-
-
-JSONType = sa.JSON().with_variant(JSONB(), "postgresql")
-# seq is the relay's order: a bigint identity on Postgres, SQLite's rowid alias there.
-SeqType = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-
+from consumers.models import Base, SeqType
 
 
 class Order(Base):

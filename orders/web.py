@@ -21,20 +21,18 @@ from typing import Any
 
 from flask import Flask, Response, g, jsonify, request
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response as WerkzeugResponse
 
 from celery_outbox import (
-    Clock,
     DatabaseError,
     MessageTooLargeError,
+    Outbox,
     OutboxError,
-    SystemClock,
     ValidationError,
 )
 from celery_outbox.contrib.flask import security_headers
-from celeryconfig import Settings
 from orders.models import Order
 from orders.service import DuplicateOrderError, check_id, parse_order, place_or_replay, place_order
 
@@ -113,13 +111,10 @@ def order_json(order: Order) -> dict[str, Any]:
     }
 
 
-def create_app(*, settings: Settings | None = None, session_factory: sessionmaker[Session] | None = None,
-               clock: Clock | None = None) -> Flask:
-    """App factory; tests pass their own session factory and clock."""
-    from relay.factory import create_outbox
-
-    settings = settings or Settings.from_env()
-    outbox = create_outbox(settings, session_factory=session_factory, clock=clock or SystemClock())
+def create_app(*, outbox: Outbox) -> Flask:
+    """The Orders HTTP app writing through ``outbox``: this deployment's is built by ``relay.web.create_app``
+    (relay/ composes the deployment; the Orders service stands below it and is handed what it writes to)."""
+    settings = outbox.settings
     sessions = outbox.sessions()
     app = Flask("orders")
     app.url_map.merge_slashes = False  # '/orders//x' is a JSON 404, not an HTML redirect

@@ -14,8 +14,8 @@ import orders.models
 from celery_outbox import make_engine
 
 config = context.config
-target_metadata = orders.models.Base.metadata
-_ = consumers.models
+target_metadata = consumers.models.Base.metadata  # the consumers' tables and, imported above, the Orders service's
+_ = orders.models
 
 
 def run_migrations_online() -> None:

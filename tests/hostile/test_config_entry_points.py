@@ -1,7 +1,7 @@
 """A bad configuration is one clean line at every entry point, never a traceback.
 
 Each entry point of the reference deployment is started for real, as a user would, with a bad
-``OUTBOX_*`` variable: ``celery -A relay.app worker`` and ``beat``, ``gunicorn orders.wsgi:app``,
+``OUTBOX_*`` variable: ``celery -A relay.app worker`` and ``beat``, ``gunicorn relay.wsgi:app``,
 ``outbox`` and ``python -m devtools``. Each must exit non-zero with a ``bad configuration: ...`` line
 naming the variable, no ``Traceback``, and no password from the bad value; gunicorn's master must stop
 (not start workers again for ever).
@@ -25,7 +25,7 @@ ENTRY_POINTS: dict[str, list[str]] = {
     "celery worker": [str(BIN / "celery"), "-A", "relay.app", "worker", "-P", "solo", "--without-gossip",
                       "--without-mingle", "--without-heartbeat"],
     "celery beat": [str(BIN / "celery"), "-A", "relay.app", "beat"],
-    "gunicorn": [str(BIN / "gunicorn"), "--bind", "127.0.0.1:0", "--workers", "1", "orders.wsgi:app"],
+    "gunicorn": [str(BIN / "gunicorn"), "--bind", "127.0.0.1:0", "--workers", "1", "relay.wsgi:app"],
     "outbox": [str(BIN / "outbox"), "stats"],
     "devtools": [sys.executable, "-m", "devtools", "db-upgrade"],
 }
@@ -91,7 +91,7 @@ def test_importing_the_wsgi_module_with_a_sqlite_file_it_cannot_create_is_one_li
     env.update({"OUTBOX_HOME": str(tmp_path / "var"), "OUTBOX_BROKER_URL": "memory://",
                 "OUTBOX_DATABASE_URL": "sqlite:////proc/nope/x.db"})
     # When the module is imported outside gunicorn (a 23-line traceback before)
-    proc = subprocess.run([sys.executable, "-c", "import orders.wsgi"], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", "import relay.wsgi"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     # Then one line naming the variable and exit 2 (a bad configuration, as in the outbox CLI), no traceback
     assert proc.returncode == 2, proc.stderr
@@ -103,7 +103,7 @@ def test_a_good_configuration_still_imports(tmp_path: Path) -> None:
     # Given a valid configuration, the same modules import (the guard is not a blanket exit)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env.update({"OUTBOX_HOME": str(tmp_path / "var"), "OUTBOX_BROKER_URL": "memory://"})
-    code = "import relay.app, orders.wsgi; print(relay.app.outbox.settings.namespace, orders.wsgi.app.name)"
+    code = "import relay.app, relay.wsgi; print(relay.app.outbox.settings.namespace, relay.wsgi.app.name)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split() == ["outbox", "orders"], proc.stderr
 

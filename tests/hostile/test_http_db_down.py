@@ -10,7 +10,7 @@ import pytest
 from flask.testing import FlaskClient
 
 from celeryconfig import Settings
-from orders.web import create_app
+from relay.web import create_app
 
 PASSWORD = "pw-never-shown"
 ORDER = {"order_id": "o-1", "customer_id": "c-1", "email": "a@example.com",

@@ -29,7 +29,8 @@ from celeryconfig import Settings
 from orders import web
 from orders.models import Order
 from orders.service import OrderRequest
-from orders.web import create_app, json_depth
+from orders.web import json_depth
+from relay.web import create_app
 from tests.ops_seed import T0, consumer_dead_letter, outbox_row
 
 ORDER: dict[str, Any] = {"order_id": "o-1", "customer_id": "c-1", "email": "a@example.com", "currency": "EUR",

@@ -23,7 +23,7 @@ from celery_outbox import Tables
 from celery_outbox.clock import SystemClock
 from celery_outbox.contrib.flask import EXT
 from celeryconfig import Settings
-from orders.web import create_app
+from relay.web import create_app
 from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 from tests.services import IN_CI
 

@@ -25,7 +25,7 @@ from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.ops import health
 from celery_outbox.schema import Tables
 from celeryconfig import Settings
-from orders.web import create_app
+from relay.web import create_app
 from tests.ops_seed import consumer_dead_letter, envelope, outbox_row
 
 PASSWORD = "pw-never-shown"

@@ -36,7 +36,7 @@ from celery_outbox.schema import Tables
 from celery_outbox.testing import InMemoryPublisher, deliver_message, drain, run_pending
 from celeryconfig import Settings
 from orders.tasks import NAME as CONFIRMATION
-from orders.web import create_app
+from relay.web import create_app
 from tests.support.tracing import memory_tracer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -390,7 +390,7 @@ from pathlib import Path
 from celeryconfig import Settings
 from celery_outbox import tracing
 from celery_outbox.testing import run_pending
-from orders.web import create_app
+from relay.web import create_app
 from relay.factory import create_outbox
 
 settings = Settings(home=Path(sys.argv[2]), database_url=sys.argv[1], namespace="absent", broker_url="memory://")

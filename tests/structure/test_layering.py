@@ -4,6 +4,8 @@
 - the core (everything but ``celery/``, ``cli/``, ``contrib/``, ``testing/``, the ``Outbox`` facade and
   the package ``__init__``) imports neither celery nor kombu;
 - the reference deployment uses only ``celery_outbox``'s public names (``__all__``) and its contrib modules;
+- the reference deployment's folders import only downward: ``relay/`` (the composition: its ``Outbox``,
+  Celery app, WSGI entry, embedded broker) over ``orders/`` over ``consumers/`` over ``celeryconfig.py``;
 - nothing below ``contrib/`` (everything but ``contrib/`` and the ``cli/`` entry point) names a contrib module,
   by an import or by a string (a ``sys.modules`` lookup, an ``import_module`` call, a table of names): a
   contrib plugs in from above, handing what it provides to the objects it builds.
@@ -123,6 +125,41 @@ def test_the_deployment_uses_only_the_public_api() -> None:
             elif mod.startswith("celery_outbox.") and not mod.startswith("celery_outbox.contrib."):
                 bad.append(f"{where} imports {mod}")
     assert bad == []
+
+
+# The reference deployment's floors, top first: each may import the ones after it, never one before it.
+DEPLOYMENT_FLOORS = ("relay", "orders", "consumers", "celeryconfig")
+
+
+def upward_imports(files: list[Path], root: Path) -> list[str]:
+    """Every import in ``files`` (``<floor>/...`` or ``<floor>.py`` under ``root``) of a higher floor."""
+    floor = {name: i for i, name in enumerate(DEPLOYMENT_FLOORS)}
+    bad = []
+    for p in files:
+        rel = p.relative_to(root)
+        own = floor[rel.parts[0].removesuffix(".py")]
+        bad += [f"{rel}:{line} imports {mod}" for line, mod, _ in imports(p)
+                if floor.get(mod.split(".")[0], own) < own]
+    return bad
+
+
+def test_the_deployment_imports_only_downward() -> None:
+    files = deployment_files()
+    assert {p.relative_to(ROOT).parts[0].removesuffix(".py") for p in files} == set(DEPLOYMENT_FLOORS)
+    assert upward_imports(files, ROOT) == []
+
+
+def test_an_upward_import_in_the_deployment_is_caught(tmp_path: Path) -> None:
+    # Given a consumer that reaches up into orders (even inside a function) and orders reaching up into relay
+    (tmp_path / "consumers").mkdir()
+    (tmp_path / "orders").mkdir()
+    up = tmp_path / "consumers" / "models.py"
+    up.write_text("import celeryconfig\n\ndef base():\n    from orders.models import Base\n    return Base\n")
+    web = tmp_path / "orders" / "web.py"
+    web.write_text("from consumers.models import Base\nimport relay.factory\n")
+    # Then both upward imports are found, and the downward ones are not
+    assert upward_imports([up, web], tmp_path) == ["consumers/models.py:4 imports orders.models",
+                                                   "orders/web.py:2 imports relay.factory"]
 
 
 def test_every_public_name_exists() -> None:

@@ -385,7 +385,7 @@ def check_orders(svc: dict[str, Any]) -> None:
     path = http_check(svc, bind.rsplit(":", 1)[1])
     from werkzeug.exceptions import HTTPException
 
-    from orders.web import create_app
+    from relay.web import create_app
 
     app = create_app(settings=Settings(database_url="sqlite://", broker_url="memory://"))
     try:

@@ -32,7 +32,7 @@ from celery_outbox.db import make_engine
 from celery_outbox.schema import PENDING_SQL, Tables
 from tests.conftest import scratch_database
 
-_ = consumers.models  # its models join orders.models.Base.metadata
+_ = orders.models  # its models join consumers.models.Base.metadata
 
 LIBRARY_VERSION_TABLE = "outbox_schema_version"
 LIBRARY_TABLES = {"outbox_messages", "outbox_inbox", "outbox_attempts", "outbox_dead_letters", "outbox_parked",
@@ -84,7 +84,7 @@ def pending_index_sql(url: str) -> str:
 
 def test_the_table_sets_are_the_models(tables: Tables) -> None:
     assert set(tables.names()) == LIBRARY_TABLES and tables.version_table == LIBRARY_VERSION_TABLE
-    assert set(orders.models.Base.metadata.tables) == DEPLOYMENT_TABLES
+    assert set(consumers.models.Base.metadata.tables) == DEPLOYMENT_TABLES
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
@@ -104,7 +104,7 @@ def test_migrations_match_models(request: pytest.FixtureRequest, backend: str) -
     engine = make_engine(url)
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"include_object": deployment_only})
-        diff = compare_metadata(ctx, orders.models.Base.metadata)
+        diff = compare_metadata(ctx, consumers.models.Base.metadata)
     engine.dispose()
     assert diff == [], f"deployment models and migrations disagree: {diff}"
     assert deployment_revision(url) == "orders0001"

@@ -16,7 +16,7 @@ from celery_outbox.clock import ManualClock
 from celery_outbox.contrib.flask import CSRF_COOKIE, EXT
 from celery_outbox.schema import Tables
 from celeryconfig import Settings
-from orders.web import create_app
+from relay.web import create_app
 from tests.ops_seed import T0, consumer_dead_letter, envelope, outbox_row
 
 TOKEN = "s3cret-token-0123456"

@@ -13,7 +13,7 @@ from celery_outbox.ops import stats as ops_stats
 from celery_outbox.ops.metrics import OutboxCollector, make_registry, render
 from celery_outbox.schema import Tables
 from celeryconfig import Settings
-from orders.web import create_app
+from relay.web import create_app
 from tests.ops_seed import T0, consumer_dead_letter, counter, inbox_rows, outbox_row
 
 

@@ -13,7 +13,7 @@ from celery_outbox.clock import ManualClock
 from celery_outbox.schema import Tables
 from celeryconfig import Settings
 from orders.models import Order
-from orders.web import create_app
+from relay.web import create_app
 
 ORDER = {"order_id": "o-1", "customer_id": "c-1", "email": "a@example.com",
          "lines": [{"sku": "sku-1", "quantity": 1, "unit_price_cents": 999}]}
