@@ -61,18 +61,18 @@ test-package: $(STAMP)
 	$(BIN)/pytest tests/package
 
 # The compatibility matrix (docs/compatibility.md): the oldest and the newest releases we claim, each job in its
-# own .venv-matrix-<job>/ (ci/matrix says what each installs and runs). `make test-matrix` runs the jobs that
-# pass (ci/matrix jobs); `make test-matrix-oldest` runs the oldest releases, which do not pass yet.
-MATRIX_JOBS := $(shell ci/matrix jobs)
+# own .venv-matrix-<job>/ (ci/matrix.sh says what each installs and runs). `make test-matrix` runs the jobs that
+# pass (ci/matrix.sh jobs); `make test-matrix-oldest` runs the oldest releases, which do not pass yet.
+MATRIX_JOBS := $(shell ci/matrix.sh jobs)
 
 test-matrix: $(MATRIX_JOBS:%=test-matrix-%)
 .PRECIOUS: .venv-matrix-%/.installed-stamp
 
-.venv-matrix-%/.installed-stamp: pyproject.toml ci/matrix ci/requirements-test.txt $(wildcard ci/constraints-*.txt)
-	ci/matrix install $*
+.venv-matrix-%/.installed-stamp: pyproject.toml ci/matrix.sh ci/requirements-test.txt $(wildcard ci/constraints-*.txt)
+	ci/matrix.sh install $*
 
 test-matrix-%: .venv-matrix-%/.installed-stamp
-	ci/matrix test $*
+	ci/matrix.sh test $*
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

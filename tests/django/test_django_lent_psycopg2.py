@@ -14,7 +14,7 @@ from sqlalchemy import pool
 
 from celery_outbox.contrib.django.lent import Lent, _lent_url
 
-# the matrix job with psycopg 3 alone (ci/matrix newest) has no psycopg2 to lend
+# the matrix job with psycopg 3 alone (ci/matrix.sh newest) has no psycopg2 to lend
 psycopg2 = pytest.importorskip("psycopg2", reason="psycopg2 is not installed (psycopg 3 alone)")
 extras = pytest.importorskip("psycopg2.extras")
 

@@ -2,9 +2,9 @@
 # The compatibility matrix of docs/compatibility.md: each job a Python, a set of pinned (or newest) releases and
 # one Postgres driver, in its own virtualenv .venv-matrix-<job>/, running the test subset that exercises them.
 #
-#   ci/matrix install JOB   create .venv-matrix-JOB and install the checkout with the job's releases
-#   ci/matrix test JOB      print what is installed, then run the job's tests
-#   ci/matrix jobs          list the jobs `make test` runs (`make test-matrix`)
+#   ci/matrix.sh install JOB   create .venv-matrix-JOB and install the checkout with the job's releases
+#   ci/matrix.sh test JOB      print what is installed, then run the job's tests
+#   ci/matrix.sh jobs          list the jobs `make test` runs (`make test-matrix`)
 #
 # `make test-matrix-<job>` runs one job, `oldest` included: it does not pass yet, and is not run by `make test`
 # (docs/compatibility.md, "What is not tested here"). Under CI=true a job whose Python is missing fails;
@@ -43,7 +43,7 @@ job() {  # sets PYVER, PACKAGES, CONSTRAINTS, DESELECT for job $1
       PACKAGES=(-e ".[psycopg,redis,flask,django,otel]" "django>=6")
       CONSTRAINTS=()
       DESELECT="not psycopg2" ;;  # the tests parametrized by driver: psycopg 3's only
-    *) echo "ci/matrix: unknown job '$1' (jobs: oldest newest)" >&2; exit 2 ;;
+    *) echo "ci/matrix.sh: unknown job '$1' (jobs: oldest newest)" >&2; exit 2 ;;
   esac
 }
 
@@ -61,14 +61,14 @@ ci_true() { case "${CI:-}" in 1|true|yes) return 0 ;; esac; return 1; }
 cmd=${1:-}; name=${2:-}
 case "$cmd" in
   jobs) echo "$JOBS"; exit 0 ;;
-  install|test) [ -n "$name" ] || { echo "usage: ci/matrix install|test JOB" >&2; exit 2; } ;;
-  *) echo "usage: ci/matrix install|test|jobs [JOB]" >&2; exit 2 ;;
+  install|test) [ -n "$name" ] || { echo "usage: ci/matrix.sh install|test JOB" >&2; exit 2; } ;;
+  *) echo "usage: ci/matrix.sh install|test|jobs [JOB]" >&2; exit 2 ;;
 esac
 job "$name"
 VENV=.venv-matrix-$name
 
 if ! PY=$(find_python "$PYVER"); then
-  msg="ci/matrix $name: python$PYVER is not on this machine"
+  msg="ci/matrix.sh $name: python$PYVER is not on this machine"
   if ci_true; then echo "$msg" >&2; exit 1; fi
   echo "$msg: skipped" >&2; exit 0
 fi
