@@ -30,7 +30,7 @@ from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.crashpoints import DISARMED
 from celery_outbox.db import wrap_driver_errors
-from celery_outbox.inbox.claim import NOW_KEY, CrashSite
+from celery_outbox.inbox.claim import NOW_KEY, CrashSite, commit_effect, undone_on_error
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
@@ -72,7 +72,7 @@ def handle_batch(session: Session, envelopes: Sequence[Envelope], *, tables: Tab
     first: dict[uuid.UUID, Envelope] = {}
     for envelope in envelopes:
         first.setdefault(envelope.message_id, envelope)
-    try:
+    with undone_on_error(session):
         session.info[NOW_KEY] = now
         claimed = claim_many(session, list(first.values()), tables=tables, consumer=consumer, now_ms=now)
         fresh = [e for e in first.values() if e.message_id in claimed]
@@ -87,14 +87,6 @@ def handle_batch(session: Session, envelopes: Sequence[Envelope], *, tables: Tab
         counters.stage_increment(session, consumer, counters.DUPLICATES, len(envelopes) - len(fresh), tables=tables)
         counters.stage_increment(session, consumer, counters.BATCHES, 1, tables=tables)
         counters.stage_increment(session, consumer, counters.BATCHED_MESSAGES, len(envelopes), tables=tables)
-        session.flush()
-        crash.reached("consumer_before_commit")
-        with wrap_driver_errors(f"commit of a batch of {len(envelopes)} for {consumer}"):
-            session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.info.pop(NOW_KEY, None)
+        commit_effect(session, crash, f"commit of a batch of {len(envelopes)} for {consumer}")
     crash.reached("consumer_after_commit_before_ack")
     return outcomes

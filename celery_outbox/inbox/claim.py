@@ -14,7 +14,8 @@ docs/design.md, rule 6.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import sqlalchemy as sa
@@ -73,3 +74,24 @@ def claim(session: Session, envelope: Envelope, *, tables: Tables, consumer: str
     """``claim_if_absent`` that raises ``DuplicateDelivery`` when the key is already there."""
     if not claim_if_absent(session, envelope, tables=tables, consumer=consumer, now_ms=now_ms):
         raise DuplicateDelivery(f"{envelope.message_id}/{consumer}")
+
+
+@contextmanager
+def undone_on_error(session: Session) -> Iterator[None]:
+    """Around a delivery's (or a batch's) transaction: any exception rolls it back, so neither the effect
+    nor an inbox row is left, and propagates; the delivery's instant (``NOW_KEY``) never outlives it."""
+    try:
+        yield
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.info.pop(NOW_KEY, None)
+
+
+def commit_effect(session: Session, crash: CrashSite, what: str) -> None:
+    """Commit the effect with its inbox rows; the ``consumer_before_commit`` crash point stands just before."""
+    session.flush()
+    crash.reached("consumer_before_commit")
+    with wrap_driver_errors(what):
+        session.commit()

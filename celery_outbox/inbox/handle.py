@@ -34,7 +34,6 @@ from sqlalchemy.orm import Session
 from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.crashpoints import DISARMED
-from celery_outbox.db import wrap_driver_errors
 from celery_outbox.errors import ConfigError
 from celery_outbox.inbox import ordering as ordering_module
 from celery_outbox.inbox.claim import (
@@ -45,6 +44,8 @@ from celery_outbox.inbox.claim import (
     Prepare,
     already_seen,
     claim_if_absent,
+    commit_effect,
+    undone_on_error,
 )
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
@@ -77,37 +78,29 @@ def handle(session: Session, envelope: Envelope, *, tables: Tables, consumer: st
     now = clock.now_ms()
     expired = False
     try:
-        if prepare is not None:
-            if fast_path and already_seen(session, envelope.message_id, consumer, tables=tables):
-                return _duplicate(session, consumer, tables=tables)
-            session.rollback()  # the external call holds no transaction (and no SQLite write lock)
-            prepare(session, envelope)
-            if session.in_transaction():
-                session.commit()
-        session.info[NOW_KEY] = now
-        if ordering:
-            outcome, expired = ordering_module.apply(
-                session, envelope, tables=tables, consumer=consumer, handler=handler, now_ms=now,
-                expire_cutoff_ms=None if park_timeout_ms is None else now - park_timeout_ms)
-            if outcome is Outcome.DUPLICATE:  # the claim found the key: nothing was written
-                return _duplicate(session, consumer, tables=tables)
-        else:
-            if not claim_if_absent(session, envelope, tables=tables, consumer=consumer, now_ms=now):
-                return _duplicate(session, consumer, tables=tables)
-            handler(session, envelope)
-            outcome = Outcome.PROCESSED
-        session.flush()
-        crash.reached("consumer_before_commit")
-        with wrap_driver_errors(f"commit of {consumer} for {envelope.message_id}"):
-            session.commit()
-    except DuplicateDelivery:  # found after bookkeeping was written (a parked message): undo it first
-        session.rollback()
+        with undone_on_error(session):
+            if prepare is not None:
+                if fast_path and already_seen(session, envelope.message_id, consumer, tables=tables):
+                    return _duplicate(session, consumer, tables=tables)
+                session.rollback()  # the external call holds no transaction (and no SQLite write lock)
+                prepare(session, envelope)
+                if session.in_transaction():
+                    session.commit()
+            session.info[NOW_KEY] = now
+            if ordering:
+                outcome, expired = ordering_module.apply(
+                    session, envelope, tables=tables, consumer=consumer, handler=handler, now_ms=now,
+                    expire_cutoff_ms=None if park_timeout_ms is None else now - park_timeout_ms)
+                if outcome is Outcome.DUPLICATE:  # the claim found the key: nothing was written
+                    return _duplicate(session, consumer, tables=tables)
+            else:
+                if not claim_if_absent(session, envelope, tables=tables, consumer=consumer, now_ms=now):
+                    return _duplicate(session, consumer, tables=tables)
+                handler(session, envelope)
+                outcome = Outcome.PROCESSED
+            commit_effect(session, crash, f"commit of {consumer} for {envelope.message_id}")
+    except DuplicateDelivery:  # found after bookkeeping was written (a parked message): undone, then counted
         return _duplicate(session, consumer, tables=tables)
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.info.pop(NOW_KEY, None)
     crash.reached("consumer_after_commit_before_ack")
     if expired and park_timeout_ms is not None:
         try:
