@@ -61,8 +61,8 @@ test-package: $(STAMP)
 	$(BIN)/pytest tests/package
 
 # The compatibility matrix (docs/compatibility.md): the oldest and the newest releases we claim, each job in its
-# own .venv-matrix-<job>/ (ci/matrix.sh says what each installs and runs). `make test-matrix` runs the jobs that
-# pass (ci/matrix.sh jobs); `make test-matrix-oldest` runs the oldest releases, which do not pass yet.
+# own .venv-matrix-<job>/ (ci/matrix.sh says what each installs and runs). `make test-matrix` runs every job
+# (ci/matrix.sh jobs); `make test-matrix-<job>` runs one.
 MATRIX_JOBS := $(shell ci/matrix.sh jobs)
 
 test-matrix: $(MATRIX_JOBS:%=test-matrix-%)

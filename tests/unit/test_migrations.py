@@ -104,10 +104,25 @@ def test_migrations_match_models(request: pytest.FixtureRequest, backend: str) -
     engine = make_engine(url)
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"include_object": deployment_only})
-        diff = compare_metadata(ctx, consumers.models.Base.metadata)
+        diff = unreflectable_identity_dropped(compare_metadata(ctx, consumers.models.Base.metadata), conn.dialect)
     engine.dispose()
     assert diff == [], f"deployment models and migrations disagree: {diff}"
     assert deployment_revision(url) == "orders0001"
+
+
+def unreflectable_identity_dropped(diff: list[Any], dialect: sa.engine.Dialect) -> list[Any]:
+    """``diff`` without "add an identity" where the database has no identity columns to reflect (SQLite): Alembic
+    before 1.18 reports every ``Identity()`` column there as missing one (docs/compatibility.md, the oldest job);
+    later releases report nothing. Any other difference, on that column or elsewhere, stays."""
+    if dialect.supports_identity_columns:
+        return diff
+
+    def unreflectable(op: Any) -> bool:
+        return (isinstance(op, tuple) and op[0] == "modify_default" and op[5] is None
+                and isinstance(op[6], sa.Identity))
+
+    kept = [[op for op in group if not unreflectable(op)] if isinstance(group, list) else group for group in diff]
+    return [group for group in kept if group != []]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
