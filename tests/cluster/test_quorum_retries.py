@@ -50,10 +50,13 @@ def settings(rabbit_cluster: RabbitCluster, pg_url: str) -> Iterator[Settings]:
     retryapp.metadata.create_all(engine)
     with engine.begin() as c:
         c.execute(retryapp.effects.delete())
-    engine.dispose()
-    yield Settings(namespace=f"r{uuid.uuid4().hex[:10]}", database_url=pg_url, broker_url=rabbit_cluster.url,
-                   broker_queue_type="quorum", routes=retryapp.ROUTES, consumer_max_deliveries=3,
-                   consumer_retry_backoff_s=1, consumer_retry_backoff_max_s=2)
+    try:
+        yield Settings(namespace=f"r{uuid.uuid4().hex[:10]}", database_url=pg_url, broker_url=rabbit_cluster.url,
+                       broker_queue_type="quorum", routes=retryapp.ROUTES, consumer_max_deliveries=3,
+                       consumer_retry_backoff_s=1, consumer_retry_backoff_max_s=2)
+    finally:  # the session's database is shared: a test's own table must not outlive it (test_migrations lists them)
+        retryapp.metadata.drop_all(engine)
+        engine.dispose()
 
 
 def _publish(settings: Settings, event_type: str, consumer: str) -> str:

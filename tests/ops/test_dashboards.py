@@ -62,7 +62,8 @@ def exported_metrics(sessions: sessionmaker[Session], tables: Tables, *,
         inbox_rows(s, tables=tables, consumer="shipping", processed_at_ms=T0, n=2)
         for name in (counters.PUBLISHED, counters.PUBLISH_FAILURES, counters.BROKER_UNAVAILABLE, counters.DEAD_LETTERED):
             counter(s, tables=tables, consumer=counters.RELAY, name=name, value=1)
-        for name in (counters.DUPLICATES, counters.INBOX_PRUNED, counters.DEAD_LETTERED):
+        for name in (counters.DUPLICATES, counters.INBOX_PRUNED, counters.DEAD_LETTERED, counters.BATCHES,
+                     counters.BATCHED_MESSAGES):
             counter(s, tables=tables, consumer="shipping", name=name, value=1)
     clock = ManualClock(start_ms=T0 + 60_000)
 
