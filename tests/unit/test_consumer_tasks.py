@@ -59,6 +59,20 @@ def make_outbox(settings: Settings, clock: ManualClock, sessions: sessionmaker[S
     return box
 
 
+def with_a_broken_shipping(settings: Settings, clock: ManualClock, sessions: sessionmaker[Session],
+                           tables: Tables) -> tuple[Outbox, dict[str, bool]]:
+    """An outbox whose only consumer, shipping, raises "carrier down" while ``broken["on"]`` is set."""
+    broken = {"on": True}
+
+    @consumer(name="shipping", event="OrderPlaced")
+    def sometimes(session: Session, env: Envelope) -> None:
+        if broken["on"]:
+            raise RuntimeError("carrier down")
+        shipping(session, env)
+
+    return make_outbox(settings, clock, sessions, tables, [sometimes]), broken
+
+
 def apply(app: Celery, name: str, body: Any) -> Any:
     """The task's result; a dead letter (the task rejects its message, never requeued) as "dead_lettered"."""
     result = app.tasks[task_name(name)].apply(args=[body], task_id=task_id())
@@ -240,15 +254,8 @@ def test_retry_backoff_and_delivery_key() -> None:
 def test_replayed_dead_letter_processed_through_the_inbox(settings: Settings, clock: ManualClock,
                                                           sqlite_sessions: sessionmaker[Session], tables: Tables) -> None:
     # Given a message dead-lettered while its consumer was broken
-    broken = {"on": True}
-
-    @consumer(name="shipping", event="OrderPlaced")
-    def sometimes(session: Session, env: Envelope) -> None:
-        if broken["on"]:
-            raise RuntimeError("carrier down")
-        shipping(session, env)
-
-    app = make_outbox(settings, clock, sqlite_sessions, tables, [sometimes]).app
+    box, broken = with_a_broken_shipping(settings, clock, sqlite_sessions, tables)
+    app = box.app
     body = order_placed_envelope("o-1").to_dict()
     assert apply(app, "shipping", body) == "dead_lettered"
     [dl] = rows(sqlite_sessions, tables.dead_letters)
@@ -367,15 +374,7 @@ def test_a_replay_runs_under_the_dead_lettered_task_id_and_the_inbox_still_guard
     from celery_outbox.ops import dead_letters as ops_dead_letters
 
     # Given a message dead-lettered under task id T while its consumer was broken
-    broken = {"on": True}
-
-    @consumer(name="shipping", event="OrderPlaced")
-    def sometimes(session: Session, env: Envelope) -> None:
-        if broken["on"]:
-            raise RuntimeError("carrier down")
-        shipping(session, env)
-
-    box = make_outbox(settings, clock, sqlite_sessions, tables, [sometimes])
+    box, broken = with_a_broken_shipping(settings, clock, sqlite_sessions, tables)
     app = box.app
     body = order_placed_envelope("o-tid").to_dict()
     original = task_id()
