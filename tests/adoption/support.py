@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.support.workers import stop_process
+
 BIN = Path(sys.executable).parent
 
 
@@ -29,9 +31,4 @@ def celery_worker(app: str, *, cwd: Path, env: dict[str, str], log_path: Path,
         try:
             yield proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, timeout_s=20, group=False)

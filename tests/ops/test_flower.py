@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from celeryconfig import Settings, celery_config
 from consumers.testing import order_placed_envelope
 from tests.integration.test_consumer_worker import CELERY, ROOT, cleanup, declare
 from tests.outbox_rows import insert_pending
+from tests.support.workers import stop_process
 
 MAX_MESSAGE_BYTES = 4096
 
@@ -66,13 +66,7 @@ class Proc:
         return self.log.read_text(errors="replace")[-6000:] if self.log.exists() else ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # warm shutdown: unacked messages go back to the broker
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, timeout_s=30)  # warm shutdown: unacked messages go back to the broker
 
 
 def start(argv: list[str], env: dict[str, str], log: Path) -> Proc:

@@ -22,6 +22,7 @@ from tests.conftest import RABBITMQ_URL, REDIS_URL, scratch_database
 from tests.package import readme
 from tests.package.conftest import Dist, Venv, VenvFactory, interpreter, need, pip_env
 from tests.services import require_service
+from tests.support.workers import stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -367,12 +368,7 @@ def relay_and_consume(venv: Venv, workdir: Path, env: dict[str, str]) -> int:
                 break
             time.sleep(0.5)
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop_process(worker, timeout_s=20, group=False)
         log.close()
     assert shipped == 1, (workdir / "worker.log").read_text()[-4000:]
     return shipped

@@ -26,11 +26,23 @@ def start_worker(*, env: Mapping[str, str], queues: Sequence[str], node: str, lo
 
 def stop_worker(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM the worker's whole process group (warm shutdown), SIGKILL it if it does not stop."""
+    stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes], *, timeout_s: float = 15.0, group: bool = True) -> None:
+    """SIGTERM ``proc`` (its whole process group when ``group``: it was started in a session of its own),
+    SIGKILL if it has not stopped within ``timeout_s``."""
     if proc.poll() is not None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.terminate()
     try:
-        proc.wait(timeout=15)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        if group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
         proc.wait(timeout=10)

@@ -9,7 +9,6 @@ task's queue, which the relay declared (nothing else had), and the worker then r
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -19,6 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from devtools.processes import wait_until
+from tests.support.workers import stop_process
 from tests.tasks.taskapp import Greeting, build
 
 pytestmark = [pytest.mark.workers, pytest.mark.slow]
@@ -72,12 +72,6 @@ def test_real_worker_runs_the_committed_task_and_never_the_rolled_back_one(broke
         text = log.read_text(errors="replace")
         assert f"Task taskapp.greet[{committed.id}] received" in text
     finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            try:
-                worker.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait()
+        stop_process(worker, timeout_s=20)
     with t.sessions() as s:
         assert s.execute(sa.select(sa.func.count()).select_from(Greeting)).scalar_one() == 1
