@@ -26,6 +26,11 @@ TASK_QUEUES: dict[str, str] = {"orders.send_confirmation_email": "email"}
 
 EMBEDDED = "embedded"
 
+# Unacked messages a worker holds per pool process. The library recommends 1; this deployment's search
+# consumer is a batch consumer (consumers/search.py, up to 50 messages a batch), and a batch can only gather
+# messages the worker holds (docs/tasks.md, "Prefetch"): 25 per process is a full batch at ``-c 2``.
+PREFETCH_MULTIPLIER = 25
+
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(OutboxSettings):
@@ -72,11 +77,12 @@ class Settings(OutboxSettings):
 
 def celery_config(settings: Settings, broker_url: str) -> dict[str, Any]:
     """The Celery configuration of this deployment (the library's recommended one plus the tasks' queues,
-    home-relative beat file, ``worker_concurrency`` pool processes unless ``celery worker -c`` says otherwise)."""
+    home-relative beat file, ``worker_concurrency`` pool processes unless ``celery worker -c`` says otherwise, and a
+    prefetch for the batch search consumer: ``PREFETCH_MULTIPLIER``)."""
     from celery_outbox import recommended_celery_config
 
     return {**recommended_celery_config(settings, broker_url, dedicated=True,
                                         beat_schedule_filename=settings.beat_schedule_filename,
                                         consumers=tuple(TASK_QUEUES.values())),
             "task_routes": {task: {"queue": settings.queue_name(queue)} for task, queue in TASK_QUEUES.items()},
-            "worker_concurrency": settings.worker_concurrency}
+            "worker_concurrency": settings.worker_concurrency, "worker_prefetch_multiplier": PREFETCH_MULTIPLIER}

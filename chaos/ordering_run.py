@@ -1,11 +1,12 @@
 """Per-entity ordering under several relays: versions of each order through N ``outbox relay``
-processes and real ``celery worker`` processes to the ``ordering=True`` search consumer.
+processes and real ``celery worker`` processes to the search effect as an ``ordering=True`` consumer.
 
 Real processes, as in a chaos run (chaos/environment.py): N ``outbox relay`` processes on one outbox
 (each claims with ``FOR UPDATE SKIP LOCKED``, so successive versions of one order can be published by
 different relays and reach the queue in either order) and ``celery worker`` processes consuming the
-search queue (``OUTBOX_ROUTES=OrderPlaced=search``: the reference deployment's search consumer, which
-declares ``ordering=True`` and upserts the order's document with the event's version). The relays and
+search queue (``OUTBOX_ROUTES=OrderPlaced=search``: the reference deployment's search effect declared as a
+per-entity ordered consumer, ``consumers.search.search_in_order`` in ``chaos/ordered_search_app.py``, which
+upserts the order's document with the event's version; the deployment itself runs it as a batch consumer). The relays and
 consumers run the library's default settings (not the chaos run's fast failure settings).
 
 The writer commits one event per transaction: version 1 of an order (``OrderPlaced``, entity
@@ -49,6 +50,7 @@ from relay.factory import create_outbox
 
 Progress = Callable[[str], None]
 CONSUMER = "search"
+ORDERED_APP = "chaos.ordered_search_app"  # the search effect as an ordered consumer (consumers/search.py)
 
 # The library's defaults for every knob the chaos environment speeds up: this run measures the
 # deployment as configured, not a failure drill.
@@ -179,7 +181,7 @@ def _percentile(values: list[float], p: float) -> float | None:
 
 def run_ordering(*, relays: int, orders: int, versions: int, workdir: Path, tables: Tables | None = None,
                  workers: int = 2, concurrency: int = 4, pool: str = "threads", rate: float = 100.0,
-                 window: int = 20, seed: int = 1, timeout_s: float = 300.0, worker_app: str = "relay.app",
+                 window: int = 20, seed: int = 1, timeout_s: float = 300.0, worker_app: str = ORDERED_APP,
                  worker_env: Mapping[str, str] | None = None, progress: Progress | None = None) -> OrderingReport:
     """See the module docstring: ``orders`` x ``versions`` events at ``rate`` commits/s through
     ``relays`` relay processes and ``workers`` worker processes of ``concurrency`` each. ``worker_app``

@@ -15,7 +15,7 @@ from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
 from consumers.models import SearchDocument
-from consumers.search import search as search_consumer
+from consumers.search import search_in_order as search_consumer
 from consumers.testing import order_placed_envelope
 
 
@@ -103,7 +103,7 @@ def test_parked_message_dead_lettered_after_timeout_then_replayable(sqlite_sessi
     assert rec.applied == [1, 2, 3]
 
 
-def test_search_consumer_keeps_the_newest_document(any_sessions: sessionmaker[Session], clock: ManualClock,
+def test_the_ordered_search_consumer_keeps_the_newest_document(any_sessions: sessionmaker[Session], clock: ManualClock,
                                                    tables: Tables) -> None:
     search = search_consumer
     assert search.ordering
