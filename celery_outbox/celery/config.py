@@ -208,11 +208,10 @@ def celery_config(settings: Settings, broker_url: str, *, beat_schedule_filename
         # consuming nothing, after a RabbitMQ outage (chaos run; celery/celery#9512). Prefetch is 1
         # per process here, so there is nothing to protect by reducing it.
         "worker_enable_prefetch_count_reduction": False,
-        # Task events for Flower without -E. In prefork the worker's parent (one thread) sends three per
-        # task; an outbox worker sends them on a connection without publisher confirms (celery/events.py,
-        # UnconfirmedTaskEvents), as waiting for each confirm was half the parent's time (docs/benchmarks.md).
-        "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        # No task events here (Celery's default, off): three per task cost the worker's parent and the
+        # broker a publish each, and Flower turns them on in the workers it sees (docs/operations.md,
+        # "Flower"); ``-E`` turns them on without Flower. An outbox worker sends them, when on, without
+        # publisher confirms (celery/events.py, UnconfirmedTaskEvents).
         "task_queues": [*queues, relay_queue],
         "task_default_queue": relay_queue.name,
         "task_default_exchange": relay_queue.exchange.name,
@@ -237,7 +236,6 @@ MERGED_KEYS = (
     "task_serializer", "result_serializer", "event_serializer", "accept_content", "result_accept_content",
     "task_acks_late", "task_reject_on_worker_lost",
     "worker_prefetch_multiplier", "worker_enable_prefetch_count_reduction",
-    "worker_send_task_events", "task_send_sent_event",
 )
 
 
@@ -247,9 +245,10 @@ def recommended_celery_config(settings: Settings, broker_url: str | None = None,
     """What we run Celery with, for ``app.conf.update(...)`` on the app your ``Outbox`` is built on.
 
     By default it merges into an app you already run: JSON only, late acks with ``reject_on_worker_lost``
-    (a task of a killed worker is redelivered, yours too), prefetch 1, task events for Flower without
-    ``-E`` (``MERGED_KEYS``), and ``broker_url`` when you pass one. Your queues, default queue, routes and
-    result backend stay; the ``Outbox`` adds its queues beside yours. ``dedicated=True`` is for an app
+    (a task of a killed worker is redelivered, yours too), prefetch 1 (``MERGED_KEYS``), and ``broker_url``
+    when you pass one. Task events stay as you set them (Celery's default: off; Flower turns them on in the
+    workers it sees). Your queues, default queue, routes and result backend stay; the ``Outbox`` adds its
+    queues beside yours. ``dedicated=True`` is for an app
     that runs only the outbox (the reference deployment): every key of ``celery_config``, including
     the queue list, the relay's queue as the default, no result backend.
     """

@@ -164,7 +164,7 @@ def test_a_bad_outbox_setting_is_one_clear_line(overrides: dict[str, Any], messa
     assert message in str(e.value) and "\n" not in str(e.value) and "hunter2" not in str(e.value)
 
 
-def test_the_apps_own_tasks_get_late_acks_and_events_unless_the_project_chose(restore_default_app: None) -> None:
+def test_the_apps_own_tasks_get_late_acks_unless_the_project_chose(restore_default_app: None) -> None:
     from celery_outbox.celery.config import celery_config
     from celery_outbox.contrib.django.outbox import WORKER_DEFAULTS
 
@@ -174,10 +174,10 @@ def test_the_apps_own_tasks_get_late_acks_and_events_unless_the_project_chose(re
         app.config_from_object("django.conf:settings", namespace="CELERY")
         DjangoOutbox(app, settings=Settings(namespace=f"dj{uuid.uuid4().hex[:8]}"))
         conf = app.conf
-        # Then a plain task of the app survives a killed worker (acked late, rejected on worker loss) and
-        # Flower sees events without -E; the project's own choice stays
+        # Then a plain task of the app survives a killed worker (acked late, rejected on worker loss); task
+        # events stay Celery's default, off (Flower turns them on); the project's own choice stays
         assert (conf.task_acks_late, conf.task_reject_on_worker_lost) == (True, True)
-        assert (conf.worker_send_task_events, conf.task_send_sent_event) == (True, True)
+        assert (conf.worker_send_task_events, conf.task_send_sent_event) == (False, False)
         assert conf.worker_prefetch_multiplier == 4
     # and the values are the Flask path's
     flask_path = celery_config(Settings(), "memory://")

@@ -48,9 +48,9 @@ def test_a_delivery_sends_received_started_succeeded_once_and_nothing_more(
         events = listen(channel)
         events.declare()
         log = tmp_path / "worker.log"
-        proc = start_worker(env=env, queues=[queue_name], node=f"events-{namespace}@%h", log=log)
+        proc = start_worker(env=env, queues=[queue_name], node=f"events-{namespace}@%h", log=log, extra=["-E"])
         try:
-            # Given a real outbox worker with task events on (the library's Celery configuration)
+            # Given a real outbox worker with task events on (-E: the library's configuration leaves them off)
             # When one message is delivered to a consumer the way the relay publishes it
             msg = celery_task_message(order_placed_envelope("o-events"), consumer=CONSUMER, routing_key=queue_name)
             Producer(channel, exchange=exchange).publish(

@@ -48,6 +48,7 @@ from tests.outbox_rows import insert_pending
 from tests.support.workers import stop_process
 
 MAX_MESSAGE_BYTES = 4096
+TASK_EVENTS_BY_REMOTE = "Events of group {task} enabled by remote."  # celery/worker/control.py, enable_events
 
 
 def free_port() -> int:
@@ -105,6 +106,12 @@ class Stack:
         pytest.fail(f"timed out waiting for {what}; last {last!r}\n--- worker ---\n{self.worker.logs()}"
                     f"\n--- flower ---\n{self.flower.logs()}")
 
+    def wait_task_events_on(self) -> None:
+        """Until Flower has turned the worker's task events on (its periodic ``enable_events`` broadcast,
+        every 5 s): the worker logs it only when its own configuration left them off (docs/operations.md)."""
+        self.wait("Flower to turn the worker's task events on",
+                  lambda: (TASK_EVENTS_BY_REMOTE in self.worker.logs(), "not in the worker's log yet"))
+
     def tasks(self) -> dict[str, dict[str, Any]]:
         found: dict[str, dict[str, Any]] = self.get("/api/tasks")
         return found
@@ -131,9 +138,11 @@ def stack(request: pytest.FixtureRequest, pg_url: str, namespace: str, tmp_path:
            "OUTBOX_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES)}
     env.pop("OUTBOX_CRASH_POINTS", None)
     node = f"flower-{namespace}@{socket.gethostname()}"
-    # Heartbeats on: Flower learns the worker from its events (task events are on in the config)
+    # Heartbeats on: Flower learns the worker from them. No -E, and no task events in the configuration:
+    # Flower turns them on (docs/operations.md, "Flower")
+    assert not {"worker_send_task_events", "task_send_sent_event"} & set(celery_config(settings, broker_url))
     worker = start([CELERY, "-A", "relay.app", "worker", "-Q", f"{settings.queue_name('shipping')},{namespace}.relay",
-                    "-P", "prefork", "-c", "2", "-E", "--without-gossip", "--without-mingle", "-l", "INFO",
+                    "-P", "prefork", "-c", "2", "--without-gossip", "--without-mingle", "-l", "INFO",
                     "-n", f"flower-{namespace}@%h"], env, tmp_path / "worker.log")
     port = free_port()
     flower = start([CELERY, "-A", "relay.app", "flower", f"--port={port}", "--address=127.0.0.1"],
@@ -169,8 +178,9 @@ def shipping_depth(settings: Settings, url: str) -> int:
 @pytest.mark.slow
 def test_flower_shows_processed_duplicate_dead_letter_and_drain(stack: Stack, tables: Tables) -> None:
     settings, url = stack.settings, stack.broker_url
-    # Given Flower receiving the worker's events (it has seen the worker's heartbeat)
+    # Given Flower receiving the worker's events (it has seen the worker's heartbeat and turned its task events on)
     stack.wait("Flower to see the worker", lambda: (bool(stack.worker_counters()), stack.get("/workers?json=1")))
+    stack.wait_task_events_on()
 
     # When an order is published to shipping and processed
     order = order_placed_envelope("o-flower")
@@ -225,6 +235,29 @@ def test_flower_shows_processed_duplicate_dead_letter_and_drain(stack: Stack, ta
     stack.worker.stop()
     # Then nothing is left on the queue: the rejected poison was removed, not requeued or redelivered
     assert shipping_depth(settings, url) == 0
+
+
+@pytest.mark.postgres
+@pytest.mark.workers
+@pytest.mark.slow
+def test_flower_turns_on_the_task_events_our_configuration_leaves_off(stack: Stack) -> None:
+    # Given a worker on the recommended configuration, which sets no task events, started without -E (the
+    # fixture), and a Flower beside it
+    config = celery_config(stack.settings, stack.broker_url)
+    assert not {"worker_send_task_events", "task_send_sent_event"} & set(config)
+    # When Flower's periodic enable_events broadcast reaches the worker (its log says so only when task
+    # events were off: a configuration forcing them on fails here)
+    stack.wait_task_events_on()
+    # Then a delivery shows in Flower's API, received, started and succeeded on the worker's own node
+    [msg] = celery_task_messages(order_placed_envelope("o-events-on"),
+                                 targets=[("shipping", stack.settings.queue_name("shipping"))])
+    publish_messages(stack.settings, stack.broker_url, [msg])
+    tid = msg.headers["id"]
+    stack.wait("the delivery to succeed in Flower",
+               lambda: ((t := stack.tasks().get(tid, {})).get("state") == "SUCCESS", t))
+    task = stack.tasks()[tid]
+    assert task["received"] and task["started"] and task["succeeded"], task
+    assert task["worker"] == stack.node and task["result"] == "'processed'", task
 
 
 def publish_messages(settings: Settings, url: str, messages: list[TaskMessage]) -> None:

@@ -53,7 +53,7 @@ def redis_stack(pg_url: str, redis_url: str, namespace: str, tmp_path: Path) -> 
            "OUTBOX_CONSUMER_RETRY_BACKOFF_MAX_S": "2"}
     env.pop("OUTBOX_CRASH_POINTS", None)
     worker = start([CELERY, "-A", "relay.app", "worker", "-Q", settings.queue_name("shipping"), "-P", "prefork",
-                    "-c", "1", "-E", "--without-gossip", "--without-mingle", "-l", "INFO",
+                    "-c", "1", "--without-gossip", "--without-mingle", "-l", "INFO",
                     "-n", f"replay-{namespace}@%h"], env, tmp_path / "worker.log")
     port = free_port()
     flower = start([CELERY, "-A", "relay.app", "flower", f"--port={port}", "--address=127.0.0.1"],
@@ -94,6 +94,7 @@ def test_a_replayed_dead_letter_turns_its_flower_task_from_failure_to_success(
 
     stack, settings = redis_stack, redis_stack.settings
     stack.wait("Flower to see the worker", lambda: (bool(stack.worker_counters()), stack.get("/workers?json=1")))
+    stack.wait_task_events_on()  # no -E, none in the configuration: Flower turns them on (docs/operations.md)
     order_id = f"o-replay-{uuid.uuid4().hex[:8]}"
     fix = carrier_down(pg_url, order_id, f"carrier_down_{settings.namespace}")
     try:

@@ -14,10 +14,11 @@ CELERY = str(Path(sys.executable).parent / "celery")
 
 
 def start_worker(*, env: Mapping[str, str], queues: Sequence[str], node: str, log: Path, pool: str = "prefork",
-                 concurrency: int = 2, app: str = "relay.app") -> subprocess.Popen[bytes]:
-    """A worker of the reference deployment (or of ``app``) consuming ``queues``, its output in ``log``."""
+                 concurrency: int = 2, app: str = "relay.app", extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """A worker of the reference deployment (or of ``app``) consuming ``queues``, its output in ``log``;
+    ``extra``: more worker options (``-E``)."""
     argv = [CELERY, "-A", app, "worker", "-Q", ",".join(queues), "-P", pool,
-            *(["-c", str(concurrency)] if pool == "prefork" else []),
+            *(["-c", str(concurrency)] if pool == "prefork" else []), *extra,
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO", "-n", node]
     with log.open("wb") as out:
         return subprocess.Popen(argv, cwd=ROOT, env=dict(env), stdout=out, stderr=subprocess.STDOUT,

@@ -70,8 +70,29 @@ def test_merging_into_a_running_app_keeps_its_queues_default_queue_and_result_ba
     assert {"nightly", "drain-outbox"} <= set(conf.beat_schedule)
     # And the behaviour the guarantees rely on is on for the team's own tasks too
     assert conf.task_acks_late is True and conf.task_reject_on_worker_lost is True
-    assert conf.worker_prefetch_multiplier == 1 and conf.worker_send_task_events is True
-    assert conf.task_send_sent_event is True and list(conf.accept_content) == ["json"]
+    assert conf.worker_prefetch_multiplier == 1 and list(conf.accept_content) == ["json"]
+    # And task events stay Celery's default, off (Flower turns them on in the workers it sees)
+    assert conf.worker_send_task_events is False and conf.task_send_sent_event is False
+
+
+@pytest.mark.parametrize("dedicated", [False, True])
+def test_task_events_are_left_to_the_app_and_to_flower(dedicated: bool) -> None:
+    # Given the configuration we recommend: it sets no task event key (three publishes per task in the
+    # worker's parent and the broker; docs/operations.md, "Flower": Flower turns them on)
+    settings = Settings.from_env({}, namespace=f"e{uuid.uuid4().hex[:8]}", database_url="sqlite://")
+    config = recommended_celery_config(settings, BROKER, dedicated=dedicated)
+    assert not {"worker_send_task_events", "task_send_sent_event"} & set(config)
+    # When it is merged into an app that turned them on, and an Outbox is added
+    app = team_app()
+    app.conf.update(worker_send_task_events=True, task_send_sent_event=True)
+    app.conf.update(config)
+    Outbox(app, settings=settings)
+    # Then the app's own choice stays; a fresh app keeps Celery's default (off)
+    assert (app.conf.worker_send_task_events, app.conf.task_send_sent_event) == (True, True)
+    fresh = Celery("fresh", set_as_current=False)
+    fresh.conf.update(config)
+    Outbox(fresh, settings=settings)
+    assert (fresh.conf.worker_send_task_events, fresh.conf.task_send_sent_event) == (False, False)
 
 
 def test_a_fresh_app_keeps_celerys_default_queue_consumed() -> None:

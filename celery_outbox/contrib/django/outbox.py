@@ -52,8 +52,6 @@ WORKER_DEFAULTS: dict[str, Any] = {
     "task_acks_late": True,
     "task_reject_on_worker_lost": True,
     "worker_prefetch_multiplier": 1,
-    "worker_send_task_events": True,
-    "task_send_sent_event": True,
 }
 """The Celery settings ``DjangoOutbox`` sets on its app unless the project set them (``celery_config`` has the
 same values for the Flask path)."""
@@ -262,9 +260,9 @@ class DjangoOutbox(Outbox):
 
     def _worker_defaults(self) -> None:
         """What ``recommended_celery_config`` gives the Flask path, for the app's OWN tasks too: late acks and
-        ``reject_on_worker_lost`` (a task whose worker is SIGKILLed is redelivered, not lost), prefetch 1, task
-        events for Flower without ``-E``. Only keys the project did not set (``CELERY_*`` in settings.py or
-        on ``app.conf``); its own choice wins. The keys are ``WORKER_DEFAULTS``."""
+        ``reject_on_worker_lost`` (a task whose worker is SIGKILLed is redelivered, not lost), prefetch 1; task
+        events stay Celery's default (off; Flower turns them on). Only keys the project did not set
+        (``CELERY_*`` in settings.py or on ``app.conf``); its own choice wins. The keys are ``WORKER_DEFAULTS``."""
         conf = self.app.conf
         prefix = conf.__dict__.get("prefix") or ""
         for key, value in WORKER_DEFAULTS.items():
