@@ -9,17 +9,24 @@ still the guarantee: on Postgres an insert of a key that a concurrent, uncommitt
 just inserted waits for that transaction to end, then inserts nothing if it committed (or the row if
 it rolled back); SQLite serialises writers on its database lock (``BEGIN IMMEDIATE``, db.py). See
 docs/design.md, rule 6.
+
+On Postgres through a libpq driver (psycopg 2 or 3) on a pooled connection, the statements that run on
+every delivery (the claim; ordering's version row) go to the driver as SQL text compiled once per
+connection (``driver_sql``): the same statement and round trip, without SQLAlchemy's per-execution
+cache-key, compile-cache and type-processing work (about half the claim's CPU in the worker,
+bench/consumer_statements.py and docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
 
 from celery_outbox.clock import SystemClock
 from celery_outbox.db import wrap_driver_errors
@@ -35,6 +42,11 @@ Prepare = Callable[[Session, Envelope], None]
 
 NOW_KEY = "outbox_consumer_now_ms"
 _KEY_COLUMNS = ("message_id", "consumer")
+_CLAIM_COLUMNS = ("message_id", "consumer", "type", "processed_at_ms")
+_DRIVER_SQL_KEY = "celery_outbox.driver_sql"
+_LIBPQ_DRIVERS = frozenset({"psycopg2", "psycopg"})
+# psycopg 3 reports -1 for an INSERT's row count unless SQLAlchemy is asked to keep it (sql.insert_for)
+_KEEP_ROWCOUNT: Mapping[str, Any] = {"preserve_rowcount": True}
 
 
 class CrashSite(Protocol):
@@ -61,11 +73,48 @@ def already_seen(session: Session, message_id: uuid.UUID, consumer: str, *, tabl
         return session.execute(stmt).first() is not None
 
 
+def driver_sql(connection: sa.Connection, key: tuple[Any, ...], build: Callable[[], Any]) -> str | None:
+    """The SQL text of ``build()``'s statement for ``connection``'s dialect, compiled once per pooled
+    connection and kept in its ``info``; None when the statement should run through SQLAlchemy instead:
+    not Postgres through a libpq driver, or a connection that does not outlive its checkout (``NullPool``,
+    where the text would be compiled on every delivery). Run the text with ``connection.exec_driver_sql``
+    and parameters the driver adapts as they are (a UUID as its string)."""
+    dialect = connection.dialect
+    if dialect.name != "postgresql" or dialect.driver not in _LIBPQ_DRIVERS or isinstance(connection.engine.pool,
+                                                                                        NullPool):
+        return None
+    cache: dict[tuple[Any, ...], str] = connection.info.setdefault(_DRIVER_SQL_KEY, {})
+    sql = cache.get(key)
+    if sql is None:
+        sql = cache[key] = str(build().compile(dialect=dialect))
+    return sql
+
+
+def execute_driver_sql(connection: sa.Connection, sql: str, params: Mapping[str, Any]) -> sa.CursorResult[Any]:
+    """Run ``driver_sql``'s text with ``params`` (its bind names), the row count kept."""
+    return connection.exec_driver_sql(sql, dict(params), execution_options=_KEEP_ROWCOUNT)
+
+
+def insert_values(table: sa.Table, columns: tuple[str, ...]) -> Any:
+    """``INSERT INTO table (columns) VALUES (:column, ...)`` for Postgres (for ``driver_sql``)."""
+    from sqlalchemy.dialects import postgresql
+
+    return postgresql.insert(table).values({c: sa.bindparam(c) for c in columns})
+
+
 def claim_if_absent(session: Session, envelope: Envelope, *, tables: Tables, consumer: str, now_ms: int) -> bool:
     """Claim the inbox key inside the caller's transaction: True when this call inserted the row,
     False when the key is already there (a duplicate; nothing was written, the transaction is intact)."""
+    table = tables.table(tables.inbox)
     with wrap_driver_errors(f"inbox insert for {consumer}"):
-        return insert_if_absent(session, tables.table(tables.inbox), _KEY_COLUMNS, {
+        connection = session.connection()
+        sql = driver_sql(connection, ("claim", table), lambda: (
+            insert_values(table, _CLAIM_COLUMNS).on_conflict_do_nothing(index_elements=list(_KEY_COLUMNS))))
+        if sql is not None:
+            return execute_driver_sql(connection, sql, {
+                "message_id": str(envelope.message_id), "consumer": consumer, "type": envelope.type,
+                "processed_at_ms": now_ms}).rowcount == 1
+        return insert_if_absent(session, table, _KEY_COLUMNS, {
             "message_id": envelope.message_id, "consumer": consumer, "type": envelope.type, "processed_at_ms": now_ms,
         })
 

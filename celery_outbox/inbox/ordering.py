@@ -15,6 +15,14 @@ is the next one (``INSERT ... ON CONFLICT DO NOTHING`` of version 1 for an entit
 entity's, and with ``expire_cutoff_ms`` any of the consumer's parked before the cutoff); the effect.
 Only when that first statement changes nothing (an early, stale or concurrent delivery) does the
 locking upsert find the applied version, and a version update follow.
+
+Version 1 of an entity never seen skips the read of the entity's parked messages: there cannot be
+any. A message is parked only by a transaction that holds the entity's row (``_lock_entity`` creates
+it when missing), so a parked message of an entity comes with a committed row of that entity, and an
+insert of the row that inserts it (no conflict, after waiting for any concurrent inserter) proves no
+such row ever committed. Entity rows are never deleted. The question of expired parked messages is
+then asked by that insert itself on Postgres (its ``RETURNING``: a read in the statement's snapshot
+is enough for it, as a parked message missed now is found by a later delivery), else by one cheap read.
 """
 
 from __future__ import annotations
@@ -26,7 +34,14 @@ from sqlalchemy.orm import Session
 
 from celery_outbox.db import wrap_driver_errors
 from celery_outbox.inbox import dead_letters
-from celery_outbox.inbox.claim import DuplicateDelivery, Handler, claim_if_absent
+from celery_outbox.inbox.claim import (
+    DuplicateDelivery,
+    Handler,
+    claim_if_absent,
+    driver_sql,
+    execute_driver_sql,
+    insert_values,
+)
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope, encode_json
 from celery_outbox.schema import Tables
@@ -63,26 +78,59 @@ def _set_version(session: Session, consumer: str, key: str, version: int, *, tab
     connection.execute(stmt, {"b_consumer": consumer, "b_key": key, "b_version": version})
 
 
+def _create(session: Session, consumer: str, key: str, *, tables: Tables,
+            cutoff_ms: int | None) -> tuple[bool, bool]:
+    """Record version 1 of an entity never seen (``INSERT ... ON CONFLICT DO NOTHING``): ``(created,
+    expired)``, ``expired`` being whether the consumer has parked messages parked at or before
+    ``cutoff_ms``, asked only when the row was created (module docstring); a concurrent inserter is
+    waited for, then the row is not created."""
+    table = tables.table(tables.entity_versions)
+    values = {"consumer": consumer, "entity_key": key, "version": 1}
+    connection = session.connection()
+    if cutoff_ms is None:
+        sql = driver_sql(connection, ("create_entity", table), lambda: (
+            insert_values(table, ("consumer", "entity_key", "version"))
+            .on_conflict_do_nothing(index_elements=["consumer", "entity_key"])))
+        if sql is None:
+            return insert_if_absent(session, table, ("consumer", "entity_key"), values), False
+        return execute_driver_sql(connection, sql, values).rowcount == 1, False
+    parked = tables.table(tables.parked)
+    sql = driver_sql(connection, ("create_entity_expired", table), lambda: (
+        insert_values(table, ("consumer", "entity_key", "version"))
+        .on_conflict_do_nothing(index_elements=["consumer", "entity_key"])
+        .returning(sa.select(sa.literal_column("1")).where(parked.c.consumer == sa.bindparam("b_consumer"),
+                                                  parked.c.parked_at_ms <= sa.bindparam("b_cutoff"))
+                   .exists().label("expired"))))
+    if sql is None:
+        created = insert_if_absent(session, table, ("consumer", "entity_key"), values)
+        return created, created and has_expired(session, tables=tables, consumer=consumer, cutoff_ms=cutoff_ms)
+    row = execute_driver_sql(connection, sql, {**values, "b_consumer": consumer, "b_cutoff": cutoff_ms}).first()
+    return row is not None, row is not None and bool(row[0])
+
+
 def _advance(session: Session, consumer: str, key: str, version: int, *, tables: Tables) -> bool:
-    """Record ``version`` as applied if it is the next one, in one statement that also locks the row;
-    True when it did. False says nothing yet (the row may be missing, behind, ahead or locked by a
+    """Record ``version`` (2 or more) as applied if it is the next one, in one statement that also locks
+    the row; True when it did. False says nothing yet (the row may be missing, behind, ahead or locked by a
     delivery that has since moved it): the caller locks and reads it (``_lock_entity``).
 
     Under READ COMMITTED an ``UPDATE`` whose row a concurrent transaction holds waits, then re-checks
     its condition on the committed row, so it never advances from a version that has changed.
     """
     table = tables.table(tables.entity_versions)
-    if version == 1:
-        return insert_if_absent(session, table, ("consumer", "entity_key"),
-                                {"consumer": consumer, "entity_key": key, "version": 1})
-    connection, stmt = statement(session, ("advance_version", table), lambda: (
-        sa.update(table).where(table.c.consumer == sa.bindparam("b_consumer"),
-                               table.c.entity_key == sa.bindparam("b_key"),
-                               table.c.version == sa.bindparam("b_previous"))
-        .values(version=sa.bindparam("b_version"))))
-    result = connection.execute(stmt, {"b_consumer": consumer, "b_key": key, "b_previous": version - 1,
-                                       "b_version": version})
-    return bool(result.rowcount == 1)
+    params = {"b_consumer": consumer, "b_key": key, "b_previous": version - 1, "b_version": version}
+
+    def build() -> Any:
+        return (sa.update(table).where(table.c.consumer == sa.bindparam("b_consumer"),
+                                       table.c.entity_key == sa.bindparam("b_key"),
+                                       table.c.version == sa.bindparam("b_previous"))
+                .values(version=sa.bindparam("b_version")))
+
+    connection = session.connection()
+    sql = driver_sql(connection, ("advance_version", table), build)
+    if sql is not None:
+        return bool(execute_driver_sql(connection, sql, params).rowcount == 1)
+    connection, stmt = statement(session, ("advance_version", table), build)
+    return bool(connection.execute(stmt, params).rowcount == 1)
 
 
 def apply(session: Session, envelope: Envelope, *, tables: Tables, consumer: str, handler: Handler, now_ms: int,
@@ -102,7 +150,14 @@ def apply(session: Session, envelope: Envelope, *, tables: Tables, consumer: str
         return Outcome.PROCESSED, _has_expired(session, tables, consumer, expire_cutoff_ms)
     key, version = entity
     with wrap_driver_errors(f"locking entity {key!r} for {consumer}"):
-        recorded = _advance(session, consumer, key, version, tables=tables)
+        if version == 1:
+            created, expired = _create(session, consumer, key, tables=tables, cutoff_ms=expire_cutoff_ms)
+            if created:  # nothing of this entity can be parked (module docstring): no read of it
+                handler(session, envelope)
+                return Outcome.PROCESSED, expired
+            recorded = False
+        else:
+            recorded = _advance(session, consumer, key, version, tables=tables)
         current = version - 1 if recorded else _lock_entity(session, consumer, key, tables=tables)
     if version <= current:
         return Outcome.STALE, _has_expired(session, tables, consumer, expire_cutoff_ms)  # claim kept: no effect

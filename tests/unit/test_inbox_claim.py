@@ -66,7 +66,10 @@ def kinds(statements: list[str], tables: Tables) -> list[str]:
             out.append(s)
             continue
         verb = s.split()[0].upper()
-        table = next((short for name, short in names.items() if f" {name} " in f" {s} " or f" {name}(" in s), "?")
+        # the table written or read is the first one named (a RETURNING may name another one later)
+        at = {short: min((i for i in (f" {s} ".find(f" {name} "), s.find(f" {name}(")) if i >= 0), default=-1)
+              for name, short in names.items()}
+        table = min((short for short, i in at.items() if i >= 0), key=lambda short: at[short], default="?")
         out.append(f"{verb} {table}")
     return out
 
@@ -152,10 +155,13 @@ def test_ordered_next_version_statement_budget(any_sessions: sessionmaker[Sessio
             return inbox.handle(s, env, tables=tables, consumer="ledger", handler=effect, clock=clock, ordering=True,
                                 park_timeout_ms=60_000)
 
-    # Given version 1 of an entity never seen: recorded by the insert of its version row, no read of a version
+    # Given version 1 of an entity never seen: recorded by the insert of its version row, no read of a version,
+    # and no read of its parked messages (there cannot be any: inbox/ordering.py); on Postgres that insert's
+    # RETURNING also says whether any of the consumer's parked messages expired, elsewhere one read does
     with recorded(any_sessions) as seen:
         assert run(order_placed_envelope("o-1", version=1)) is Outcome.PROCESSED
-    assert kinds(seen, tables) == ["INSERT inbox", "INSERT versions", "SELECT parked", "INSERT shipments", "COMMIT"]
+    expired_read = [] if any_sessions.kw["bind"].dialect.name == "postgresql" else ["SELECT parked"]
+    assert kinds(seen, tables) == ["INSERT inbox", "INSERT versions", *expired_read, "INSERT shipments", "COMMIT"]
     # When the next version arrives with nothing parked
     with recorded(any_sessions) as seen:
         assert run(order_placed_envelope("o-1", version=2)) is Outcome.PROCESSED
@@ -300,11 +306,14 @@ def test_every_postgres_driver_tells_a_first_delivery_from_a_duplicate(pg_url: s
         with sessions() as s:
             second = inbox.handle(s, env, tables=tables, consumer="shipping", handler=shipping, clock=clock)
         with sessions() as s:
-            started = ordering._advance(s, "search", f"order:{driver}", 1, tables=tables)
+            started = ordering._create(s, "search", f"order:{driver}", tables=tables, cutoff_ms=0)
+            again = ordering._create(s, "search", f"order:{driver}", tables=tables, cutoff_ms=None)
+            advanced = ordering._advance(s, "search", f"order:{driver}", 2, tables=tables)
             s.commit()
-        # Then the first is processed with its effect, the second a duplicate, the first version applies
+        # Then the first is processed with its effect, the second a duplicate, the first version creates the
+        # entity's row (nothing expired) and its second insert does not, the second version advances it
         assert (first, second) == (Outcome.PROCESSED, Outcome.DUPLICATE)
-        assert started is True
+        assert (started, again, advanced) == ((True, False), (False, False), True)
         with sessions() as s:
             assert s.scalar(sa.select(sa.func.count()).select_from(Shipment)
                             .where(Shipment.order_id == f"o-{driver}")) == 1
