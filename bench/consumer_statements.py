@@ -4,9 +4,12 @@ Runs ``delivery.deliver`` (what the consumer task runs in a pool process) on N f
 N duplicates and, for comparison, the plain task of bench/consumer_cpu.py (the effect and its commit,
 no inbox), against a throwaway Postgres database, on an engine built like the worker's
 (``db.make_engine``). Counts, per delivery: statements the driver executed (``before_cursor_execute``),
-pool pre-pings (the dialect's ``do_ping``), commits and rollbacks, pool checkouts. Deliveries are run
-with a pause of ``--idle-ms`` before every one (0: back to back, as at saturation). Prints the table
-and writes bench/results/consumer_statements.json.
+pool pre-pings (the dialect's ``do_ping``), commits and rollbacks, pool checkouts; and the CPU each costs
+in microseconds: ``cpu_us`` in this process (``time.process_time``: Python, SQLAlchemy, the driver), and
+``pg_cpu_us`` in the Postgres backends it used (utime + stime of their ``/proc/<pid>/stat``, 10 ms ticks:
+run enough deliveries; 0 when Postgres is not a local process). Deliveries are run with a pause of
+``--idle-ms`` before every one (0: back to back, as at saturation). Prints the table and writes
+bench/results/consumer_statements.json.
 
     .venv/bin/python bench/consumer_statements.py [--consumer shipping] [--deliveries 200] [--idle-ms 0]
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -37,6 +41,21 @@ from consumers import default_registry
 from consumers.testing import order_placed_envelope
 
 KINDS = ("statements", "pings", "commits", "rollbacks", "checkouts")
+CPU = ("cpu_us", "pg_cpu_us")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def backend_cpu_s(pids: set[int]) -> float:
+    """CPU seconds (user + system) the Postgres backends ``pids`` have used; 0 for one not readable here."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / TICKS
 
 
 class Counting:
@@ -71,6 +90,16 @@ class Counting:
         def _checkout(*args: Any) -> None:
             self.counts["checkouts"] += 1
 
+        self.backends: set[int] = set()
+
+        @event.listens_for(engine, "connect")
+        def _connect(dbapi_connection: Any, record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("SELECT pg_backend_pid()")
+            self.backends.add(int(cursor.fetchone()[0]))
+            cursor.close()
+            dbapi_connection.rollback()
+
     def reset(self) -> None:
         self.counts.clear()
         self.texts.clear()
@@ -79,9 +108,10 @@ class Counting:
 def print_round_trips(title: str, out: dict[str, dict[str, Any]]) -> None:
     """One line per path with its round trips by kind, then its statements by first words."""
     print(title)
-    print(f"{'path':24}" + "".join(f"{k:>11}" for k in KINDS))
+    kinds = KINDS + tuple(k for k in CPU if all(k in row for row in out.values()))
+    print(f"{'path':24}" + "".join(f"{k:>11}" for k in kinds))
     for label, row in out.items():
-        print(f"{label:24}" + "".join(f"{row[k]:11.2f}" for k in KINDS))
+        print(f"{label:24}" + "".join(f"{row[k]:11.2f}" for k in kinds))
         for text, c in row["per_statement"].items():
             print(f"    {c:5.2f}  {text}")
 
@@ -107,11 +137,14 @@ def main() -> None:
         def run(label: str, one: Any) -> None:
             one(-1)  # warm-up: the pool's first connection, statement caches
             counting.reset()
+            cpu, pg_cpu = time.process_time(), backend_cpu_s(counting.backends)
             for i in range(n):
                 if pause:
                     time.sleep(pause)
                 one(i)
+            cpu, pg_cpu = time.process_time() - cpu, backend_cpu_s(counting.backends) - pg_cpu
             out[label] = {k: round(counting.counts[k] / n, 3) for k in KINDS}
+            out[label].update(cpu_us=round(cpu / n * 1e6, 1), pg_cpu_us=round(pg_cpu / n * 1e6, 1))
             out[label]["per_statement"] = {t: round(c / n, 3) for t, c in counting.texts.most_common()}
 
         envs = {i: first(i, "dup") for i in range(-1, n)}
