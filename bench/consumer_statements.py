@@ -12,6 +12,9 @@ run enough deliveries; 0 when Postgres is not a local process). Deliveries are r
 bench/results/consumer_statements.json.
 
     .venv/bin/python bench/consumer_statements.py [--consumer shipping] [--deliveries 200] [--idle-ms 0]
+
+``--consumer`` names one of the reference deployment's consumers, or ``search_in_order``: its search effect
+as a per-entity ordered consumer (``ordering=True``; consumers/search.py), which the deployment does not run.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from celery_outbox.messages import Envelope
 from celery_outbox.schema import define_tables
 from celery_outbox.settings import Settings
 from consumers import default_registry
+from consumers.search import search_in_order
 from consumers.testing import order_placed_envelope
 
 KINDS = ("statements", "pings", "commits", "rollbacks", "checkouts")
@@ -123,7 +127,7 @@ def main() -> None:
     parser.add_argument("--idle-ms", type=float, default=0.0, help="pause before each delivery")
     args = parser.parse_args()
     n, pause = args.deliveries, args.idle_ms / 1000
-    spec = default_registry()[args.consumer]
+    spec = search_in_order if args.consumer == "search_in_order" else default_registry()[args.consumer]
     tables, clock, settings = define_tables(), SystemClock(), Settings()
     out: dict[str, Any] = {}
     with fresh_database() as url:
