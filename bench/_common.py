@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from celery_outbox.db import make_engine
 from orders import migrate
+
+W = TypeVar("W", bound="BenchWorker")
 
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,3 +68,100 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     print(f"wrote {path}")
     return path
+
+
+class BenchWorker(Protocol):
+    """What ``wait_until`` and ``consuming`` need of a bench's worker process (bench/consumer_cpu.py's ``Worker``)."""
+
+    mode: str
+    queue: str
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None: ...
+
+
+def wait_until(what: str, check: Callable[[], bool], worker: BenchWorker, timeout_s: float = 300) -> None:
+    """Poll ``check`` until it holds; exit with the worker's log tail if it dies or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if worker.proc.poll() is not None:
+            raise SystemExit(f"{worker.mode} worker exited:\n{worker.log.read_text(errors='replace')[-4000:]}")
+        time.sleep(0.1)
+    raise SystemExit(f"timed out waiting for {what}:\n{worker.log.read_text(errors='replace')[-4000:]}")
+
+
+@contextmanager
+def consuming(started: Mapping[str, W], *, broker_url: str, queues: Sequence[str],
+              exchanges: Sequence[str]) -> Iterator[Mapping[str, W]]:
+    """Workers started side by side: yields them once each consumes its queue; then stops them and deletes
+    the bench's ``queues`` and ``exchanges`` from the broker."""
+    from kombu import Connection
+
+    try:
+        with Connection(broker_url) as conn:
+            channel = conn.channel()
+            for w in started.values():
+                def consumed(w: W = w) -> bool:
+                    try:
+                        return bool(channel.queue_declare(w.queue, passive=True).consumer_count >= 1)
+                    except Exception:  # not declared yet (404 closes the channel)
+                        return False
+                wait_until(f"{w.mode} worker consuming", consumed, w, timeout_s=60)
+        yield started
+    finally:
+        for w in started.values():
+            w.stop()
+        with Connection(broker_url) as conn:
+            channel = conn.channel()
+            for name in queues:
+                channel.queue_delete(name)
+            for name in exchanges:
+                channel.exchange_delete(name)
+
+
+class LineClient:
+    """A bench's client subprocess (``start_new_session``) and its line protocol: the bench writes one command
+    line on its stdin, the client answers one JSON line on its stdout (``"errors"``: a list, empty when it
+    went well); ``quit`` ends it. Its stderr goes to ``log``. Used by bench/sweep.py and bench/saturated.py."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path, *, cwd: Path) -> None:
+        self._log = log.open("ab")
+        self.log = log
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, start_new_session=True)
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"client exited:\n{self.log.read_text(errors='replace')[-4000:]}")
+        return line
+
+    def wait_ready(self) -> None:
+        """For a client that prints ``ready`` once it has built its sending side."""
+        if self._line().strip() != "ready":
+            raise RuntimeError(f"client did not start:\n{self.log.read_text(errors='replace')[-4000:]}")
+
+    def request(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        out: dict[str, Any] = json.loads(self._line())
+        if out["errors"]:
+            raise RuntimeError(f"client errors ({command}): {out['errors']}")
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=20)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()

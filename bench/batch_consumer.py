@@ -4,18 +4,23 @@ Two real workers (prefork, ``-c 2``, the deployment's recommended Celery configu
 ``worker_prefetch_multiplier`` raised to ``--prefetch`` for BOTH, RabbitMQ, Postgres) run side by side on
 queues of their own:
 
-- ``batch``: ``@outbox.consumer("OrderPlaced", name="searchb", batch_size=--batch-size, batch_wait_ms=50)``,
+- ``batch``: ``@outbox.consumer("OrderPlaced", name="searchb", batch_size=--batch-size, batch_wait_ms=--batch-wait-ms)``,
   whose handler upserts every search document of the batch in ONE statement; the library's whole path per
   message (strategy gate, batch buffer, one inbox claim statement per batch, one commit per batch, an ack each);
 - ``plain``: a plain Celery task per message (``acks_late``) that upserts its one document and commits: no
-  inbox, no gate, no dead letters.
+  inbox, no gate, no dead letters;
+- ``batches``: celery-batches (``celery_batches.Batches``, ``flush_every=--batch-size``, ``flush_interval``
+  ``--batch-wait-ms``, ``acks_late``): the same bulk upsert of a batch and one commit, no inbox, no gate, no dead letters.
+  Left out when ``celery_batches`` is not installed: it is not a dependency, since its releases (0.11) cap
+  Celery below 5.7, which this project requires; ``pip install --no-deps celery-batches==0.11`` puts it in
+  (it ran on Celery 5.7.0 here).
 
-The documents are the reference deployment's search documents (``consumers/search.py``'s body), in
-``search_documents``. Each round publishes N messages to one worker (the batch one exactly as the relay
-publishes, the plain one with ``send_task``) and waits for its N documents; CPU (utime + stime from
-``/proc``) of the worker parent, its pool children, their Postgres backends and the broker, before and
-after. Modes alternate A-B / B-A after a warm-up; medians printed with the ratio batch / plain, written to
-``bench/results/batch_consumer.json``. celery-batches (no inbox) is not compared here: it is not a dependency.
+The documents and the upsert are the reference deployment's (``consumers/search.py``: one statement per
+batch, guarded by the version), in ``search_documents``. Each round publishes N messages to one worker (the
+batch one exactly as the relay publishes, the others with ``send_task``) and waits for its N documents;
+CPU (utime + stime from ``/proc``) of the worker parent, its pool children, their Postgres backends and the
+broker, before and after. The modes' order rotates from round to round after a warm-up; medians printed
+with the ratios, written to ``bench/results/batch_consumer.json``.
 
     flock /tmp/heavy.lock .venv/bin/python bench/batch_consumer.py [--deliveries 2000] [--rounds 3] [--batch-size 100]
 
@@ -35,7 +40,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,36 +51,22 @@ sys.path.insert(0, str(ROOT))
 import sqlalchemy as sa  # noqa: E402
 from kombu import Connection, Exchange, Producer, Queue  # noqa: E402
 
-from bench._common import fresh_database, write_result  # noqa: E402
-from bench.consumer_cpu import BROKER_URL, PROCESSES, Worker, delta_ms, wait_until  # noqa: E402
+from bench._common import consuming, fresh_database, wait_until, write_result  # noqa: E402
+from bench.consumer_cpu import BROKER_URL, PROCESSES, Worker, delta_ms  # noqa: E402
 
 CONSUMER = "searchb"
 SINGLE = "searchs"  # the unbatched twin (``--latency``)
 PLAIN_TASK = "bench.plain_search"
-MODES = ("batch", "plain")
+BATCHES_TASK = "bench.batches_search"
+MODES = ("batch", "plain", "batches")
 
 
-def document(envelope: Any, now_ms: int) -> dict[str, Any]:
-    """The search document ``consumers/search.py`` writes for an ``OrderPlaced``."""
-    from consumers.payloads import order_placed
-
-    order = order_placed(envelope)
-    version = envelope.headers.get("entity_version")
-    body = {"order_id": order.order_id, "customer_id": order.customer_id, "email": order.email,
-            "currency": order.currency, "total_cents": order.total_cents,
-            "skus": sorted({str(line.get("sku", "")) for line in order.lines})}
-    return {"order_id": order.order_id, "body": body, "version": version if isinstance(version, int) else 1,
-            "updated_at_ms": now_ms}
-
-
-def upsert_documents(session: Any, rows: list[dict[str, Any]]) -> None:
-    from sqlalchemy.dialects.postgresql import insert
-
-    from consumers.models import SearchDocument
-
-    stmt = insert(SearchDocument).values(rows)
-    session.execute(stmt.on_conflict_do_update(index_elements=["order_id"], set_={
-        "body": stmt.excluded.body, "version": stmt.excluded.version, "updated_at_ms": stmt.excluded.updated_at_ms}))
+def have_celery_batches() -> bool:
+    try:
+        import celery_batches  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def __getattr__(name: str) -> Any:
@@ -84,6 +75,8 @@ def __getattr__(name: str) -> Any:
         return _batch_app()
     if name == "plain":
         return _plain_app()
+    if name == "batches":
+        return _batches_app()
     raise AttributeError(name)
 
 
@@ -99,22 +92,23 @@ def _batch_app() -> Any:
     from celery import Celery
     from sqlalchemy.orm import Session
 
-    from celery_outbox import Envelope, Outbox, effect_now_ms
+    from celery_outbox import Envelope, Outbox
     from celery_outbox.settings import Settings
+    from consumers.search import upsert_documents
 
     settings = Settings.from_env()
     app = Celery("batch")
     app.conf.update(_config(settings))
     outbox = Outbox(app, settings=settings)
 
-    @outbox.consumer("OrderPlaced", name=CONSUMER, batch_size=int(os.environ["BENCH_BATCH_SIZE"]), batch_wait_ms=50)
+    @outbox.consumer("OrderPlaced", name=CONSUMER, batch_size=int(os.environ["BENCH_BATCH_SIZE"]),
+                     batch_wait_ms=int(os.environ["BENCH_BATCH_WAIT_MS"]))
     def index(session: Session, events: list[Envelope]) -> None:
-        now = effect_now_ms(session)
-        upsert_documents(session, [document(e, now) for e in events])
+        upsert_documents(session, events)
 
     @outbox.consumer("OrderPlaced", name=SINGLE)
     def index_one(session: Session, envelope: Envelope) -> None:
-        upsert_documents(session, [document(envelope, effect_now_ms(session))])
+        upsert_documents(session, [envelope])
 
     return app
 
@@ -125,64 +119,76 @@ def _plain_app() -> Any:
     from celery_outbox.db import make_engine, make_session_factory
     from celery_outbox.messages import Envelope
     from celery_outbox.settings import Settings
+    from consumers.search import upsert_documents
 
     settings = Settings(database_url=os.environ["BENCH_DB_URL"], namespace=os.environ["BENCH_NAMESPACE"])
     app = Celery("plain")
     app.conf.update(_config(settings))
-    app.conf.task_queues = [plain_queue(settings.namespace)]
+    app.conf.task_queues = [plain_queue(settings.namespace, "plain")]
     holder: dict[str, Any] = {}
 
     @app.task(name=PLAIN_TASK, acks_late=True, ignore_result=True)  # type: ignore[untyped-decorator]
     def index(body: dict[str, Any]) -> str:
         if "sessions" not in holder:  # one engine per pool process, made after the fork
             holder["sessions"] = make_session_factory(make_engine(settings.effective_database_url))
-        envelope = Envelope.from_dict(body)
         with holder["sessions"]() as session:
-            upsert_documents(session, [document(envelope, int(time.time() * 1000))])
+            upsert_documents(session, [Envelope.from_dict(body)])
             session.commit()
         return "processed"
 
     return app
 
 
-def plain_queue(namespace: str) -> Queue:
-    return Queue(f"{namespace}.plain", Exchange(f"{namespace}.plain", type="direct", durable=True),
-                 routing_key=f"{namespace}.plain", durable=True)
+def _batches_app() -> Any:
+    from celery import Celery
+    from celery_batches import Batches
+
+    from celery_outbox.db import make_engine, make_session_factory
+    from celery_outbox.messages import Envelope
+    from celery_outbox.settings import Settings
+    from consumers.search import upsert_documents
+
+    settings = Settings(database_url=os.environ["BENCH_DB_URL_BATCHES"], namespace=os.environ["BENCH_NAMESPACE"])
+    app = Celery("batches")
+    app.conf.update(_config(settings))
+    app.conf.task_queues = [plain_queue(settings.namespace, "batches")]
+    holder: dict[str, Any] = {}
+
+    @app.task(base=Batches, name=BATCHES_TASK, flush_every=int(os.environ["BENCH_BATCH_SIZE"]),
+              flush_interval=int(os.environ["BENCH_BATCH_WAIT_MS"]) / 1000,
+              acks_late=True, ignore_result=True)  # type: ignore[untyped-decorator]
+    def index(requests: list[Any]) -> None:
+        if "sessions" not in holder:  # one engine per pool process, made after the fork
+            holder["sessions"] = make_session_factory(make_engine(settings.effective_database_url))
+        with holder["sessions"]() as session:
+            upsert_documents(session, [Envelope.from_dict(r.args[0]) for r in requests])
+            session.commit()
+
+    return app
+
+
+def plain_queue(namespace: str, mode: str) -> Queue:
+    return Queue(f"{namespace}.{mode}", Exchange(f"{namespace}.{mode}", type="direct", durable=True),
+                 routing_key=f"{namespace}.{mode}", durable=True)
 
 
 @contextmanager
-def workers(url: str, namespace: str, home: Path, args: argparse.Namespace) -> Iterator[dict[str, Worker]]:
+def workers(url: str, namespace: str, home: Path, args: argparse.Namespace,
+            modes: tuple[str, ...]) -> Iterator[Mapping[str, Worker]]:
     env = {**os.environ, "OUTBOX_DATABASE_URL": url + "?application_name=bench_batch_worker",
            "OUTBOX_BROKER_URL": BROKER_URL, "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": str(home),
-           "BENCH_DB_URL": url + "?application_name=bench_plain_worker", "BENCH_BROKER_URL": BROKER_URL,
-           "BENCH_NAMESPACE": namespace, "BENCH_BATCH_SIZE": str(args.batch_size), "BENCH_PREFETCH": str(args.prefetch)}
+           "BENCH_DB_URL": url + "?application_name=bench_plain_worker",
+           "BENCH_DB_URL_BATCHES": url + "?application_name=bench_batches_worker", "BENCH_BROKER_URL": BROKER_URL,
+           "BENCH_NAMESPACE": namespace, "BENCH_BATCH_SIZE": str(args.batch_size), "BENCH_PREFETCH": str(args.prefetch),
+           "BENCH_BATCH_WAIT_MS": str(args.batch_wait_ms)}
     env.pop("OUTBOX_CRASH_POINTS", None)
-    started = {
-        "batch": Worker(mode="batch", app="bench.batch_consumer:batch", queue=f"{namespace}.{CONSUMER}", env=env,
-                        log=home / "batch.log", app_name="bench_batch_worker"),
-        "plain": Worker(mode="plain", app="bench.batch_consumer:plain", queue=f"{namespace}.plain", env=env,
-                        log=home / "plain.log", app_name="bench_plain_worker"),
-    }
-    try:
-        with Connection(BROKER_URL) as conn:
-            channel = conn.channel()
-            for w in started.values():
-                def consuming(w: Worker = w) -> bool:
-                    try:
-                        return bool(channel.queue_declare(w.queue, passive=True).consumer_count >= 1)
-                    except Exception:
-                        return False
-                wait_until(f"{w.mode} worker consuming", consuming, w, timeout_s=60)
-        yield started
-    finally:
-        for w in started.values():
-            w.stop()
-        with Connection(BROKER_URL) as conn:
-            channel = conn.channel()
-            for name in (f"{namespace}.{CONSUMER}", f"{namespace}.plain"):
-                channel.queue_delete(name)
-            for name in (f"{namespace}.events", f"{namespace}.plain", f"{namespace}.relay"):
-                channel.exchange_delete(name)
+    queue = {"batch": f"{namespace}.{CONSUMER}", "plain": f"{namespace}.plain", "batches": f"{namespace}.batches"}
+    started = {mode: Worker(mode=mode, app=f"bench.batch_consumer:{mode}", queue=queue[mode], env=env,
+                            log=home / f"{mode}.log", app_name=f"bench_{mode}_worker") for mode in modes}
+    with consuming(started, broker_url=BROKER_URL, queues=list(queue.values()),
+                   exchanges=(f"{namespace}.events", f"{namespace}.plain", f"{namespace}.batches",
+                              f"{namespace}.relay")) as running:
+        yield running
 
 
 def latency(args: argparse.Namespace) -> None:
@@ -201,6 +207,7 @@ def latency(args: argparse.Namespace) -> None:
         env = {**os.environ, "OUTBOX_DATABASE_URL": url + "?application_name=bench_batch_worker",
                "OUTBOX_BROKER_URL": BROKER_URL, "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": tmp,
                "BENCH_BROKER_URL": BROKER_URL, "BENCH_BATCH_SIZE": str(args.batch_size),
+               "BENCH_BATCH_WAIT_MS": str(args.batch_wait_ms),
                "BENCH_PREFETCH": str(args.prefetch)}
         env.pop("OUTBOX_CRASH_POINTS", None)
         worker = Worker(mode="latency", app="bench.batch_consumer:batch",
@@ -210,14 +217,14 @@ def latency(args: argparse.Namespace) -> None:
             with Connection(BROKER_URL) as conn:
                 channel = conn.channel()
 
-                def consuming() -> bool:
+                def ready() -> bool:
                     try:
                         return all(channel.queue_declare(f"{namespace}.{c}", passive=True).consumer_count >= 1
                                    for c in (CONSUMER, SINGLE))
                     except Exception:
                         return False
 
-                wait_until("the worker consuming", consuming, worker, timeout_s=60)
+                wait_until("the worker consuming", ready, worker, timeout_s=60)
                 producer = Producer(conn.channel(), exchange=Exchange(f"{namespace}.events", type="direct",
                                                                       durable=True))
                 total = int(args.rate * args.seconds)
@@ -254,11 +261,13 @@ def latency(args: argparse.Namespace) -> None:
         out[consumer] = {"n": len(ms), "p50_ms": round(percentile(ms, 50), 2), "p99_ms": round(percentile(ms, 99), 2)}
     ratio = out[CONSUMER]["p99_ms"] / out[SINGLE]["p99_ms"] if out[SINGLE]["p99_ms"] else float("nan")
     print(f"trickle {args.rate}/s per consumer for {args.seconds} s: publish -> effect start")
-    for consumer, label in ((CONSUMER, "batch (wait 50 ms)"), (SINGLE, "unbatched")):
+    for consumer, label in ((CONSUMER, f"batch (wait {args.batch_wait_ms} ms)"), (SINGLE, "unbatched")):
         print(f"{label:20} p50 {out[consumer]['p50_ms']:8.2f} ms  p99 {out[consumer]['p99_ms']:8.2f} ms")
     print(f"p99 ratio batch / unbatched: {ratio:.2f}")
     write_result("batch_consumer_latency", {"rate_per_consumer": args.rate, "seconds": args.seconds,
-                                            "batch_size": args.batch_size, "batch_wait_ms": 50, "latency": out,
+                                            "batch_size": args.batch_size,
+                                            "batch_wait_ms": args.batch_wait_ms, "prefetch": args.prefetch,
+                                            "latency": out,
                                             "p99_ratio": round(ratio, 3)})
 
 
@@ -279,10 +288,11 @@ def publish(mode: str, namespace: str, prefix: str, n: int, conn: Connection) ->
 
     app = Celery("plain-sender", broker=BROKER_URL)
     app.conf.update(task_serializer="json", accept_content=["json"])
-    queue = plain_queue(namespace)
+    queue = plain_queue(namespace, mode)
+    task = PLAIN_TASK if mode == "plain" else BATCHES_TASK
     with app.producer_or_acquire() as producer:
         for env in envelopes:
-            app.send_task(PLAIN_TASK, args=[env.to_dict()], queue=queue, producer=producer)
+            app.send_task(task, args=[env.to_dict()], queue=queue, producer=producer)
 
 
 def run_round(mode: str, worker: Worker, engine: sa.Engine, namespace: str, prefix: str, n: int,
@@ -321,6 +331,7 @@ def main() -> None:
     parser.add_argument("--deliveries", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--batch-wait-ms", type=int, default=50, help="batch_wait_ms, and celery-batches' flush_interval")
     parser.add_argument("--prefetch", type=int, default=100, help="worker_prefetch_multiplier of both workers")
     parser.add_argument("--latency", action="store_true", help="the trickle latency instead (module docstring)")
     parser.add_argument("--rate", type=float, default=20.0)
@@ -330,37 +341,41 @@ def main() -> None:
         latency(args)
         return
     n = args.deliveries
+    modes = MODES if have_celery_batches() else MODES[:2]
     namespace = f"batchbench{uuid.uuid4().hex[:8]}"
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     with fresh_database() as url, tempfile.TemporaryDirectory() as tmp:
         from celery_outbox.db import make_engine
 
         engine = make_engine(url)
-        with workers(url, namespace, Path(tmp), args) as running, Connection(BROKER_URL) as conn:
-            for mode in MODES:  # warm-up: connections, pools, imports
+        with workers(url, namespace, Path(tmp), args, modes) as running, Connection(BROKER_URL) as conn:
+            for mode in modes:  # warm-up: connections, pools, imports
                 run_round(mode, running[mode], engine, namespace, f"warm-{mode}", max(100, n // 5), conn)
             for r in range(args.rounds):
-                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # each mode first in turn
                     per = run_round(mode, running[mode], engine, namespace, f"r{r}-{mode}", n, conn)
                     results[mode].append(per)
-                    print(f"round {r + 1} {mode:6}: " + "  ".join(f"{k} {v:.3f}" for k, v in per.items()))
+                    print(f"round {r + 1} {mode:7}: " + "  ".join(f"{k} {v:.3f}" for k, v in per.items()))
         counts = batch_counts(engine)
         engine.dispose()
     keys = [*PROCESSES, "total", "total_without_broker", "deliveries_per_s"]
-    med = {m: {k: statistics.median(p[k] for p in results[m]) for k in keys} for m in MODES}
+    med = {m: {k: statistics.median(p[k] for p in results[m]) for k in keys} for m in modes}
     mean_size = counts.get("batched_messages", 0) / counts["batches"] if counts.get("batches") else float("nan")
-    print(f"\nsearch effect: CPU ms per message, median of {args.rounds} interleaved rounds of {n}, batch_size "
+    print(f"\nsearch effect: CPU ms per message, median of {args.rounds} rotated rounds of {n}, batch_size "
           f"{args.batch_size}, prefetch multiplier {args.prefetch} (machine shared); mean batch {mean_size:.1f}")
-    print(f"{'process':22} {'batch':>9} {'plain':>9} {'plain/batch':>12}")
+    print(f"{'process':22} " + " ".join(f"{m:>9}" for m in modes) + " " +
+          " ".join(f"{m + '/batch':>14}" for m in modes[1:]))
     for k in keys:
-        b, p = med["batch"][k], med["plain"][k]
-        print(f"{k:22} {b:9.3f} {p:9.3f} {p / b if b else float('nan'):12.2f}")
+        b = med["batch"][k]
+        print(f"{k:22} " + " ".join(f"{med[m][k]:9.3f}" for m in modes) + " " +
+              " ".join(f"{med[m][k] / b if b else float('nan'):14.2f}" for m in modes[1:]))
+    ratios = {f"{m}_over_batch_cpu": round(med[m]["total"] / med["batch"]["total"], 4) for m in modes[1:]}
+    ratios |= {f"batch_over_{m}_throughput": round(med["batch"]["deliveries_per_s"] / med[m]["deliveries_per_s"], 4)
+               for m in modes[1:]}
     write_result("batch_consumer", {
         "deliveries_per_round": n, "rounds": args.rounds, "batch_size": args.batch_size, "prefetch": args.prefetch,
-        "median": med, "rounds_detail": results, "batch_counters": counts, "mean_batch_size": round(mean_size, 2),
-        "plain_over_batch_cpu": round(med["plain"]["total"] / med["batch"]["total"], 4),
-        "batch_over_plain_throughput": round(med["batch"]["deliveries_per_s"] / med["plain"]["deliveries_per_s"], 4)})
-
+        "modes": list(modes), "median": med, "rounds_detail": results, "batch_counters": counts,
+        "mean_batch_size": round(mean_size, 2), **ratios})
 
 if __name__ == "__main__":
     main()

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import sqlalchemy as sa  # noqa: E402
 from kombu import Connection, Exchange, Producer, Queue  # noqa: E402
 
-from bench._common import fresh_database, write_result  # noqa: E402
+from bench._common import consuming, fresh_database, wait_until, write_result  # noqa: E402
 
 CELERY = str(Path(sys.executable).parent / "celery")
 BROKER_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -166,19 +166,8 @@ def delta_ms(before: dict[str, dict[int, int]], after: dict[str, dict[int, int]]
             for kind in PROCESSES}
 
 
-def wait_until(what: str, check: Callable[[], bool], worker: Worker, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        if worker.proc.poll() is not None:
-            raise SystemExit(f"{worker.mode} worker exited:\n{worker.log.read_text(errors='replace')[-4000:]}")
-        time.sleep(0.1)
-    raise SystemExit(f"timed out waiting for {what}:\n{worker.log.read_text(errors='replace')[-4000:]}")
-
-
 @contextmanager
-def workers(url: str, namespace: str, home: Path, consumer: str) -> Iterator[dict[str, Worker]]:
+def workers(url: str, namespace: str, home: Path, consumer: str) -> Iterator[Mapping[str, Worker]]:
     env = {**os.environ, "OUTBOX_DATABASE_URL": url + "?application_name=bench_outbox_worker",
            "OUTBOX_BROKER_URL": BROKER_URL, "OUTBOX_NAMESPACE": namespace, "OUTBOX_HOME": str(home),
            "BENCH_DB_URL": url + "?application_name=bench_plain_worker", "BENCH_BROKER_URL": BROKER_URL,
@@ -190,26 +179,9 @@ def workers(url: str, namespace: str, home: Path, consumer: str) -> Iterator[dic
         "plain": Worker(mode="plain", app="bench.consumer_cpu:plain", queue=f"{namespace}.plain", env=env,
                         log=home / "plain.log", app_name="bench_plain_worker"),
     }
-    try:
-        with Connection(BROKER_URL) as conn:
-            channel = conn.channel()
-            for w in started.values():
-                def consuming(w: Worker = w) -> bool:
-                    try:
-                        return bool(channel.queue_declare(w.queue, passive=True).consumer_count >= 1)
-                    except Exception:
-                        return False
-                wait_until(f"{w.mode} worker consuming", consuming, w, timeout_s=60)
-        yield started
-    finally:
-        for w in started.values():
-            w.stop()
-        with Connection(BROKER_URL) as conn:
-            channel = conn.channel()
-            for name in (f"{namespace}.{consumer}", f"{namespace}.plain"):
-                channel.queue_delete(name)
-            for name in (f"{namespace}.events", f"{namespace}.plain", f"{namespace}.relay"):
-                channel.exchange_delete(name)
+    with consuming(started, broker_url=BROKER_URL, queues=(f"{namespace}.{consumer}", f"{namespace}.plain"),
+                   exchanges=(f"{namespace}.events", f"{namespace}.plain", f"{namespace}.relay")) as running:
+        yield running
 
 
 def publish(mode: str, namespace: str, consumer: str, prefix: str, n: int, conn: Connection) -> None:

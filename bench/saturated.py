@@ -76,7 +76,7 @@ sys.path.insert(0, str(ROOT))
 
 import sqlalchemy as sa  # noqa: E402
 
-from bench._common import write_result  # noqa: E402
+from bench._common import LineClient, write_result  # noqa: E402
 from bench._worker import TOUCHED, create_touch_tables  # noqa: E402
 from bench.consumer_cpu import broker_pids, children_of, cpu_ticks  # noqa: E402
 from bench.sweep import DirectRabbit  # noqa: E402
@@ -173,40 +173,6 @@ def client_main(threads: int) -> None:
 
 
 # -- the bench side ------------------------------------------------------------------------------------
-class Client:
-    """The client subprocess and its line protocol."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self._log = log.open("ab")
-        self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, start_new_session=True)
-        self.log = log
-
-    def run(self, mode: str, n: int, tag: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"run {mode} {n} {tag}\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"client exited:\n{self.log.read_text(errors='replace')[-4000:]}")
-        out: dict[str, Any] = json.loads(line)
-        if out["errors"]:
-            raise RuntimeError(f"client errors in {mode}: {out['errors']}")
-        return out
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=20)
-            except (OSError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self._log.close()
-
-
 def role_url(base: str, role: str, *, as_user: bool) -> str:
     """The database URL a process of ``role`` uses: its own ``application_name`` (and with ``--profile`` its
     own login role, so pg_stat_statements separates the sides)."""
@@ -234,10 +200,10 @@ class Rig:
             name="relay", argv=relay_argv(), env={**env.env, "OUTBOX_DATABASE_URL": self.urls["relay"]},
             log_dir=work / "logs", cwd=ROOT))
         self.relay.start()
-        self.client = Client([sys.executable, str(Path(__file__).resolve()), "--as-client",
+        self.client = LineClient([sys.executable, str(Path(__file__).resolve()), "--as-client",
                               "--client-threads", str(threads)],
                              {**os.environ, **env.env, "OUTBOX_DATABASE_URL": self.urls["client"],
-                              "OUTBOX_CRASH_POINTS": ""}, work / "logs" / "client.log")
+                              "OUTBOX_CRASH_POINTS": ""}, work / "logs" / "client.log", cwd=ROOT)
         self.worker: Any = None
 
     def start_worker(self, concurrency: int) -> None:
@@ -299,7 +265,7 @@ class Rig:
         per = 1 if mode.startswith("tasks_") else per_order
         want = self.done_count(mode) + n * per
         before = self.sample()
-        started = self.client.run(mode, n, tag)
+        started = self.client.request(f"run {mode} {n} {tag}")
         deadline = time.monotonic() + timeout_s
         while self.done_count(mode) < want:
             if time.monotonic() > deadline:

@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 import sqlalchemy as sa  # noqa: E402
 
-from bench._common import percentile, write_result  # noqa: E402
+from bench._common import LineClient, percentile, write_result  # noqa: E402
 from bench.consumer_cpu import broker_pids, children_of, cpu_ticks  # noqa: E402
 from chaos.broker import RabbitBroker  # noqa: E402
 
@@ -166,48 +166,6 @@ def client_main(mode: str, threads: int) -> None:
     engine.dispose()
 
 
-class Client:
-    """A client subprocess and its line protocol."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self._log = log.open("ab")
-        self.log = log
-        self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, start_new_session=True)
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"client exited:\n{self.log.read_text(errors='replace')[-4000:]}")
-        return line
-
-    def wait_ready(self) -> None:
-        if self._line().strip() != "ready":
-            raise RuntimeError(f"client did not start:\n{self.log.read_text(errors='replace')[-4000:]}")
-
-    def run(self, n: int, rate: float, tag: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"run {n} {rate} {tag}\n")
-        self.proc.stdin.flush()
-        out: dict[str, Any] = json.loads(self._line())
-        if out["errors"]:
-            raise RuntimeError(f"client errors: {out['errors']}")
-        return out
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=20)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
-
-
 # -- the bench side -----------------------------------------------------------------------------------
 def role_url(base: str, role: str) -> str:
     """The database URL of one process: its own ``application_name``, so its backends can be found."""
@@ -250,7 +208,7 @@ class Stage:
                 name=f"worker-{mode}-{label}", argv=argv,
                 env={**env.env, "OUTBOX_DATABASE_URL": role_url(base, f"worker_{mode}")},
                 log_dir=work / "logs", cwd=ROOT))
-        self.clients: dict[str, Client] = {}
+        self.clients: dict[str, LineClient] = {}
         self._client_args = (work, threads)
 
     def start(self) -> None:
@@ -259,12 +217,12 @@ class Stage:
         for w in self.workers.values():
             w.start()
         for mode in MODES:
-            self.clients[mode] = Client(
+            self.clients[mode] = LineClient(
                 [sys.executable, str(Path(__file__).resolve()), "--as-client", mode, "--client-threads", str(threads)],
                 {**os.environ, **self.env.env, "OUTBOX_CRASH_POINTS": "",
                  "OUTBOX_DATABASE_URL": role_url(self.env.process_database_url, f"client_{mode}"),
                  PLAIN_QUEUE_ENV: plain_queue_prefix(self.env.namespace, mode)},
-                work / "logs" / f"client-{mode}-{self.label}.log")
+                work / "logs" / f"client-{mode}-{self.label}.log", cwd=ROOT)
         for c in self.clients.values():
             c.wait_ready()
         self._wait_consumers()
@@ -327,7 +285,7 @@ class Stage:
         worker = self.workers[mode]
         want = done_count(self.env) + 4 * n
         before = self.sample(mode)
-        sent = self.clients[mode].run(n, rate, tag)
+        sent = self.clients[mode].request(f"run {n} {rate} {tag}")
         deadline = time.monotonic() + timeout_s
         while done_count(self.env) < want:
             if time.monotonic() > deadline:

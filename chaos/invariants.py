@@ -64,6 +64,8 @@ class Snapshot:
     oldest_pending_age_ms: int | None = None
     missing_effects: int = 0  # (committed order, consumer or e-mail) pairs with no effect at all: messages lost
     extra_effects: int = 0  # effects beyond the first for one (order, consumer or e-mail): duplicate effects
+    batches: dict[str, int] = field(default_factory=dict)  # batch consumers: batches committed, by consumer
+    batched_messages: dict[str, int] = field(default_factory=dict)  # and the messages in them
 
 
 @dataclass(kw_only=True)
@@ -185,6 +187,11 @@ def snapshot(session: Session, *, tables: Tables, consumers: Sequence[str], now_
     snap.dead_letters = session.execute(sa.select(sa.func.count()).select_from(tables.dead_letters)).scalar_one()
     snap.duplicates_absorbed = duplicates_absorbed(session, tables=tables)
     snap.reconciled = reconciled(session, tables=tables)
+    for c in consumers:
+        n = counters.value(session, c, counters.BATCHES, tables=tables)
+        if n:
+            snap.batches[c] = n
+            snap.batched_messages[c] = counters.value(session, c, counters.BATCHED_MESSAGES, tables=tables)
     snap.reconciled_events = reconciled(session, tables=tables, name=RECONCILED_EVENTS)
     snap.reconciled_tasks = reconciled(session, tables=tables, name=RECONCILED_TASKS)
     return snap

@@ -33,6 +33,8 @@ def report_json(report: ChaosReport) -> dict[str, Any]:
         "reconciled": {"all": report.invariants.snapshot.reconciled,
                        "events": report.invariants.snapshot.reconciled_events,
                        "tasks": report.invariants.snapshot.reconciled_tasks},
+        "batches": {c: {"batches": n, "messages": report.invariants.snapshot.batched_messages.get(c, 0)}
+                    for c, n in report.invariants.snapshot.batches.items()},
         "unexpected_exits": report.unexpected_exits, "duration_s": round(report.duration_s, 1),
         "violations": [{"invariant": v.invariant, "detail": v.detail} for v in report.invariants.violations],
         "matrix": [row.__dict__ for row in report.matrix], "figures": figures.to_json(report.figures),
@@ -124,6 +126,10 @@ def chaos(orders: int, kills: int, broker: str, relay: str, takes: int | None, d
                                                   f"{orders} orders, {sum(report.kills.values())}/{kills} kills, "
                                                   f"{len(report.taken_and_lost)} taken and lost"))
         console.print(render_figures(report.figures, title="loss and duplicates per fault"))
+        snap = report.invariants.snapshot
+        for c, n in snap.batches.items():
+            console.print(f"batch consumer {c}: {snap.batched_messages.get(c, 0)} messages in {n} batches "
+                          f"(mean {snap.batched_messages.get(c, 0) / n:.1f})")
         if report.armed_not_reached:
             console.print(f"armed but never reached (no traffic left): {', '.join(report.armed_not_reached)}")
         for exit_ in report.unexpected_exits:

@@ -43,6 +43,11 @@ def test_short_chaos_run_holds_every_invariant(broker: str, relay: str, tmp_path
     assert report.db_freeze_s >= 3.0 and report.db_freeze_connections > 0
     assert report.invariants.snapshot.dead_letters == report.poison == 2
     assert report.invariants.snapshot.duplicates_absorbed >= report.duplicates_injected > 0
+    # and the search consumer ran as the deployment's batch consumer, its batches counted and reported
+    snap = report.invariants.snapshot
+    assert snap.batched_messages["search"] >= snap.batches["search"] > 0
+    assert report_json(report)["batches"]["search"] == {"batches": snap.batches["search"],
+                                                        "messages": snap.batched_messages["search"]}
     lost = [m.delivery for m in report.taken_and_lost]
     event = set(lost) - {invariants.EMAIL}  # the e-mail task and one consumer's event, in either order
     assert len(lost) == len(set(lost)) == 2 and len(event) == 1 and event <= set(report.invariants.snapshot.inbox_rows)
