@@ -56,6 +56,7 @@ from celery_outbox.celery.strategy import (
     malformed_text,
     mapping_attr,
     raw_bytes,
+    single_argument_body,
     stable_task_id,
 )
 from celery_outbox.db import wrap_driver_errors
@@ -231,7 +232,7 @@ class Gate:
                      "retries": 0, "eta": None, "expires": None, "timelimit": [None, None],
                      "argsrepr": f"(malformed {storable_text(repr(headers.get('task')), limit=120)})",
                      "kwargsrepr": "{}", "origin": None, "ignore_result": True},
-            payload=[[arg], {}, dict(EMBED)],
+            payload=[[arg], {}, dict(EMBED)], body=single_argument_body(arg),
             delivery_info={"exchange": route_exchange if isinstance(route_exchange, str) else None,
                            "routing_key": route_key if isinstance(route_key, str) else None,
                            "redelivered": info.get("redelivered") is True, "priority": None},

@@ -40,6 +40,7 @@ import math
 import re
 import uuid
 from collections.abc import Callable, Mapping
+from json.encoder import encode_basestring_ascii
 from types import MappingProxyType
 from typing import Any
 
@@ -83,6 +84,14 @@ _RELAY_HEAD = b"[[{"
 # check either way, so the text it hands over cannot change that verdict. Larger bodies take the full path.
 _MAX_REENCODE_GROWTH = 8
 _RELAY_TAIL = "],{}," + encode_json(dict(EMBED)) + "]"
+# The canonical body ``[[arg], {}, no callbacks]`` is ``_PAYLOAD_ENCODER``'s text of it, written around the
+# one escaped string (``single_argument_body``): the same text, without the encoder walking the triple.
+_SINGLE_ARGUMENT_TAIL = "],{}," + _PAYLOAD_ENCODER.encode(dict(EMBED)) + "]"
+
+
+def single_argument_body(arg: str) -> str:
+    """``_PAYLOAD_ENCODER.encode([[arg], {}, dict(EMBED)])``, the body the pool decodes (the same text)."""
+    return "[[" + encode_basestring_ascii(arg) + _SINGLE_ARGUMENT_TAIL
 
 
 def body_limit(settings: Settings) -> int:
@@ -204,7 +213,7 @@ def canonical_message(message: Any, *, task_name: str, settings: Settings, route
     properties = mapping_attr(message, "properties")
     priority = properties.get("priority")
     return CanonicalMessage(
-        message, headers=canonical_headers, payload=[[arg], {}, dict(EMBED)],
+        message, headers=canonical_headers, payload=[[arg], {}, dict(EMBED)], body=single_argument_body(arg),
         delivery_info={"exchange": exchange, "routing_key": routing_key,
                        "redelivered": info.get("redelivered") is True, "priority": None},
         properties={"correlation_id": tid,

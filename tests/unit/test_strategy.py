@@ -127,6 +127,15 @@ def test_a_framed_body_gives_the_pool_the_same_envelope_as_the_full_decode(body:
         assert fits(fast_arg) is fits(full_arg)
 
 
+@HYPO
+@given(arg=nasty_text)
+def test_the_canonical_body_is_the_encoders_text_of_the_triple(arg: str) -> None:
+    # Given any one argument (NUL, lone surrogates, quotes, backslashes, any character)
+    # Then the body written around its escaped text is the JSON encoder's text of [[arg], {}, no callbacks]
+    encoder = json.JSONEncoder(separators=(",", ":"))
+    assert strategy.single_argument_body(arg) == encoder.encode([[arg], {}, dict(strategy.EMBED)])
+
+
 def fits(arg: str) -> bool:
     """The pool's size verdict on a delivered envelope text (``delivery.parse_envelope``)."""
     try:
