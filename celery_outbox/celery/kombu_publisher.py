@@ -23,9 +23,11 @@ from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import Any
 
+import amqp
 from kombu import Connection, Exchange, Producer, Queue
 from kombu.exceptions import KombuError
 
+from celery_outbox.celery.amqp_wire import event_message, task_message
 from celery_outbox.celery.config import celery_config, require_broker_client, sentinel_options
 from celery_outbox.config.declare import broker_kind
 from celery_outbox.errors import BrokerUnavailableError, ConfigError
@@ -82,6 +84,7 @@ class KombuPublisher:
         self._channel: Any = None
         self._producer: Any = None
         self._task_producer: Any = None
+        self._lean: Any = None  # py-amqp's channel when messages skip kombu's Producer (``_publish_one``)
         self._declared: set[str] = set()  # task queues declared on this connection
         self._next_tag = 0
         self._outstanding: dict[int, int] = {}
@@ -124,6 +127,7 @@ class KombuPublisher:
         # which a producer bound to the events exchange cannot express (kombu reads "" as "mine").
         self._task_producer = Producer(channel, auto_declare=False,
                                        on_return=self._on_return if self.is_rabbitmq else None)
+        self._lean = channel if self.is_rabbitmq and isinstance(channel, amqp.Channel) else None
         self._declared.clear()
         self._quiet_blocked_check()
         self.connections_opened += 1
@@ -141,7 +145,7 @@ class KombuPublisher:
 
     def _reset(self) -> None:
         conn, self._conn, self._channel, self._producer = self._conn, None, None, None
-        self._task_producer = None
+        self._task_producer = self._lean = None
         self._declared.clear()
         self._outstanding.clear()
         self._nacked.clear()
@@ -286,18 +290,29 @@ class KombuPublisher:
         if confirm:  # registered before the write: its ack may be read during the batch
             self._next_tag += 1
             self._outstanding[self._next_tag] = index
+        lean = self._lean if producer is self._producer else None
         if m.exchange is None:  # an event to one consumer: the namespace's events exchange
+            if lean is not None:  # the frames kombu would write, without its Producer (celery/amqp_wire.py)
+                lean.basic_publish(event_message(m), exchange=self.exchange.name, routing_key=m.routing_key,
+                                   mandatory=True)
+                return
             producer.publish(
                 m.body, routing_key=m.routing_key, headers=m.headers, content_type="application/json",
                 content_encoding="utf-8", delivery_mode=2, mandatory=self.is_rabbitmq, retry=False,
                 **m.properties,
             )
-        else:  # a task enqueued through the outbox: where Celery would have sent it (queue declared above)
-            self._task_producer.publish(
-                m.body, exchange=m.exchange or None, routing_key=m.routing_key, headers=m.headers,
-                content_type="application/json", content_encoding="utf-8", delivery_mode=m.delivery_mode,
-                mandatory=self.is_rabbitmq, retry=False, **m.properties,
-            )
+            return
+        # a task enqueued through the outbox: where Celery would have sent it (queue declared above)
+        if lean is not None and (message := task_message(
+                m, default_delivery_mode=self._task_producer.exchange.delivery_mode)) is not None:
+            lean.basic_publish(message, exchange=m.exchange or self._task_producer.exchange.name,
+                               routing_key=m.routing_key, mandatory=True)
+            return
+        self._task_producer.publish(
+            m.body, exchange=m.exchange or None, routing_key=m.routing_key, headers=m.headers,
+            content_type="application/json", content_encoding="utf-8", delivery_mode=m.delivery_mode,
+            mandatory=self.is_rabbitmq, retry=False, **m.properties,
+        )
 
     def _await(self, messages: Sequence[TaskMessage]) -> PublishReport:
         """Wait for the batch's confirms; re-send what the broker nacked until the publish timeout.
