@@ -5,8 +5,9 @@ rollbacks, pool checkouts) for the ``@outbox.task`` the Orders service enqueues 
 orders are placed, then each one's e-mail task runs as a worker runs it (``task.apply`` with its
 task id: Celery's tracer, ``before_start``, the delivery), and the same task id once more (a
 duplicate). Every database statement of the run is counted, the fake provider's own transaction
-included (it stands in for a remote provider; see orders/tasks.py). Prints the table and writes
-bench/results/task_statements.json.
+included (it stands in for a remote provider; see orders/tasks.py), and the CPU of the run in this process
+and in its Postgres backends (``cpu_us``, ``pg_cpu_us``: bench/consumer_statements.py). Prints the table and
+writes bench/results/task_statements.json.
 
     .venv/bin/python bench/task_statements.py [--runs 200]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ import sqlalchemy as sa
 from celery import states
 
 from bench._common import fresh_database, write_result
-from bench.consumer_statements import KINDS, Counting, print_round_trips
+from bench.consumer_statements import KINDS, Counting, backend_cpu_s, print_round_trips
 from celery_outbox.db import make_engine, make_session_factory
 from celeryconfig import Settings
 from orders import tasks as order_tasks
@@ -56,6 +58,7 @@ def main() -> None:
                     outbox.tables.outbox.type == order_tasks.NAME,
                     outbox.tables.outbox.payload.cast(sa.String).contains(order_id))).scalar_one()
             ids[i] = (order_id, str(row))
+        engine.dispose()  # new connections from here on, so Counting learns their backends
         counting = Counting(engine)
 
         def one(i: int) -> None:
@@ -67,9 +70,12 @@ def main() -> None:
             if label == "first_run":
                 one(-1)  # warm-up: statement caches, the pool's first connection
             counting.reset()
+            cpu, pg_cpu = time.process_time(), backend_cpu_s(counting.backends)
             for i in range(n):
                 one(i)
+            cpu, pg_cpu = time.process_time() - cpu, backend_cpu_s(counting.backends) - pg_cpu
             out[label] = {k: round(counting.counts[k] / n, 3) for k in KINDS}
+            out[label].update(cpu_us=round(cpu / n * 1e6, 1), pg_cpu_us=round(pg_cpu / n * 1e6, 1))
             out[label]["per_statement"] = {t: round(c / n, 3) for t, c in counting.texts.most_common()}
 
         run("first_run")
