@@ -13,8 +13,8 @@ docs/design.md, rule 6.
 On Postgres through a libpq driver (psycopg 2 or 3) on a pooled connection, the statements that run on
 every delivery (the claim; ordering's version row) go to the driver as SQL text compiled once per
 connection (``driver_sql``): the same statement and round trip, without SQLAlchemy's per-execution
-cache-key, compile-cache and type-processing work (about half the claim's CPU in the worker,
-bench/consumer_statements.py and docs/benchmarks.md).
+cache-key, compile-cache and type-processing work (bench/consumer_claim.py; docs/benchmarks.md,
+"Consumers at the statements the guarantee needs").
 """
 
 from __future__ import annotations
