@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 
 import pytest
@@ -58,6 +60,64 @@ def test_in_order_early_and_stale(any_sessions: sessionmaker[Session], clock: Ma
     assert rec.applied == [1, 2, 3, 4]
     # And the redelivery of an applied one is a DUPLICATE
     assert run(any_sessions, tables, v4, clock, rec) is Outcome.DUPLICATE
+
+
+def test_version_one_after_later_versions_were_parked_releases_them(any_sessions: sessionmaker[Session],
+                                                                    clock: ManualClock, tables: Tables) -> None:
+    rec = Recorder()
+    # Given v3 and v2 of an entity never seen parked (their deliveries created its row, at version 0)
+    assert run(any_sessions, tables, v(3), clock, rec) is Outcome.PARKED
+    assert run(any_sessions, tables, v(2), clock, rec) is Outcome.PARKED
+    # When v1 arrives, Then its insert of the entity's row finds the row: it reads the parked ones and applies
+    # all three in order (only an insert that creates the row may skip that read: inbox/ordering.py)
+    assert run(any_sessions, tables, v(1), clock, rec) is Outcome.PROCESSED
+    assert rec.applied == [1, 2, 3]
+    with any_sessions() as s:
+        assert s.execute(sa.select(sa.func.count()).select_from(tables.parked)).scalar_one() == 0
+        assert s.get(tables.entity_versions, ("ledger", "order:o-1")).version == 3  # type: ignore[union-attr]
+
+
+@pytest.mark.postgres
+def test_version_one_waits_for_a_concurrent_delivery_parking_version_two(pg_sessions: sessionmaker[Session],
+                                                                         clock: ManualClock, tables: Tables) -> None:
+    rec = Recorder()
+    results: list[Outcome] = []
+    errors: list[BaseException] = []
+
+    def version_one() -> None:
+        try:
+            with pg_sessions() as s:
+                s.execute(sa.text("SET application_name = 'version-one'"))
+                s.commit()
+                results.append(inbox.handle(s, v(1), tables=tables, consumer="ledger", handler=rec, clock=clock,
+                                            ordering=True))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    with pg_sessions() as parking:
+        # Given v2 of an entity never seen parked by a delivery that has not committed yet (it created the row)
+        outcome, _ = ordering.apply(parking, v(2), tables=tables, consumer="ledger", handler=rec,
+                                    now_ms=clock.now_ms())
+        assert outcome is Outcome.PARKED
+        thread = threading.Thread(target=version_one)
+        thread.start()
+        # When v1 arrives meanwhile, Then its insert of the entity's row waits on that delivery's row lock
+        with pg_sessions() as watch:
+            for _ in range(600):
+                waiting = watch.execute(sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'version-one' "
+                    "AND wait_event_type = 'Lock'")).scalar_one()
+                watch.rollback()
+                if waiting or not thread.is_alive():
+                    break
+                time.sleep(0.05)
+        assert waiting == 1 and results == []
+        parking.commit()
+    # And once it committed, v1 finds the row (it did not create it), reads the parked v2 and applies both in order
+    thread.join(timeout=30)
+    assert errors == []
+    assert results == [Outcome.PROCESSED]
+    assert rec.applied == [1, 2]
 
 
 def test_entities_are_independent_and_unordered_events_pass(sqlite_sessions: sessionmaker[Session],
