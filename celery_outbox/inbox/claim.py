@@ -76,12 +76,15 @@ def already_seen(session: Session, message_id: uuid.UUID, consumer: str, *, tabl
 def driver_sql(connection: sa.Connection, key: tuple[Any, ...], build: Callable[[], Any]) -> str | None:
     """The SQL text of ``build()``'s statement for ``connection``'s dialect, compiled once per pooled
     connection and kept in its ``info``; None when the statement should run through SQLAlchemy instead:
-    not Postgres through a libpq driver, or a connection that does not outlive its checkout (``NullPool``,
-    where the text would be compiled on every delivery). Run the text with ``connection.exec_driver_sql``
-    and parameters the driver adapts as they are (a UUID as its string)."""
+    not Postgres through a libpq driver, a connection that does not outlive its checkout (``NullPool``,
+    where the text would be compiled on every delivery), or one whose statements SQLAlchemy rewrites as it
+    runs them (a ``schema_translate_map``). Run the text with ``connection.exec_driver_sql`` and parameters
+    the driver adapts as they are (a UUID as its string)."""
     dialect = connection.dialect
     if dialect.name != "postgresql" or dialect.driver not in _LIBPQ_DRIVERS or isinstance(connection.engine.pool,
                                                                                         NullPool):
+        return None
+    if connection.get_execution_options().get("schema_translate_map"):
         return None
     cache: dict[tuple[Any, ...], str] = connection.info.setdefault(_DRIVER_SQL_KEY, {})
     sql = cache.get(key)

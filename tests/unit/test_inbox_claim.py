@@ -341,3 +341,31 @@ def test_a_counted_delivery_is_one_upsert_and_its_commit_before_the_work(any_ses
     with any_sessions() as s:
         assert s.execute(sa.select(tables.attempts.deliveries).where(
             tables.attempts.message_id == mid)).scalar_one() == 3
+
+
+@pytest.mark.postgres
+def test_driver_sql_only_where_the_text_is_what_sqlalchemy_would_send(pg_url: str, sqlite_engine: sa.Engine) -> None:
+    from sqlalchemy.pool import NullPool
+
+    from celery_outbox.db import make_engine
+    from celery_outbox.inbox.claim import driver_sql
+
+    def build() -> Any:
+        return sa.select(sa.literal_column("1"))
+
+    pooled, unpooled = make_engine(pg_url), sa.create_engine(pg_url, poolclass=NullPool)
+    try:
+        # Given a pooled libpq connection, Then the text is compiled once and kept on the connection
+        with pooled.connect() as c:
+            assert driver_sql(c, ("t",), build) == "SELECT 1"
+            assert driver_sql(c, ("t",), lambda: pytest.fail("compiled twice")) == "SELECT 1"
+            # But not under a schema_translate_map (SQLAlchemy rewrites the statement as it runs it)
+            assert driver_sql(c.execution_options(schema_translate_map={None: "other"}), ("u",), build) is None
+        # Nor on a connection that does not outlive its checkout, nor on SQLite
+        with unpooled.connect() as c:
+            assert driver_sql(c, ("t",), build) is None
+        with sqlite_engine.connect() as c:
+            assert driver_sql(c, ("t",), build) is None
+    finally:
+        pooled.dispose()
+        unpooled.dispose()
