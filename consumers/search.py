@@ -48,7 +48,8 @@ def document(envelope: Envelope, now_ms: int) -> dict[str, Any]:
 def upsert_documents(session: Session, envelopes: Sequence[Envelope]) -> None:
     """One statement for every document of ``envelopes``; a stored document is replaced only by a newer
     version. Within the batch the newest version of each order wins (Postgres refuses one statement that
-    updates a row twice, so each order appears once)."""
+    updates a row twice, so each order appears once). Rows go in order-id order, so two batches that
+    share orders lock their documents in the same order and cannot deadlock each other."""
     now = effect_now_ms(session)
     newest: dict[str, dict[str, Any]] = {}
     for envelope in envelopes:
@@ -59,7 +60,7 @@ def upsert_documents(session: Session, envelopes: Sequence[Envelope]) -> None:
     if not newest:
         return
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    stmt = dialect.insert(SearchDocument).values(list(newest.values()))
+    stmt = dialect.insert(SearchDocument).values([newest[k] for k in sorted(newest)])
     session.execute(stmt.on_conflict_do_update(
         index_elements=["order_id"],
         set_={"body": stmt.excluded.body, "version": stmt.excluded.version, "updated_at_ms": stmt.excluded.updated_at_ms},

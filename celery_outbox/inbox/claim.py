@@ -22,6 +22,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -46,7 +47,7 @@ _CLAIM_COLUMNS = ("message_id", "consumer", "type", "processed_at_ms")
 _DRIVER_SQL_KEY = "celery_outbox.driver_sql"
 _LIBPQ_DRIVERS = frozenset({"psycopg2", "psycopg"})
 # psycopg 3 reports -1 for an INSERT's row count unless SQLAlchemy is asked to keep it (sql.insert_for)
-_KEEP_ROWCOUNT: Mapping[str, Any] = {"preserve_rowcount": True}
+_KEEP_ROWCOUNT: Mapping[str, Any] = MappingProxyType({"preserve_rowcount": True})
 
 
 class CrashSite(Protocol):
