@@ -5,6 +5,10 @@ Each round, interleaved, for one queue and for the four-consumer fan-out (one me
            wait per ``relay_max_in_flight_rows`` rows (the batch the default relay grows to);
   relay:   a fresh ``RelayLoop`` at default settings (adaptive batch, pipelined on Postgres) draining
            N fresh Postgres outbox rows with ``drain_once``.
+  kombu_100: the same publisher at 100 rows per confirm wait; ``kombu_100_producer`` the same through
+           kombu's ``Producer.publish`` per message (the relay's lean publish off: celery/amqp_wire.py);
+  aio_pika: (``--aio-pika``, when it is installed) aio-pika with publisher confirms, the same messages
+           (body, headers, properties, persistent, mandatory), 100 rows' publishes awaited together.
 Also (``--fanout``): one message per row to a fanout exchange bound to the four queues (the broker
 copies) against one message per (row, consumer) to the direct exchange, same client, no database.
 Optional ``--batch-sizes``: the sequential ``dispatch_batch`` at fixed sizes, for comparison.
@@ -82,6 +86,53 @@ def ceiling(url: str, settings: Settings, rows: int) -> float:
     with KombuPublisher(broker_url=url, settings=settings) as pub:
         elapsed = publish_all(pub, msgs, settings.relay_max_in_flight_rows * len(settings.consumers))
     return len(msgs) / elapsed
+
+
+def kombu_batch(url: str, settings: Settings, rows: int, *, per_batch_rows: int = 100, lean: bool = True) -> float:
+    """Broker messages per second through the relay's publisher, ``per_batch_rows`` rows per confirm wait."""
+    msgs = messages_for(settings, rows)
+    with KombuPublisher(broker_url=url, settings=settings) as pub:
+        if not lean:
+            pub.publish_batch(msgs[:1])
+            pub._lean = None  # kombu's Producer.publish per message, as before the lean publish
+        elapsed = publish_all(pub, msgs, per_batch_rows * len(settings.consumers))
+    return len(msgs) / elapsed
+
+
+def aio_pika_batch(url: str, settings: Settings, rows: int, *, per_batch_rows: int = 100) -> float:
+    """Broker messages per second through aio-pika with publisher confirms, 100 rows' publishes awaited together."""
+    import asyncio
+
+    import aio_pika
+
+    msgs = messages_for(settings, rows)
+    per_batch = per_batch_rows * len(settings.consumers)
+
+    async def run() -> float:
+        conn = await aio_pika.connect(url)
+        async with conn:
+            channel = await conn.channel(publisher_confirms=True)
+            exchange = await channel.declare_exchange(settings.exchange_name, aio_pika.ExchangeType.DIRECT,
+                                                      durable=True)
+            for c in settings.consumers:
+                queue = await channel.declare_queue(settings.queue_name(c), durable=True)
+                await queue.bind(exchange, routing_key=settings.queue_name(c))
+
+            def message(m: TaskMessage) -> aio_pika.Message:
+                return aio_pika.Message(m.body.encode(), headers=m.headers, content_type="application/json",
+                                        content_encoding="utf-8", priority=0,
+                                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                                        correlation_id=m.properties["correlation_id"],
+                                        message_id=m.properties["message_id"])
+
+            await exchange.publish(message(msgs[0]), routing_key=msgs[0].routing_key, mandatory=True)
+            start = time.perf_counter()
+            for i in range(0, len(msgs), per_batch):
+                await asyncio.gather(*(exchange.publish(message(m), routing_key=m.routing_key, mandatory=True)
+                                       for m in msgs[i:i + per_batch]))
+            return time.perf_counter() - start
+
+    return len(msgs) / asyncio.run(run())
 
 
 def fanout_rows_per_s(url: str, settings: Settings, rows: int, exchange: str) -> float:
@@ -162,6 +213,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds (medians reported)")
     ap.add_argument("--fanout", action="store_true", help="also measure one message per row to a fanout exchange")
     ap.add_argument("--batch-sizes", default="", help="also the sequential relay at these fixed batch sizes")
+    ap.add_argument("--aio-pika", action="store_true", help="also aio-pika with confirms (must be installed)")
     args = ap.parse_args()
     url = args.broker_url
     tag = uuid.uuid4().hex[:6]
@@ -182,7 +234,11 @@ def main() -> None:
                 runs: dict[str, Callable[[], Any]] = {
                     "ceiling": partial(ceiling, url, settings, args.rows),
                     "relay": partial(relay_default, url, settings, sessions, args.rows, tables=tables),
+                    "kombu_100": partial(kombu_batch, url, settings, args.rows),
+                    "kombu_100_producer": partial(kombu_batch, url, settings, args.rows, lean=False),
                 }
+                if args.aio_pika:
+                    runs["aio_pika"] = partial(aio_pika_batch, url, settings, args.rows)
                 for b in filter(None, args.batch_sizes.split(",")):
                     runs[f"fixed_{int(b)}"] = partial(relay_fixed, url, settings, sessions, args.rows, int(b),
                                                       tables=tables)
@@ -202,6 +258,13 @@ def main() -> None:
                 print(f"{n_consumers} consumer(s): ceiling {ceil:>7.0f} msg/s  relay (defaults) {msgs_s:>7.0f} msg/s"
                       f"  ratio {msgs_s / ceil:.2f}   runs ceiling {row['ceiling_runs']} relay {row['relay_runs']}",
                       flush=True)
+                for name in ("kombu_100", "kombu_100_producer", "aio_pika"):
+                    if name in got:
+                        other = statistics.median(got[name])
+                        row[name + "_msgs_per_s"] = round(other)
+                        row["relay_over_" + name] = round(msgs_s / other, 3)
+                        print(f"    {name:>18}: {other:>7.0f} msg/s  relay / it {msgs_s / other:.2f}"
+                              f"   runs {[round(x) for x in got[name]]}", flush=True)
                 for name in runs:
                     if name.startswith("fixed_"):
                         fixed = statistics.median(r[0] for r in got[name])

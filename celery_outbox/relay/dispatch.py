@@ -114,7 +114,9 @@ def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables,
     """
     with wrap_driver_errors("claiming due outbox rows"):
         result: Any
-        if statements is not None:
+        if statements is not None and statements.claim_sql is not None:
+            result = session.connection().exec_driver_sql(statements.claim_sql, {"now_ms": now_ms, "claim_limit": limit})
+        elif statements is not None:
             result = session.connection().execute(statements.claim, {"now_ms": now_ms, "claim_limit": limit})
         else:
             result = session.execute(due_pending(now_ms, limit, tables=tables, skip_locked=is_postgres(session)))
@@ -368,11 +370,14 @@ def mark_rows(session: Session, now_ms: int, config: RelayConfig, *, published: 
         if published and is_postgres(session):
             ids = [r.seq for r in published]
             if count:
-                mark = statements.mark if statements is not None and statements.mark is not None else \
-                    mark_published_pg(tables, session.get_bind().dialect)
-                stamped, due = session.connection().execute(
-                    mark, {"now": now_ms, "ids": ids, "scope": counters.RELAY, "name": counters.PUBLISHED,
-                           "stripe": counters.stripe_prefix(counters.PUBLISHED)}).one()
+                mark_params = {"now": now_ms, "ids": ids, "scope": counters.RELAY, "name": counters.PUBLISHED,
+                               "stripe": counters.stripe_prefix(counters.PUBLISHED)}
+                if statements is not None and statements.mark_sql is not None:
+                    stamped, due = session.connection().exec_driver_sql(statements.mark_sql, mark_params).one()
+                else:
+                    mark = statements.mark if statements is not None and statements.mark is not None else \
+                        mark_published_pg(tables, session.get_bind().dialect)
+                    stamped, due = session.connection().execute(mark, mark_params).one()
                 marked, next_due, due_read = int(stamped), None if due is None else int(due), True
             else:
                 res = session.execute(

@@ -13,6 +13,9 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from celery_outbox import counters
 from celery_outbox.schema import PENDING_SQL, Tables
 
+# Drivers whose own adapters give the claim's columns the types SQLAlchemy's would (a UUID, decoded JSON):
+# ``RelayStatements.claim_sql`` and ``mark_sql`` are only compiled for them.
+LIBPQ_DRIVERS = frozenset({"psycopg2", "psycopg"})
 # The columns ``dispatch.claim_due`` copies into a ``ClaimedRow``, in this order.
 CLAIM_COLUMNS = ("seq", "message_id", "type", "payload", "headers", "created_at_ms", "attempts")
 
@@ -65,14 +68,22 @@ class RelayStatements:
     claim: sa.Select[Any]
     mark: sa.TextClause | None  # None: not Postgres (the mark is built per batch there)
     next_due: sa.Select[Any]  # ``next_due``: read in an empty claim's transaction (dispatch.claim_batch)
+    # Postgres through a libpq driver (psycopg 2 or 3): the claim's and the mark's SQL text, compiled once,
+    # which ``dispatch`` runs with ``exec_driver_sql`` (no per-execution cache key, compile-cache lookup or
+    # type processing; the same statement, round trip and statement events). None: run ``claim``/``mark``.
+    claim_sql: str | None = None
+    mark_sql: str | None = None
 
     @classmethod
     def build(cls, tables: Tables, dialect: sa.Dialect) -> RelayStatements:
         postgres = dialect.name == "postgresql"
         claim = _due_select(sa.bindparam("now_ms", type_=sa.BigInteger), sa.bindparam("claim_limit", type_=sa.Integer),
                             tables=tables, skip_locked=postgres)
-        return cls(claim=claim, mark=mark_published_pg(tables, dialect) if postgres else None,
-                   next_due=next_due(tables))
+        mark = mark_published_pg(tables, dialect) if postgres else None
+        driver = postgres and dialect.driver in LIBPQ_DRIVERS
+        return cls(claim=claim, mark=mark, next_due=next_due(tables),
+                   claim_sql=str(claim.compile(dialect=dialect)) if driver else None,
+                   mark_sql=str(mark.compile(dialect=dialect)) if driver and mark is not None else None)
 
 
 def next_due(tables: Tables) -> sa.Select[Any]:
