@@ -104,6 +104,14 @@ def backoff_ms(attempts: int, *, base_delay_ms: int, max_delay_ms: int) -> int:
     return min(max_delay_ms, delay)
 
 
+def _driver_sql(connection: sa.Connection, sql: str | None) -> str | None:
+    """``RelayStatements``' compiled text, unless the connection rewrites the statements it runs (a
+    ``schema_translate_map``, which compiled text would bypass): then None, and SQLAlchemy runs them."""
+    if sql is None or connection.get_execution_options().get("schema_translate_map"):
+        return None
+    return sql
+
+
 def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables,
               statements: RelayStatements | None = None) -> list[ClaimedRow]:
     """Select (and on Postgres lock, skipping rows other relays hold) up to ``limit`` due rows.
@@ -114,10 +122,11 @@ def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables,
     """
     with wrap_driver_errors("claiming due outbox rows"):
         result: Any
-        if statements is not None and statements.claim_sql is not None:
-            result = session.connection().exec_driver_sql(statements.claim_sql, {"now_ms": now_ms, "claim_limit": limit})
+        connection = session.connection()
+        if statements is not None and (sql := _driver_sql(connection, statements.claim_sql)) is not None:
+            result = connection.exec_driver_sql(sql, {"now_ms": now_ms, "claim_limit": limit})
         elif statements is not None:
-            result = session.connection().execute(statements.claim, {"now_ms": now_ms, "claim_limit": limit})
+            result = connection.execute(statements.claim, {"now_ms": now_ms, "claim_limit": limit})
         else:
             result = session.execute(due_pending(now_ms, limit, tables=tables, skip_locked=is_postgres(session)))
         return [
@@ -372,8 +381,9 @@ def mark_rows(session: Session, now_ms: int, config: RelayConfig, *, published: 
             if count:
                 mark_params = {"now": now_ms, "ids": ids, "scope": counters.RELAY, "name": counters.PUBLISHED,
                                "stripe": counters.stripe_prefix(counters.PUBLISHED)}
-                if statements is not None and statements.mark_sql is not None:
-                    stamped, due = session.connection().exec_driver_sql(statements.mark_sql, mark_params).one()
+                connection = session.connection()
+                if statements is not None and (sql := _driver_sql(connection, statements.mark_sql)) is not None:
+                    stamped, due = connection.exec_driver_sql(sql, mark_params).one()
                 else:
                     mark = statements.mark if statements is not None and statements.mark is not None else \
                         mark_published_pg(tables, session.get_bind().dialect)

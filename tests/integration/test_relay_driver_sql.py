@@ -61,3 +61,21 @@ def test_the_compiled_claim_and_mark_match_sqlalchemys(pg_url: str, tables: Tabl
         assert sorted(stamped) == sorted(r.seq for r in rows[:3])
     finally:
         engine.dispose()
+
+
+def test_a_schema_translate_map_runs_the_claim_through_sqlalchemy(pg_url: str, tables: Tables) -> None:
+    # Given a relay engine that maps the tables' schema (compiled text would not see the map)
+    engine = make_engine(pg_url).execution_options(schema_translate_map={None: "public"})
+    sessions = make_session_factory(engine)
+    seen: list[str] = []
+    sa.event.listen(engine, "before_cursor_execute", lambda _c, _cur, statement, *_: seen.append(statement))
+    try:
+        insert_pending(sessions, 1_000, 2, tables=tables)
+        # When it claims through its prebuilt statements
+        with sessions() as s:
+            rows = _claim(s, RelayStatements.build(tables, engine.dialect), tables)
+        # Then SQLAlchemy ran the claim, the map applied
+        assert len(rows) == 2
+        assert any("SKIP LOCKED" in q and "public.outbox_messages" in q for q in seen), seen
+    finally:
+        engine.dispose()
