@@ -34,6 +34,8 @@ import sqlalchemy as sa
 from celery import Celery, signals
 
 from celery_outbox import Envelope, Outbox
+from celery_outbox.celery import batch_tasks
+from celery_outbox.celery.batch_tasks import run_batch as _run_batch
 from celery_outbox.inbox.claim import NOW_KEY
 
 PLAIN_PREFIX = "bench.plain."
@@ -151,6 +153,30 @@ def install_hops(directory: str) -> None:
     signals.task_received.connect(on_received, weak=False)
     signals.task_prerun.connect(on_prerun, weak=False)
     signals.task_postrun.connect(on_postrun, weak=False)
+    # A batch consumer's batch runs as one pool job, not as tasks: no task_prerun/postrun per message.
+    # The worker's main process sends the job by looking ``run_batch`` up in its module, and the prefork
+    # pool pickles a reference to the function, so the bench's twin below runs instead (a forked pool
+    # process finds it, and the log, in this module).
+    global _BATCH_HOPS
+    _BATCH_HOPS = log
+    batch_tasks.run_batch = run_batch_with_hops
+
+
+_BATCH_HOPS: HopLog | None = None
+
+
+def run_batch_with_hops(task_name: str, items: list[Any], retries: list[int]) -> Any:
+    """``batch_tasks.run_batch``, with a ``pre`` and a ``post`` hop per message of the batch."""
+    log = _BATCH_HOPS
+    if log is not None:
+        for item in items:
+            log.write("pre", item.request_id, mid=message_id_of([item.body], item.request_id), task=task_name)
+    try:
+        return _run_batch(task_name, items, retries)
+    finally:
+        if log is not None:
+            for item in items:
+                log.write("post", item.request_id)
 
 
 def build() -> Outbox:

@@ -32,9 +32,6 @@ _DOUBLE = Struct(">cd").pack
 _INT32_MAX = 2147483647
 # (flag bit, property, type): ``amqp.Message.PROPERTIES`` in order, the first at bit 15.
 _PROPERTIES = tuple((1 << (15 - i), name, kind) for i, (name, kind) in enumerate(amqp.Message.PROPERTIES))
-# Encoded table keys (length octet and bytes): headers repeat the same few keys on every message.
-_KEYS: dict[str, bytes] = {}
-_KEYS_MAX = 4096
 # Task properties a lean publish passes through unchanged; kombu rewrites ``priority`` and ``expiration``
 # (and a ``timestamp`` is encoded from a datetime), so a task that carries them goes through kombu.
 PLAIN_TASK_PROPERTIES = frozenset({"correlation_id", "reply_to", "message_id", "user_id", "app_id"})
@@ -45,14 +42,8 @@ class _Unknown(Exception):
 
 
 def _key(k: Any) -> bytes:
-    found = _KEYS.get(k) if type(k) is str else None
-    if found is not None:
-        return found
     raw = k.encode("utf-8", "surrogatepass") if isinstance(k, str) else k
-    encoded = _OCTET(len(raw)) + raw
-    if type(k) is str and len(_KEYS) < _KEYS_MAX:
-        _KEYS[k] = encoded
-    return encoded
+    return _OCTET(len(raw)) + raw
 
 
 def _item(v: Any, out: list[bytes]) -> None:
