@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import pytest
@@ -19,6 +18,7 @@ from celery_outbox.schema import Tables
 from consumers.models import SearchDocument
 from consumers.search import search_in_order as search_consumer
 from consumers.testing import order_placed_envelope
+from tests.support.locks import waits_on_a_lock
 
 
 class Recorder:
@@ -87,8 +87,6 @@ def test_version_one_waits_for_a_concurrent_delivery_parking_version_two(pg_sess
     def version_one() -> None:
         try:
             with pg_sessions() as s:
-                s.execute(sa.text("SET application_name = 'version-one'"))
-                s.commit()
                 results.append(inbox.handle(s, v(1), tables=tables, consumer="ledger", handler=rec, clock=clock,
                                             ordering=True))
         except BaseException as e:  # surfaced below
@@ -102,16 +100,7 @@ def test_version_one_waits_for_a_concurrent_delivery_parking_version_two(pg_sess
         thread = threading.Thread(target=version_one)
         thread.start()
         # When v1 arrives meanwhile, Then its insert of the entity's row waits on that delivery's row lock
-        with pg_sessions() as watch:
-            for _ in range(600):
-                waiting = watch.execute(sa.text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'version-one' "
-                    "AND wait_event_type = 'Lock'")).scalar_one()
-                watch.rollback()
-                if waiting or not thread.is_alive():
-                    break
-                time.sleep(0.05)
-        assert waiting == 1 and results == []
+        assert waits_on_a_lock(pg_sessions, thread) and results == []
         parking.commit()
     # And once it committed, v1 finds the row (it did not create it), reads the parked v2 and applies both in order
     thread.join(timeout=30)

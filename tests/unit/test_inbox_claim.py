@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,6 +30,7 @@ from consumers.effects import duplicates_absorbed
 from consumers.models import Shipment
 from consumers.shipping import shipping
 from consumers.testing import order_placed_envelope
+from tests.support.locks import waits_on_a_lock
 
 
 @contextmanager
@@ -219,7 +219,6 @@ def test_concurrent_claim_waits_for_the_first_then_answers(pg_sessions: sessionm
         def second() -> None:
             try:
                 with pg_sessions() as s:
-                    s.execute(sa.text("SET application_name = 'second-claim'"))
                     results.append(claim_if_absent(s, env, tables=tables, consumer="shipping", now_ms=2))
                     s.commit()
             except BaseException as e:  # surfaced below
@@ -228,16 +227,7 @@ def test_concurrent_claim_waits_for_the_first_then_answers(pg_sessions: sessionm
         thread = threading.Thread(target=second)
         thread.start()
         # When a second delivery claims the same key, Then it waits on the first one's row lock
-        with pg_sessions() as watch:
-            for _ in range(600):
-                waiting = watch.execute(sa.text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'second-claim' "
-                    "AND wait_event_type = 'Lock'")).scalar_one()
-                watch.rollback()
-                if waiting or not thread.is_alive():
-                    break
-                time.sleep(0.05)
-        assert waiting == 1 and results == []
+        assert waits_on_a_lock(pg_sessions, thread) and results == []
         # And once the first ends, it answers from what the first did
         if first_commits:
             first.commit()
