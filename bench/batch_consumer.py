@@ -113,56 +113,59 @@ def _batch_app() -> Any:
     return app
 
 
-def _plain_app() -> Any:
+def _twin_app(mode: str, db_env: str) -> tuple[Any, Any]:
+    """A plain Celery app of ``mode`` on its own queue, and a function that gives the upsert a session:
+    one engine per pool process, made after the fork."""
     from celery import Celery
 
     from celery_outbox.db import make_engine, make_session_factory
-    from celery_outbox.messages import Envelope
     from celery_outbox.settings import Settings
+
+    settings = Settings(database_url=os.environ[db_env], namespace=os.environ["BENCH_NAMESPACE"])
+    app = Celery(mode)
+    app.conf.update(_config(settings))
+    app.conf.task_queues = [plain_queue(settings.namespace, mode)]
+    holder: dict[str, Any] = {}
+
+    def session() -> Any:
+        if "sessions" not in holder:
+            holder["sessions"] = make_session_factory(make_engine(settings.effective_database_url))
+        return holder["sessions"]()
+
+    return app, session
+
+
+def _plain_app() -> Any:
+    from celery_outbox.messages import Envelope
     from consumers.search import upsert_documents
 
-    settings = Settings(database_url=os.environ["BENCH_DB_URL"], namespace=os.environ["BENCH_NAMESPACE"])
-    app = Celery("plain")
-    app.conf.update(_config(settings))
-    app.conf.task_queues = [plain_queue(settings.namespace, "plain")]
-    holder: dict[str, Any] = {}
+    app, session = _twin_app("plain", "BENCH_DB_URL")
 
     @app.task(name=PLAIN_TASK, acks_late=True, ignore_result=True)  # type: ignore[untyped-decorator]
     def index(body: dict[str, Any]) -> str:
-        if "sessions" not in holder:  # one engine per pool process, made after the fork
-            holder["sessions"] = make_session_factory(make_engine(settings.effective_database_url))
-        with holder["sessions"]() as session:
-            upsert_documents(session, [Envelope.from_dict(body)])
-            session.commit()
+        with session() as s:
+            upsert_documents(s, [Envelope.from_dict(body)])
+            s.commit()
         return "processed"
 
     return app
 
 
 def _batches_app() -> Any:
-    from celery import Celery
     from celery_batches import Batches
 
-    from celery_outbox.db import make_engine, make_session_factory
     from celery_outbox.messages import Envelope
-    from celery_outbox.settings import Settings
     from consumers.search import upsert_documents
 
-    settings = Settings(database_url=os.environ["BENCH_DB_URL_BATCHES"], namespace=os.environ["BENCH_NAMESPACE"])
-    app = Celery("batches")
-    app.conf.update(_config(settings))
-    app.conf.task_queues = [plain_queue(settings.namespace, "batches")]
-    holder: dict[str, Any] = {}
+    app, session = _twin_app("batches", "BENCH_DB_URL_BATCHES")
 
     @app.task(base=Batches, name=BATCHES_TASK, flush_every=int(os.environ["BENCH_BATCH_SIZE"]),
               flush_interval=int(os.environ["BENCH_BATCH_WAIT_MS"]) / 1000,
               acks_late=True, ignore_result=True)  # type: ignore[untyped-decorator]
     def index(requests: list[Any]) -> None:
-        if "sessions" not in holder:  # one engine per pool process, made after the fork
-            holder["sessions"] = make_session_factory(make_engine(settings.effective_database_url))
-        with holder["sessions"]() as session:
-            upsert_documents(session, [Envelope.from_dict(r.args[0]) for r in requests])
-            session.commit()
+        with session() as s:
+            upsert_documents(s, [Envelope.from_dict(r.args[0]) for r in requests])
+            s.commit()
 
     return app
 
