@@ -45,10 +45,9 @@ from celeryconfig import Settings, celery_config
 from consumers.testing import order_placed_envelope
 from tests.integration.test_consumer_worker import CELERY, ROOT, cleanup, declare
 from tests.outbox_rows import insert_pending
-from tests.support.workers import stop_process
+from tests.support.workers import TASK_EVENTS_BY_REMOTE, stop_process
 
 MAX_MESSAGE_BYTES = 4096
-TASK_EVENTS_BY_REMOTE = "Events of group {task} enabled by remote."  # celery/worker/control.py, enable_events
 
 
 def free_port() -> int:

@@ -11,6 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CELERY = str(Path(sys.executable).parent / "celery")
+# What a worker logs when Flower's periodic ``enable_events`` broadcast turns on the task events its own
+# configuration left off (celery/worker/control.py, enable_events; docs/operations.md).
+TASK_EVENTS_BY_REMOTE = "Events of group {task} enabled by remote."
 
 
 def start_worker(*, env: Mapping[str, str], queues: Sequence[str], node: str, log: Path, pool: str = "prefork",

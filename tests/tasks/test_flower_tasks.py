@@ -1,10 +1,11 @@
 """Tasks enqueued through the outbox, as a real Flower lists them through its HTTP API (``/api/tasks``).
 
-A real ``celery -A tests.tasks.idempotent_app flower`` and a real prefork worker (task events on, per
-``celeryconfig.celery_config``) on Postgres and a real broker, Redis and RabbitMQ. The test process
-enqueues an ``@outbox.task`` and a plain ``@app.task`` inside a transaction; the real ``outbox relay
---once`` publishes the rows. Flower must list each one under its task id (= the outbox message id),
-with its real task name and its arguments, as SUCCESS: nothing about the outbox detour shows.
+A real ``celery -A tests.tasks.idempotent_app flower`` and a real prefork worker (task events off, as
+``celeryconfig.celery_config`` leaves them: Flower turns them on) on Postgres and a real broker, Redis
+and RabbitMQ. The test process enqueues an ``@outbox.task`` and a plain ``@app.task`` inside a
+transaction; the real ``outbox relay --once`` publishes the rows. Flower must list each one under its
+task id (= the outbox message id), with its real task name and its arguments, as SUCCESS: nothing about
+the outbox detour shows.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 
 from celery_outbox.schema import Tables
+from tests.support.workers import TASK_EVENTS_BY_REMOTE
 from tests.tasks import idempotent_app as ia
 from tests.tasks.worker_env import Env, task_env
 
@@ -71,10 +73,12 @@ def test_flower_lists_outbox_enqueued_tasks_by_name_with_their_args(env: Env) ->
     env.start_flower(port)
     wait(env, "Flower's API", lambda: (isinstance(get(base, "/api/tasks"), dict), "up"))
     # Given Flower listening to a worker's events (it has seen the worker come online)
-    env.start_worker(heartbeat=True)
+    worker = env.start_worker(heartbeat=True)
     node = env.node(0)
     wait(env, "Flower to see the worker", lambda: (node in get(base, "/api/workers?refresh=true"),
                                                    get(base, "/api/workers")))
+    wait(env, "Flower to turn the worker's task events on",
+         lambda: (TASK_EVENTS_BY_REMOTE in worker.log_path.read_text(errors="replace"), "not in the worker's log yet"))
     # When a view enqueues one idempotent and one plain task in its transaction, and the relay publishes them
     with env.sessions.begin() as s, env.built.outbox.transaction(s):
         idem = env.built.record.delay("fl-1")
