@@ -22,7 +22,9 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 from celery_outbox.errors import EXTRAS, ConfigError, DatabaseError, missing_extra
 from celery_outbox.settings import Settings
 
-_LIBPQ_DRIVERS = ("psycopg2", "psycopg")  # drivers that hand connect_args to libpq as connection parameters
+# Drivers on libpq: they hand connect_args to libpq as connection parameters, and adapt parameters of SQL
+# text compiled once themselves (sql.translates_schema, inbox/claim.py, relay/queries.py).
+LIBPQ_DRIVERS = frozenset({"psycopg2", "psycopg"})
 
 
 def postgres_driver() -> str:
@@ -149,7 +151,7 @@ def make_engine(url: str, *, settings: Settings | None = None, echo: bool = Fals
     if not pinged_after_idle:
         kwargs.setdefault("pool_pre_ping", True)
     parsed = sa.engine.make_url(url)
-    if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in _LIBPQ_DRIVERS:
+    if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in LIBPQ_DRIVERS:
         ours = postgres_connect_args(settings, driver=parsed.get_driver_name(), url_query=parsed.query)
         kwargs["connect_args"] = {**ours, **kwargs.get("connect_args", {})}
     try:

@@ -28,6 +28,12 @@ def insert_for(session: Session, target: type[Any] | sa.Table) -> Any:
     return dialect.insert(target).execution_options(preserve_rowcount=True)
 
 
+def translates_schema(connection: sa.Connection) -> bool:
+    """Whether SQLAlchemy rewrites the statements ``connection`` runs (a ``schema_translate_map``): SQL text
+    compiled once and run as it is would bypass that, so such a connection runs statements through SQLAlchemy."""
+    return bool(connection.get_execution_options().get("schema_translate_map"))
+
+
 def statement(session: Session, key: tuple[Any, ...], build: Callable[[], S]) -> tuple[sa.Connection, S]:
     """The session's connection (in its transaction) and the statement ``build()`` made for ``key``,
     built once per pooled connection and kept in that connection's ``info`` (no module-level state).

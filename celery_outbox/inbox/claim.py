@@ -30,10 +30,10 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from celery_outbox.clock import SystemClock
-from celery_outbox.db import wrap_driver_errors
+from celery_outbox.db import LIBPQ_DRIVERS, wrap_driver_errors
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
-from celery_outbox.sql import insert_if_absent
+from celery_outbox.sql import insert_if_absent, translates_schema
 
 Handler = Callable[[Session, Envelope], None]
 """The effect: write with the given session, never commit (the inbox commits)."""
@@ -45,7 +45,6 @@ NOW_KEY = "outbox_consumer_now_ms"
 _KEY_COLUMNS = ("message_id", "consumer")
 _CLAIM_COLUMNS = ("message_id", "consumer", "type", "processed_at_ms")
 _DRIVER_SQL_KEY = "celery_outbox.driver_sql"
-_LIBPQ_DRIVERS = frozenset({"psycopg2", "psycopg"})
 # psycopg 3 reports -1 for an INSERT's row count unless SQLAlchemy is asked to keep it (sql.insert_for)
 _KEEP_ROWCOUNT: Mapping[str, Any] = MappingProxyType({"preserve_rowcount": True})
 
@@ -82,10 +81,10 @@ def driver_sql(connection: sa.Connection, key: tuple[Any, ...], build: Callable[
     runs them (a ``schema_translate_map``). Run the text with ``connection.exec_driver_sql`` and parameters
     the driver adapts as they are (a UUID as its string)."""
     dialect = connection.dialect
-    if dialect.name != "postgresql" or dialect.driver not in _LIBPQ_DRIVERS or isinstance(connection.engine.pool,
+    if dialect.name != "postgresql" or dialect.driver not in LIBPQ_DRIVERS or isinstance(connection.engine.pool,
                                                                                         NullPool):
         return None
-    if connection.get_execution_options().get("schema_translate_map"):
+    if translates_schema(connection):
         return None
     cache: dict[tuple[Any, ...], str] = connection.info.setdefault(_DRIVER_SQL_KEY, {})
     sql = cache.get(key)

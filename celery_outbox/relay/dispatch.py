@@ -39,6 +39,7 @@ from celery_outbox.relay.publisher import Publisher, PublishReport, SendsAhead
 from celery_outbox.relay.queries import RelayStatements, due_pending, mark_published_pg
 from celery_outbox.schema import Tables
 from celery_outbox.settings import Settings
+from celery_outbox.sql import translates_schema
 
 log = logging.getLogger("celery_outbox.relay.dispatch")
 
@@ -107,7 +108,7 @@ def backoff_ms(attempts: int, *, base_delay_ms: int, max_delay_ms: int) -> int:
 def _driver_sql(connection: sa.Connection, sql: str | None) -> str | None:
     """``RelayStatements``' compiled text, unless the connection rewrites the statements it runs (a
     ``schema_translate_map``, which compiled text would bypass): then None, and SQLAlchemy runs them."""
-    if sql is None or connection.get_execution_options().get("schema_translate_map"):
+    if sql is None or translates_schema(connection):
         return None
     return sql
 
@@ -387,7 +388,7 @@ def mark_rows(session: Session, now_ms: int, config: RelayConfig, *, published: 
                 else:
                     mark = statements.mark if statements is not None and statements.mark is not None else \
                         mark_published_pg(tables, session.get_bind().dialect)
-                    stamped, due = session.connection().execute(mark, mark_params).one()
+                    stamped, due = connection.execute(mark, mark_params).one()
                 marked, next_due, due_read = int(stamped), None if due is None else int(due), True
             else:
                 res = session.execute(

@@ -11,11 +11,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from celery_outbox import counters
+from celery_outbox.db import LIBPQ_DRIVERS
 from celery_outbox.schema import PENDING_SQL, Tables
 
-# Drivers whose own adapters give the claim's columns the types SQLAlchemy's would (a UUID, decoded JSON):
-# ``RelayStatements.claim_sql`` and ``mark_sql`` are only compiled for them.
-LIBPQ_DRIVERS = frozenset({"psycopg2", "psycopg"})
 # The columns ``dispatch.claim_due`` copies into a ``ClaimedRow``, in this order.
 CLAIM_COLUMNS = ("seq", "message_id", "type", "payload", "headers", "created_at_ms", "attempts")
 
@@ -80,6 +78,7 @@ class RelayStatements:
         claim = _due_select(sa.bindparam("now_ms", type_=sa.BigInteger), sa.bindparam("claim_limit", type_=sa.Integer),
                             tables=tables, skip_locked=postgres)
         mark = mark_published_pg(tables, dialect) if postgres else None
+        # libpq drivers' own adapters give the claim's columns the types SQLAlchemy's would (a UUID, decoded JSON)
         driver = postgres and dialect.driver in LIBPQ_DRIVERS
         return cls(claim=claim, mark=mark, next_due=next_due(tables),
                    claim_sql=str(claim.compile(dialect=dialect)) if driver else None,
