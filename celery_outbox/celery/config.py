@@ -248,9 +248,9 @@ def recommended_celery_config(settings: Settings, broker_url: str | None = None,
     (a task of a killed worker is redelivered, yours too), prefetch 1 (``MERGED_KEYS``), and ``broker_url``
     when you pass one. Task events stay as you set them (Celery's default: off; Flower turns them on in the
     workers it sees). Your queues, default queue, routes and result backend stay; the ``Outbox`` adds its
-    queues beside yours. ``dedicated=True`` is for an app
-    that runs only the outbox (the reference deployment): every key of ``celery_config``, including
-    the queue list, the relay's queue as the default, no result backend.
+    queues beside yours. ``dedicated=True`` is for an app that runs only the outbox (the reference
+    deployment): every key of ``celery_config``, including the queue list, the relay's queue as the
+    default, no result backend.
     """
     url = broker_url if broker_url is not None else (settings.broker_url or "")
     full = celery_config(settings, url, beat_schedule_filename=beat_schedule_filename, consumers=consumers)
