@@ -1,10 +1,11 @@
 """The worker's gate for every task message that is not a consumer's: none crashes, stalls or vanishes.
 
-Consumer tasks check their own messages (``strategy.guarded``, their ``Task.Strategy``). Every other
-task of the app (``@outbox.task`` tasks, plain ``@app.task`` tasks the outbox captures, the
-library's own periodic tasks, Celery's built-ins) and every message that names no task at all goes
-through this gate: a consumer bootstep (``GateStep``) that runs after Celery's ``Tasks`` step (it
-fills ``consumer.strategies``, on every connection restart too) and
+Consumer tasks check their own messages (``strategy.guarded``, their ``Task.Strategy``, in front of a
+batch consumer's buffer too: ``batch_tasks.batching``), so the gate leaves them alone
+(``CONSUMER_STRATEGIES``). Every other task of the app (``@outbox.task`` tasks, plain ``@app.task``
+tasks the outbox captures, the library's own periodic tasks, Celery's built-ins) and every message
+that names no task at all goes through this gate: a consumer bootstep (``GateStep``) that runs after
+Celery's ``Tasks`` step (it fills ``consumer.strategies``, on every connection restart too) and
 
 * wraps each task's strategy: the raw body is checked (``task_rules.decode_body``) and the message
   against the one rule table enqueue applies too (``task_rules.check_call``, through
@@ -44,7 +45,7 @@ from celery.exceptions import Reject
 from vine import promise
 
 from celery_outbox import tracing
-from celery_outbox.celery import delayed_retry, events
+from celery_outbox.celery import batch_tasks, delayed_retry, events
 from celery_outbox.celery.config import consumer_time_limits
 from celery_outbox.celery.consumer_tasks import DeadLettered
 from celery_outbox.celery.enqueue import OWN_PREFIXES, carried, own_task_names
@@ -72,6 +73,9 @@ log = logging.getLogger(__name__)
 POISON_TASK = "celery_outbox.poison"
 UNNAMED = "(no task name)"  # the dead letter's task of a message that names none
 _GATED = "_celery_outbox_gated"
+# The strategies of consumer tasks, plain and batch: each checks its own messages (a malformed one is counted and
+# dead-lettered under its consumer), so the gate does not wrap them.
+CONSUMER_STRATEGIES = frozenset({STRATEGY, batch_tasks.STRATEGY})
 
 
 def register(outbox: Any) -> Any:
@@ -136,7 +140,7 @@ class Gate:
             if getattr(strategy, _GATED, False):
                 continue
             task = self.app.tasks.get(name)
-            if task is None or getattr(task, "Strategy", None) == STRATEGY:
+            if task is None or getattr(task, "Strategy", None) in CONSUMER_STRATEGIES:
                 continue  # consumer tasks check their own messages (strategy.guarded)
             strategies[name] = self.gated(task, getattr(strategy, "__wrapped__", strategy), to_poison)
 

@@ -3,7 +3,8 @@
 ``strategy.canonical_message`` takes the envelope text of a body framed exactly as the relay writes it
 out of the raw text (``_relay_envelope``) instead of decoding the whole body and encoding the envelope
 again; ``gate.Gate.check`` hands the pool the raw body it checked instead of re-encoding the decoded
-arguments. Both are compared here, for any content, with the full path they replace.
+arguments. Both are compared here, for any content, with the full path they replace. The gate wraps no
+consumer task, plain or batch: each checks its own messages.
 """
 
 from __future__ import annotations
@@ -184,6 +185,37 @@ def test_the_gate_gives_the_pool_the_raw_body_which_decodes_as_the_re_encoded_on
     assert pool_loads(checked.body, checked.content_type, checked.content_encoding, accept={"application/json"}) == \
         pool_loads(before, checked.content_type, checked.content_encoding, accept={"application/json"})
 
+
+
+def test_the_gate_leaves_plain_and_batch_consumer_tasks_to_their_own_strategy(
+        sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given an app with a consumer, a batch consumer and a plain task, and the strategies Celery made for them
+    app = Celery("strategy-gate-consumers", set_as_current=False)
+    outbox = Outbox(app, session_factory=sqlite_sessions, settings=SETTINGS)
+
+    @outbox.consumer("OrderPlaced", name="one")
+    def one(session: Session, envelope: Any) -> None:
+        return None
+
+    @outbox.consumer("OrderPlaced", name="many", batch_size=10)
+    def many(session: Session, envelopes: list[Any]) -> None:
+        return None
+
+    @app.task(name=NAME, shared=False)  # type: ignore[untyped-decorator]
+    def any_args(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    app.finalize()
+    celerys: dict[str, Any] = {name: (lambda *a: None) for name in app.tasks}  # one function each
+    worker = mock.Mock(strategies=dict(celerys), task_consumer=None)
+    # When the gate installs itself on the worker's consumer
+    Gate(outbox).install(worker)
+    # Then each consumer task keeps its own strategy (it checks its messages and dead-letters under its consumer),
+    # and every other task is gated
+    assert worker.strategies[task_name("one")] is celerys[task_name("one")]
+    assert worker.strategies[task_name("many")] is celerys[task_name("many")]
+    assert worker.strategies[NAME] is not celerys[NAME]
+    assert worker.strategies[NAME].__wrapped__ is celerys[NAME]
 
 def parsed_task_id(value: Any, raw: bytes) -> str:
     """The task id as the strategy derived it by parsing every id (before canonical ids were kept as they are)."""
