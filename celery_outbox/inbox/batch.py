@@ -10,6 +10,10 @@
    lock them in the same order and one waits for the other instead of deadlocking; as for a single
    claim, a key a concurrent, uncommitted batch holds makes this one wait for it, then find the key
    (it committed) or take it (it rolled back). The composite primary key is still the guarantee.
+   On Postgres through a libpq driver the statement is SQL text compiled once per pooled connection
+   (``claim.driver_sql``) that takes the batch's ids and types as two arrays (``unnest``): the same
+   statement for any batch size, with none of SQLAlchemy's per-row bind parameters to build, compile
+   and cache-key (the multi-row ``VALUES`` elsewhere);
 2. run the handler once, with the first deliveries only (in the order they came), flush;
 3. count the duplicates and the batch (``counters.BATCHES``, ``counters.BATCHED_MESSAGES``) in the
    same transaction, commit.
@@ -24,13 +28,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 
+import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.crashpoints import DISARMED
 from celery_outbox.db import wrap_driver_errors
-from celery_outbox.inbox.claim import NOW_KEY, CrashSite, commit_effect, undone_on_error
+from celery_outbox.inbox.claim import NOW_KEY, CrashSite, commit_effect, driver_sql, execute_driver_sql, undone_on_error
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
@@ -38,6 +43,8 @@ from celery_outbox.sql import insert_for
 
 BatchHandler = Callable[[Session, list[Envelope]], None]
 """The effect of a batch: write with the given session (one bulk statement, ideally), never commit."""
+
+_KEY_COLUMNS = ("message_id", "consumer")
 
 MAX_BATCH_SIZE = 1000
 """The largest batch: its claim binds four values per message, well under SQLite's 32,766 variables."""
@@ -52,13 +59,31 @@ def claim_many(session: Session, envelopes: Sequence[Envelope], *, tables: Table
     if not envelopes:
         return set()
     table = tables.table(tables.inbox)
-    rows = [{"message_id": e.message_id, "consumer": consumer, "type": e.type, "processed_at_ms": now_ms}
-            for e in sorted(envelopes, key=lambda e: e.message_id)]
-    stmt = (insert_for(session, table).values(rows)
-            .on_conflict_do_nothing(index_elements=["message_id", "consumer"])
-            .returning(table.c.message_id))
+    ordered = sorted(envelopes, key=lambda e: e.message_id)
     with wrap_driver_errors(f"inbox insert of a batch for {consumer}"):
-        return {uuid.UUID(str(m)) for m in session.execute(stmt).scalars()}
+        connection = session.connection()
+        sql = driver_sql(connection, ("claim_many", table), lambda: _claim_unnest(connection, table))
+        if sql is not None:
+            inserted = execute_driver_sql(connection, sql, {
+                "message_ids": [str(e.message_id) for e in ordered], "types": [e.type for e in ordered],
+                "consumer": consumer, "processed_at_ms": now_ms}).scalars()
+        else:
+            rows = [{"message_id": e.message_id, "consumer": consumer, "type": e.type, "processed_at_ms": now_ms}
+                    for e in ordered]
+            inserted = session.execute(insert_for(session, table).values(rows)
+                                       .on_conflict_do_nothing(index_elements=list(_KEY_COLUMNS))
+                                       .returning(table.c.message_id)).scalars()
+        return {m if isinstance(m, uuid.UUID) else uuid.UUID(str(m)) for m in inserted}
+
+
+def _claim_unnest(connection: sa.Connection, table: sa.Table) -> sa.TextClause:
+    """Postgres: the batch's claim with its ids and types as two arrays, in their order (``claim_many``)."""
+    name = connection.dialect.identifier_preparer.format_table(table)
+    return sa.text(
+        f"INSERT INTO {name} (message_id, consumer, type, processed_at_ms) "
+        "SELECT m, :consumer, t, :processed_at_ms "
+        "FROM unnest(CAST(:message_ids AS uuid[]), CAST(:types AS varchar[])) AS claimed (m, t) "
+        "ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id")
 
 
 def handle_batch(session: Session, envelopes: Sequence[Envelope], *, tables: Tables, consumer: str,

@@ -166,6 +166,35 @@ def test_a_batch_claims_every_inbox_row_in_one_statement_and_commits_once(
     assert (counter(sessions, tables, counters.BATCHES), counter(sessions, tables, counters.BATCHED_MESSAGES)) == (1, 5)
 
 
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_every_postgres_driver_claims_a_batch_as_one_statement_of_arrays(pg_url: str, driver: str, clock: ManualClock,
+                                                                          tables: Tables) -> None:
+    from celery_outbox.db import make_engine, make_session_factory
+    from celery_outbox.inbox.batch import claim_many
+
+    # Given the same database through psycopg2 and through psycopg 3, and a message already claimed
+    engine = make_engine(pg_url.replace("postgresql://", f"postgresql+{driver}://", 1))
+    sessions = make_session_factory(engine)
+    earlier, a, b = envelope("o-early"), envelope("o-a"), envelope("o-b")
+    try:
+        with sessions() as s:
+            assert claim_many(s, [earlier], tables=tables, consumer="search", now_ms=1) == {earlier.message_id}
+            s.commit()
+        # When a batch holding it and two new ones is claimed
+        with recorded(sessions) as seen, sessions() as s:
+            claimed = claim_many(s, [b, earlier, a], tables=tables, consumer="search", now_ms=2)
+            s.commit()
+        # Then only the new ones are this batch's, in ONE statement that binds the batch as arrays (its text is
+        # the same for any batch size), and their rows are committed
+        assert claimed == {a.message_id, b.message_id}
+        assert kinds(seen, tables) == ["INSERT inbox", "COMMIT"] and "unnest" in seen[0]
+        with sessions() as s:
+            assert {m: t for m, t in s.execute(sa.select(tables.inbox.message_id, tables.inbox.processed_at_ms))} == {
+                earlier.message_id: 1, a.message_id: 2, b.message_id: 2}
+    finally:
+        engine.dispose()
+
 def test_duplicates_inside_the_batch_and_from_earlier_are_absorbed_and_counted(
         sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
     index = Index()
