@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import click
+from rich.console import Console
+from rich.text import Text
 from sqlalchemy import exc as sa_exc
 
 from celery_outbox.cli.app import resolve
@@ -95,10 +97,38 @@ def mask_secrets(text: str) -> str:
 
 
 def one_line(text: str, *, limit: int = 1000) -> str:
-    """The first non-empty line of ``text``, masked and cut to ``limit`` characters."""
+    """The first non-empty line of ``text``, masked, its control characters escaped (``printable``) and cut to
+    ``limit`` characters."""
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    first = mask_secrets(first)
+    first = printable(mask_secrets(first))
     return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+# Characters that act on a terminal instead of showing: C0 and C1 controls but tab and newline (ESC starts the
+# sequences that recolour, retitle or clear it), bidi overrides (they reorder what is shown) and lone surrogates
+# (not encodable: printing one fails).
+_TERMINAL_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that would act on a terminal shown as its escape (``\\x1b``, ``\\u202e``).
+
+    What the commands print comes from the database, and much of it from whoever produced a message
+    (error texts, types, consumer names, payloads): it is shown, never obeyed."""
+    return _TERMINAL_CONTROL.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)
+
+
+class SafeConsole(Console):
+    """The rich console of every human output: stored text is shown as written. No markup (a ``[/bold]`` in
+    an error text is text, not a tag that breaks the listing), no emoji codes, no highlighting, and control
+    characters escaped (``printable``). The commands' own styling is passed as ``rich.text.Text``."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(markup=False, emoji=False, highlight=False, **options)
+
+    def render_str(self, text: str, **options: Any) -> Text:
+        options.update(markup=False, emoji=False, highlight=False)
+        return super().render_str(printable(text), **options)
 
 
 def database_message(orig: BaseException) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.cli.common import (
@@ -28,10 +29,12 @@ from celery_outbox.cli.common import (
     AsciiSeconds,
     BadInput,
     Duration,
+    SafeConsole,
     get_outbox,
     get_settings,
     handle_errors,
     one_line,
+    printable,
 )
 from celery_outbox.cli.probes import EXIT_PROBLEM
 from celery_outbox.cli.progress import ProgressView
@@ -49,7 +52,7 @@ def _sessions(ctx: click.Context) -> sessionmaker[Session]:
 
 def _console() -> Console:
     """Tables for humans; piped output gets a wide fixed width so nothing is wrapped mid-word."""
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    return SafeConsole(width=None if sys.stdout.isatty() else 200)
 
 
 def _age(ms: int | None) -> str:
@@ -130,12 +133,12 @@ def show_cmd(ctx: click.Context, dl_id: str, as_json: bool) -> None:
     table.add_row("age", _age(data["age_ms"]))
     console = _console()
     console.print(table)
-    console.print("[bold]error[/bold]")
-    console.print(d.error, markup=False)
-    console.print("[bold]payload[/bold]")
-    console.print(json.dumps(d.payload, indent=2, sort_keys=True, default=str), markup=False)
-    console.print("[bold]headers[/bold]")
-    console.print(json.dumps(d.headers, indent=2, sort_keys=True, default=str), markup=False)
+    console.print(Text("error", style="bold"))
+    console.print(d.error)
+    console.print(Text("payload", style="bold"))
+    console.print(json.dumps(d.payload, indent=2, sort_keys=True, default=str))
+    console.print(Text("headers", style="bold"))
+    console.print(json.dumps(d.headers, indent=2, sort_keys=True, default=str))
 
 
 @dead_letters.command("replay")
@@ -298,7 +301,8 @@ def _replay_group(ctx: click.Context, gid: str, *, dry_run: bool, rate: float, a
         return
     if dry_run:
         plan = ", ".join(f"{n} to {where}" for where, n in sorted((report.plan or {}).items())) or "nothing"
-        click.echo(f"dry run: group {gid} would send {plan}; {report.skipped} cannot be replayed; nothing was changed")
+        click.echo(printable(f"dry run: group {gid} would send {plan}; {report.skipped} cannot be replayed; "
+                             "nothing was changed"))
         return
     click.echo(_run_summary(report))
 

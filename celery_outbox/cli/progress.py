@@ -13,8 +13,9 @@ from types import TracebackType
 from typing import IO
 
 import click
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from celery_outbox.cli.common import SafeConsole, printable
 
 
 def is_terminal(stream: IO[str]) -> bool:
@@ -35,8 +36,8 @@ class ProgressView:
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
         if self.live:
-            console = Console(file=self.stream, force_terminal=True, highlight=False)
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            console = SafeConsole(file=self.stream, force_terminal=True)
+            self._progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                                       TimeElapsedColumn(), console=console)
 
     def __enter__(self) -> ProgressView:
@@ -52,9 +53,9 @@ class ProgressView:
     def line(self, text: str) -> None:
         """A line about one step: above the bars on a terminal, as it is elsewhere (never rich markup)."""
         if self._progress is not None:
-            self._progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            self._progress.console.print(text, soft_wrap=True)  # a SafeConsole: shown, never obeyed
         elif not self.quiet:
-            click.echo(text, file=self.stream)
+            click.echo(printable(text), file=self.stream)
 
     def start(self, key: str, description: str, total: int, *, line: str | None = None) -> None:
         """A bar named ``key`` (plain mode: ``line``, if given, says what starts)."""
@@ -77,4 +78,4 @@ class ProgressView:
 
     def summary(self, text: str) -> None:
         """The end result, on the command's own output (stdout), after the bars are gone."""
-        click.echo(text)
+        click.echo(printable(text))

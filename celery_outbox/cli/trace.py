@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from celery_outbox.cli.common import AsciiInt, get_outbox, handle_errors
+from celery_outbox.cli.common import AsciiInt, SafeConsole, get_outbox, handle_errors
 from celery_outbox.ops import trace as ops_trace
 
 
@@ -76,7 +76,7 @@ def trace(ctx: click.Context, key: str, limit: int, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([t.to_dict() for t in found], indent=2, sort_keys=True))
         return
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    console = SafeConsole(width=None if sys.stdout.isatty() else 200)
     for t in found:
         render(t, console)
-    console.print("not recorded, so not shown: " + "; ".join(ops_trace.NOT_RECORDED), markup=False)
+    console.print("not recorded, so not shown: " + "; ".join(ops_trace.NOT_RECORDED))

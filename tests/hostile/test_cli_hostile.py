@@ -4,6 +4,7 @@ dead letter than the one named, never the database password."""
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
-from hypothesis import given
+from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from sqlalchemy.orm import Session, sessionmaker
@@ -245,3 +246,43 @@ def test_a_bad_setting_is_one_line_with_exit_2_not_a_usage_screen(tmp_path: Path
     # And a configuration the CLI itself refuses is one line too, without click's usage lines
     line = assert_one_clean_line(run(env, "-A", "9not.a.module", "stats"), exit_code=2)
     assert line.startswith("Error: bad configuration: -A")
+
+
+# -- stored text shown to a person: never rich markup, never a terminal control ---------------------------
+
+# What a hostile producer can put in the text a dead letter keeps (its error, its type): rich markup that does
+# not balance, terminal escapes (recolour, retitle, clear), C1 controls, bidi overrides, a lone surrogate.
+SHOWN_TEXT = st.lists(st.sampled_from(["[/bold]", "[bold", "[link=http://x]", "[/]", ":smile:", "\x1b[2J", "\x1b]0;t\x07",
+                                       "\x9b31m", "\r", "\x08", "\u202e", "\ud800", "a", " ", "[", "]", "\n"]),
+                      min_size=1, max_size=12).map("".join)
+TERMINAL_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+@hsettings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(error=SHOWN_TEXT, type_=SHOWN_TEXT)
+def test_stored_text_is_shown_as_written_and_never_drives_the_terminal(
+        sqlite_url: str, tmp_home: Path, namespace: str, tables: Tables, error: str, type_: str) -> None:
+    # Given a dead letter of each store whose error and type hold markup and terminal controls
+    engine = make_engine(sqlite_url)
+    sessions: sessionmaker[Session] = make_session_factory(engine)
+    with sessions() as s:
+        for table in (tables.outbox, tables.dead_letters):
+            s.execute(sa.delete(table))
+        s.commit()
+        # (no database stores a lone surrogate in a column: the consumer's dead-letter writer keeps it escaped)
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10, last_error=error.replace("\ud800", "?"),
+                         type=type_.replace("\ud800", "?")[:200])
+        cid = consumer_dead_letter(s, tables=tables, consumer="billing", error=error,
+                                   env={"message_id": str(row.message_id), "type": type_, "payload": {}})
+        seq, message_id = row.seq, str(row.message_id)
+    engine.dispose()
+    env = base_env(tmp_home, namespace, sqlite_url)
+    # When a person lists, groups, shows and traces them
+    for args in (["dead-letters", "list"], ["dead-letters", "groups"], ["dead-letters", "show", f"outbox:{seq}"],
+                 ["dead-letters", "show", f"consumer:{cid}"], ["trace", message_id]):
+        r = run(env, *args)
+        # Then each command answers (a stray "[/bold]" is text, not a tag that fails the listing)
+        assert r.exit_code == 0, (args, r.output)
+        # And nothing in its output acts on the terminal: controls are shown as escapes
+        assert TERMINAL_CONTROL.search(r.output) is None, (args, r.output)
+    assert "\\x1b" in run(env, "dead-letters", "show", f"outbox:{seq}").output or "\x1b" not in error
