@@ -15,6 +15,7 @@ from rich.text import Text
 from sqlalchemy import exc as sa_exc
 
 from celery_outbox.cli.app import resolve
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.errors import ConfigError, DatabaseError, OutboxError
 from celery_outbox.outbox import Outbox
 from celery_outbox.settings import Settings
@@ -85,15 +86,9 @@ def get_settings(ctx: click.Context) -> Settings:
     return get_outbox(ctx).settings
 
 
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/?#@\s]*:)[^\s/]*@")
 _MISSING_TABLE = re.compile(r'no such table|relation "[^"]*" does not exist|undefinedtable', re.IGNORECASE)
 UPGRADE_HINT = "the outbox tables are missing: run `outbox db upgrade`"
 TRACEBACK_ENV = "OUTBOX_TRACEBACK"
-
-
-def mask_secrets(text: str) -> str:
-    """``scheme://user:password@host`` -> ``scheme://user:***@host`` anywhere in ``text``."""
-    return _URL_PASSWORD.sub(lambda m: f"{m.group('head')}***@", text)
 
 
 def one_line(text: str, *, limit: int = 1000) -> str:

@@ -39,9 +39,27 @@ def mask_url(url: str) -> str:
     return _SECRET_QUERY.sub(rf"\1{MASK}", f"{scheme}://{rest}")
 
 
+# ``scheme://user:password@`` anywhere in free text (an error message, a repr): up to the token's last ``@``, so a
+# password holding ``@`` or ``/`` is hidden whole; a quote or a blank ends the token (a repr, a sentence).
+_URL_CREDENTIALS = re.compile(r"""(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@'"]*):(?P<password>[^\s'"]*)@""")
+_MIN_SCRUBBED = 4  # a shorter password is masked where it stands in its URL, not searched for in the whole text
+
+
+def mask_secrets(text: str, *, source: str = "") -> str:
+    """``text`` with every URL password replaced by ``***``: the one masking of free text (error messages,
+    driver errors, command output). ``source``: the value the text was made from (a setting's raw value);
+    its URL passwords are also hidden wherever else they appear in ``text`` (a message quoting part of it)."""
+    for found in _URL_CREDENTIALS.finditer(source):
+        password = found.group("password")
+        if len(password) >= _MIN_SCRUBBED:
+            text = text.replace(password, MASK)
+    return _URL_CREDENTIALS.sub(lambda m: f"{m.group('head')}:{MASK}@", text)
+
+
 def bounded_repr(value: Any, limit: int = 80) -> str:
-    """One line, bounded: a value as an error message shows it."""
-    text = repr(value)
+    """One line, bounded: a value as an error message shows it, URL passwords masked before it is cut (a cut
+    URL loses the ``@`` that marks its password)."""
+    text = mask_secrets(repr(value))
     return text if len(text) <= limit else text[:limit] + "...(truncated)"
 
 
@@ -58,12 +76,9 @@ def exit_on_config_error(code: int = 2) -> Iterator[None]:
         _exit(e, code)
 
 
-_URL_PASSWORD = re.compile(r"""([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@'"]*):[^\s@'"]*@""")
-
-
 def _exit(error: ConfigError, code: int) -> NoReturn:
     # one line whatever the message holds, and no URL password even from an error raised elsewhere
-    message = _URL_PASSWORD.sub(rf"\1:{MASK}@", " ".join(str(error).split()))
+    message = mask_secrets(" ".join(str(error).split()))
     sys.stderr.write(f"bad configuration: {message}\n")
     sys.stderr.flush()
     raise SystemExit(code) from None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from celery_outbox.config.masking import MASK, bounded_repr, mask_url
+from celery_outbox.config.masking import MASK, bounded_repr, mask_secrets, mask_url
 from celery_outbox.errors import ConfigError
 from celery_outbox.names import check_name
 from celery_outbox.schema import check_prefix
@@ -187,8 +187,9 @@ class PrefixRule(Rule):
     def problem(self, value: Any, owner: Owner) -> str | None:
         try:
             check_prefix(value)
-        except ConfigError as e:
-            return f"is not a valid table prefix: {e}"
+        except ConfigError:  # its text repeats the value whole; the clause shows it bounded
+            return ("must be a table prefix: lower-case letters, digits and '_', starting with a letter, at most 30 "
+                    "characters (e.g. 'outbox_')")
         return None
 
 
@@ -405,5 +406,6 @@ class PathRule(Rule):
 
 
 def clause(key: str, trouble: str, value: Any, rule: Rule) -> str:
-    """One clause of a ``ConfigError``: the variable, what is wrong, the value as the rule may show it."""
-    return f"{key} {trouble}, got {rule.shown(value)}"
+    """One clause of a ``ConfigError``: the variable, what is wrong, the value as the rule may show it. A URL
+    password is never in it, whichever setting the URL was given to (a misplaced one is no less a secret)."""
+    return mask_secrets(f"{key} {trouble}, got {rule.shown(value)}", source=value if isinstance(value, str) else "")

@@ -14,7 +14,6 @@ the operator (CLI, server log). A probe never raises: every failure, expected or
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import migrate
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.errors import ConfigError
 from celery_outbox.schema import DEFAULT_PREFIX, check_prefix
 
@@ -33,7 +33,6 @@ Reason = Literal["ok", "unreachable", "not migrated", "not at head revision", "n
                  "not configured", "failed"]
 BrokerProbe = Callable[[], None]  # returns when the broker answered; raises otherwise
 
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/?#@\s]*:)[^\s/]*@")
 _DETAIL_LIMIT = 300
 
 
@@ -42,7 +41,7 @@ def _detail(error: BaseException) -> str:
     if isinstance(error, sa.exc.DBAPIError) and error.orig is not None:
         error = error.orig  # the driver's own words, without SQLAlchemy's SQL and background link
     text = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
-    text = _URL_PASSWORD.sub(lambda m: f"{m.group('head')}***@", text)
+    text = mask_secrets(text)
     line = f"{error.__class__.__name__}: {text}" if text else error.__class__.__name__
     return line if len(line) <= _DETAIL_LIMIT else line[: _DETAIL_LIMIT - 3] + "..."
 

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import Tables, ValidationError
 from celery_outbox.cli import cli
-from celery_outbox.cli.common import mask_secrets
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.ops.dead_letter_groups import list_groups
 from celery_outbox.ops.dead_letters import DeadLetterId, parse_ids
