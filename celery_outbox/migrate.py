@@ -46,6 +46,14 @@ def head() -> str | None:
     return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
 
 
+def revisions() -> tuple[str, ...]:
+    """The library's revision ids, oldest first."""
+    from alembic.script import ScriptDirectory
+
+    walked = ScriptDirectory.from_config(alembic_config("sqlite://")).walk_revisions()
+    return tuple(reversed([r.revision for r in walked]))
+
+
 def current(url: str, *, prefix: str = DEFAULT_PREFIX) -> str | None:
     from alembic.runtime.migration import MigrationContext
 

@@ -34,12 +34,25 @@ class OutboxGroup(click.Group):
     """The root group: every command under it, present and future, runs inside ``cli_errors()``, so no
     error reaches the user as a traceback or with a password in it, and a bad option value is one line."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            raise _shown_safely(e) from None
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             with cli_errors():
                 return super().invoke(ctx)
         except click.BadParameter as e:
             raise BadInput(one_line(e.format_message())) from None
+        except click.UsageError as e:  # an unknown command or option, an extra argument: click repeats it
+            raise _shown_safely(e) from None
+
+
+def _shown_safely(error: click.UsageError) -> click.UsageError:
+    """``error`` with what it repeats of the command line masked (a URL password) and made printable."""
+    return click.UsageError(printable(mask_secrets(error.format_message())), ctx=error.ctx)
 
 
 def settings_group(fn: Callable[..., None]) -> click.Group:
@@ -186,7 +199,8 @@ _INT_TEXT = re.compile(r"[0-9]{1,18}", re.ASCII)
 _FLOAT_TEXT = re.compile(r"[0-9]{1,12}(?:\.[0-9]{0,12})?|\.[0-9]{1,12}", re.ASCII)
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A value the user gave, as an error repeats it: quoted, cut at 40 characters."""
     text = repr(str(value))
     return text if len(text) <= 40 else text[:40] + "..."
 
@@ -201,10 +215,10 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
             return value
         m = _DURATION.fullmatch(str(value).strip(" \t\r\n"))
         if not m:
-            self.fail(f"{_shown(value)} is not a duration like 500ms, 30s, 15m, 2h or 7d (ASCII digits)", param, ctx)
+            self.fail(f"{shown(value)} is not a duration like 500ms, 30s, 15m, 2h or 7d (ASCII digits)", param, ctx)
         ms = int(m.group(1)) * _UNIT_MS[m.group(2)]
         if ms > MAX_DURATION_MS:
-            self.fail(f"{_shown(value)} is longer than a century", param, ctx)
+            self.fail(f"{shown(value)} is longer than a century", param, ctx)
         return ms
 
 
@@ -222,7 +236,7 @@ class AsciiInt(click.ParamType):  # type: ignore[type-arg]
         elif _INT_TEXT.fullmatch(str(value).strip(" \t\r\n")):
             number = int(str(value).strip(" \t\r\n"))
         else:
-            self.fail(f"{_shown(value)} is not a whole number in ASCII digits", param, ctx)
+            self.fail(f"{shown(value)} is not a whole number in ASCII digits", param, ctx)
         if number < self.low:
             self.fail(f"{number} is below {self.low}", param, ctx)
         return number
@@ -242,7 +256,7 @@ class AsciiSeconds(click.ParamType):  # type: ignore[type-arg]
         elif _FLOAT_TEXT.fullmatch(str(value).strip(" \t\r\n")):
             number = float(str(value).strip(" \t\r\n"))
         else:
-            self.fail(f"{_shown(value)} is not a number of seconds in ASCII digits, like 1 or 0.25", param, ctx)
+            self.fail(f"{shown(value)} is not a number of seconds in ASCII digits, like 1 or 0.25", param, ctx)
         if not number >= self.low:  # also refuses nan given in code
             self.fail(f"{number:g} is below {self.low:g}", param, ctx)
         return number

@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 from sqlalchemy.engine import make_url
 
 from celery_outbox import autovacuum, migrate
-from celery_outbox.cli.common import UPGRADE_HINT, get_outbox, handle_errors
+from celery_outbox.cli.common import UPGRADE_HINT, get_outbox, handle_errors, shown
 from celery_outbox.cli.partitions import partitions
 
 
 def _where(url: str) -> str:
     """The database for humans: driver, host and name, never the password."""
     return make_url(url).render_as_string(hide_password=True)
+
+
+SYMBOLIC_REVISIONS = ("head", "heads", "base")
+
+
+class Revision(click.ParamType):  # type: ignore[type-arg]
+    """``head`` (``heads``), ``base`` or one of the library's revision ids, exactly: anything else (a typo, a
+    relative step, a range) is refused before the database is opened, one line and exit 2."""
+
+    name = "revision"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        known = migrate.revisions()
+        if isinstance(value, str) and (value in SYMBOLIC_REVISIONS or value in known):
+            return value
+        self.fail(f"{shown(value)} is not a revision: {', '.join(SYMBOLIC_REVISIONS)} or one of {', '.join(known)}",
+                  param, ctx)
 
 
 @click.group()
@@ -24,7 +43,7 @@ db.add_command(partitions)  # the optional partitioned outbox layout: docs/parti
 
 
 @db.command()
-@click.option("--revision", default="head", show_default=True, help="Target revision.")
+@click.option("--revision", type=Revision(), default="head", show_default=True, help="Target revision.")
 @click.pass_context
 @handle_errors
 def upgrade(ctx: click.Context, revision: str) -> None:
@@ -36,7 +55,7 @@ def upgrade(ctx: click.Context, revision: str) -> None:
 
 
 @db.command()
-@click.option("--revision", default="head", show_default=True, help="The revision to record.")
+@click.option("--revision", type=Revision(), default="head", show_default=True, help="The revision to record.")
 @click.pass_context
 @handle_errors
 def stamp(ctx: click.Context, revision: str) -> None:

@@ -286,3 +286,31 @@ def test_stored_text_is_shown_as_written_and_never_drives_the_terminal(
         # And nothing in its output acts on the terminal: controls are shown as escapes
         assert TERMINAL_CONTROL.search(r.output) is None, (args, r.output)
     assert "\\x1b" in run(env, "dead-letters", "show", f"outbox:{seq}").output or "\x1b" not in error
+
+
+# -- the command line itself ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("revision", ["bogus", "", "head\n", "-1", "+1", "co0001:co0002", "abc@head", "@", "\x00"])
+@pytest.mark.parametrize("command", ["upgrade", "stamp"])
+def test_a_revision_that_is_not_one_is_a_usage_error_before_the_database(tmp_path: Path, tmp_home: Path,
+                                                                          namespace: str, command: str,
+                                                                          revision: str) -> None:
+    # Given an empty database
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    # When `outbox db upgrade|stamp --revision` names no revision of the library (a typo, a step, a range)
+    r = run(base_env(tmp_home, namespace, url), "db", command, "--revision", revision)
+    # Then one line naming the revisions there are, exit 2, and the database was not touched
+    line = assert_one_clean_line(r, exit_code=2)
+    assert "is not a revision: head" in line and "unexpected" not in line
+    assert sa.inspect(make_engine(url)).get_table_names() == []
+
+
+@pytest.mark.parametrize("args", [[f"postgresql://app:{PASSWORD}@db/app"], ["dead-letters", f"amqp://u:{PASSWORD}@h//"],
+                                  ["stats", f"redis://:{PASSWORD}@h:6379/0"], ["stats", "x\x1b]0;title\x07"]])
+def test_a_misplaced_argument_is_repeated_masked_and_printable(tmp_path: Path, tmp_home: Path, namespace: str,
+                                                               args: list[str]) -> None:
+    # Given a URL with a password (or a terminal escape) typed where a command or nothing is expected
+    r = run(base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'x.db'}"), *args)
+    # Then click's usage error repeats it without the password and without the escape
+    assert r.exit_code == 2 and "Error: " in r.output, r.output
+    assert PASSWORD not in r.output and "\x1b" not in r.output and "Traceback" not in r.output, r.output
