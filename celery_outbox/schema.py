@@ -43,6 +43,7 @@ DEDUP_SQL = f"{PENDING_SQL} AND dedup_key IS NOT NULL"
 HELD_SQL = f"{PENDING_SQL} AND held_for IS NOT NULL"
 UNREPLAYED_SQL = "replayed_at_ms IS NULL"
 DEFAULT_PREFIX = "outbox_"
+ENTITY_KEY_MAX_CHARS = 200  # the entity_key columns (parked events, applied entity versions)
 _PREFIX = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
 
 
@@ -122,7 +123,7 @@ class ParkedRow(_Row):
 
     message_id: Mapped[uuid.UUID] = mapped_column(sa.Uuid, primary_key=True)
     consumer: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
-    entity_key: Mapped[str] = mapped_column(sa.String(200))
+    entity_key: Mapped[str] = mapped_column(sa.String(ENTITY_KEY_MAX_CHARS))
     entity_version: Mapped[int] = mapped_column(sa.BigInteger)
     envelope: Mapped[dict[str, Any]] = mapped_column(JSONType)
     parked_at_ms: Mapped[int] = mapped_column(sa.BigInteger)
@@ -132,7 +133,7 @@ class EntityVersionRow(_Row):
     """The last version of an entity a consumer applied (per-entity ordering, opt-in)."""
 
     consumer: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
-    entity_key: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    entity_key: Mapped[str] = mapped_column(sa.String(ENTITY_KEY_MAX_CHARS), primary_key=True)
     version: Mapped[int] = mapped_column(sa.BigInteger)
 
 

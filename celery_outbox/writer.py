@@ -17,7 +17,9 @@ from celery_outbox import tracing
 from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.errors import MalformedMessageError, MessageTooLargeError, UnknownEventTypeError, ValidationError
 from celery_outbox.messages import DEFAULT_MAX_JSON_DEPTH, Envelope, celery_task_messages, encode_json, is_storable
-from celery_outbox.schema import OutboxRow, Tables
+from celery_outbox.schema import ENTITY_KEY_MAX_CHARS, OutboxRow, Tables
+
+MAX_ENTITY_VERSION = 2**63 - 1  # the entity version columns are 64-bit
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,7 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
         raise UnknownEventTypeError(
             f"no consumer is routed for event type {event.type!r}; add it to OUTBOX_ROUTES"
         )
-    if event.entity_key is not None and (
-        not isinstance(event.entity_version, int) or event.entity_version < 1
-    ):
-        raise ValidationError("entity_version must be a positive integer when entity_key is set")
+    _check_entity(event)
     headers = event.headers()
     _check_storable(event.payload, what=f"{event.type} event payload")
     _check_storable(headers, what=f"{event.type} event headers")
@@ -88,6 +87,24 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
         "next_attempt_at_ms": now,
         "attempts": 0,
     }
+
+
+def _check_entity(event: Event) -> None:
+    """Per-entity ordering headers every ordered consumer can apply: a key its columns hold and a version from 1
+    to 2**63-1. Refused rather than written: a key the consumer cannot store, or a version past its column,
+    dead-letters the event at every ordered consumer; an empty or non-text key, a bool version or a version
+    without a key would turn ordering off for the event without a word."""
+    key, version = event.entity_key, event.entity_version
+    if key is None:
+        if version is not None:
+            raise ValidationError("entity_version is set without entity_key: per-entity ordering needs both")
+        return
+    if (not isinstance(key, str) or not key or len(key) > ENTITY_KEY_MAX_CHARS or not key.isprintable()
+            or not is_storable(key)):
+        raise ValidationError(f"entity_key must be 1-{ENTITY_KEY_MAX_CHARS} printable characters, got "
+                              f"{type(key).__name__} of length {len(key) if isinstance(key, str) else '-'}")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_ENTITY_VERSION:
+        raise ValidationError("entity_version must be a positive integer (at most 2**63-1) when entity_key is set")
 
 
 def _check_storable(value: Any, *, what: str) -> None:
