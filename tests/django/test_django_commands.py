@@ -11,6 +11,7 @@ import io
 import json
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -199,6 +200,19 @@ def test_a_bad_setting_value_fails_manage_py_check() -> None:
     with override_settings(OUTBOX={"relay_batch_sise": 5}):
         [issue] = [i for i in outbox_issues() if i.id == "celery_outbox.E001"]
         assert "relay_batch_sise" in issue.msg
+
+
+@pytest.mark.parametrize("django_setting", [
+    {"OUTBOX": {"postgresql://app:pw-Never-Shown-9@db/app": 1}},  # a URL pasted as a key
+    {"OUTBOX_NAMESPACE": "postgresql://app:pw-Never-Shown-9@db/app"},  # a URL pasted into the wrong setting
+    {"OUTBOX_CRASH_POINTS": "after_mark@postgresql://app:pw-Never-Shown-9@db/app"},
+])
+def test_a_misplaced_password_is_never_in_a_check_message(django_setting: dict[str, Any]) -> None:
+    # Given a URL with a password where settings.py expects something else
+    with override_settings(**django_setting):
+        [issue] = [i for i in outbox_issues() if i.id == "celery_outbox.E001"]
+    # Then manage.py check reports it, without the password
+    assert "pw-Never-Shown" not in issue.msg and "***" in issue.msg, issue.msg
 
 
 def test_a_route_to_an_unknown_consumer_is_reported(outbox: DjangoOutbox) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from celery_outbox.config.masking import mask_url
+from celery_outbox.config.masking import bounded_repr, mask_url
 from celery_outbox.errors import ConfigError
 from celery_outbox.settings import Settings
 
@@ -34,7 +34,7 @@ def _django_values(django_settings: Any) -> dict[str, Any]:
         for key, value in block.items():
             name = str(key).lower()
             if not isinstance(key, str) or name not in fields:
-                raise ConfigError(f"settings.OUTBOX has an unknown key {str(key)[:80]!r} "
+                raise ConfigError(f"settings.OUTBOX has an unknown key {bounded_repr(str(key))} "
                                   f"(known: {', '.join(sorted(fields))})")
             values[name] = value
     for attr in sorted(set(dir(django_settings))):  # set: an override_settings dir() lists a name twice
@@ -66,7 +66,7 @@ def outbox_settings(*, environ: Mapping[str, str] | None = None, **overrides: An
     > defaults. A text value in settings.py (``os.environ["..."]``) is read as the environment variable would be."""
     from django.conf import settings as django_settings
 
-    from celery_outbox.config.rules import Invalid
+    from celery_outbox.config.rules import Invalid, clause
 
     rules = Settings.RULES
     values: dict[str, Any] = {}
@@ -76,7 +76,7 @@ def outbox_settings(*, environ: Mapping[str, str] | None = None, **overrides: An
             try:
                 value = rules[name].parse(value)
             except Invalid as e:
-                errors.append(f"OUTBOX_{name.upper()} {e}, got {rules[name].shown(value)}")
+                errors.append(clause(f"OUTBOX_{name.upper()}", str(e), value, rules[name]))
                 continue
         values[name] = value
     if errors:
