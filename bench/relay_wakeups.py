@@ -14,7 +14,8 @@ at each offered rate for ``--seconds``, waits until the outbox is drained, and r
   confirm);
 - orders per batch (a batch stamps its rows with one ``published_at_ms``: distinct stamps);
 - commit -> published latency per row (``published_at_ms - created_at_ms``: the relay stamps the row
-  after the broker confirmed it), p50 / p99.
+  after the broker confirmed it, or, since issue #38, a drain's first batch at its claim, committed after
+  the confirm: a few ms earlier, so compare this figure only between trees that stamp alike), p50 / p99.
 
 Variants run interleaved in every round (a fresh relay process each): ``--gather-ms`` values of this
 tree's relay (``OUTBOX_RELAY_GATHER_MS``) and, with ``--baseline-src DIR``, the relay of another source

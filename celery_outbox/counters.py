@@ -62,7 +62,8 @@ def striped_increment_ctes(table: str, *, amount: str, param: Callable[[str], st
     expression; nothing when it is not > 0) to counter ``(scope, name)``, stripes ``stripe``
     (``stripe_prefix``), without ever waiting for another transaction's row lock. ``table`` is quoted;
     ``param`` spells a bound parameter (SQLAlchemy's ``:name``; ``"%({})s".format`` for a DB-API cursor).
-    Only ``name`` itself and ``name#<digits>`` are its rows, as ``base_name`` reads them."""
+    Only ``name`` itself and ``name#<digits>`` are its rows, as ``base_name`` reads them. ``bumped`` and
+    ``added`` return the ``name`` of the row the amount went to (the relay's claim reads it: relay/queries.py)."""
     scope, name, stripe = param("scope"), param("name"), f"CAST({param('stripe')} AS text)"
     return (
         f"slot AS (SELECT name FROM {table} WHERE consumer = {scope} "
@@ -70,11 +71,11 @@ def striped_increment_ctes(table: str, *, amount: str, param: Callable[[str], st
         f"AND substr(name, length({stripe}) + 1) ~ '^[0-9]+$')) AND {amount} > 0 "
         f"ORDER BY name LIMIT 1 FOR UPDATE SKIP LOCKED), "
         f"bumped AS (UPDATE {table} AS c SET value = c.value + {amount} FROM slot "
-        f"WHERE c.consumer = {scope} AND c.name = slot.name RETURNING 1), "
+        f"WHERE c.consumer = {scope} AND c.name = slot.name RETURNING c.name), "
         f"added AS (INSERT INTO {table} (consumer, name, value) "
         f"SELECT {scope}, {stripe} || txid_current()::text, {amount} "
         f"WHERE {amount} > 0 AND NOT EXISTS (SELECT 1 FROM bumped) "
-        f"ON CONFLICT (consumer, name) DO UPDATE SET value = {table}.value + EXCLUDED.value RETURNING 1)"
+        f"ON CONFLICT (consumer, name) DO UPDATE SET value = {table}.value + EXCLUDED.value RETURNING name)"
     )
 
 

@@ -19,6 +19,9 @@ from celery_outbox.errors import ConfigError
 KNOWN = frozenset({
     "after_order_commit",
     "after_enqueue_commit",  # an application process that enqueued tasks (tests/chaos/test_task_crashes.py)
+    # On Postgres a drain's first batch is stamped published by its claim, in the transaction that commits after
+    # the confirm (relay/dispatch.py): killed at either point below, that transaction dies uncommitted, so the
+    # rows are pending as before, and "before mark" means before the COMMIT that marks them.
     "after_claim_before_publish",
     "after_publish_before_mark",
     # the pipelined relay (relay/loop.py): batch N on the wire, unconfirmed and unmarked, batch N+1 claimed

@@ -11,6 +11,14 @@ marks them, so concurrent relays take disjoint rows. On SQLite (a single relay b
 transaction is committed before publishing so the database's one write lock is not held across
 broker I/O.
 
+On Postgres, a batch claimed with nothing of its relay in flight is stamped published by its claim
+(``queries.claim_mark_pg``: one statement claims, stamps, counts and reads the next due time), and its
+transaction commits only after the broker confirmed it: what is committed is still publish first, mark
+after, and a crash or a failed publish rolls the stamp back (the rows stay pending, published again).
+Rows the broker did not take are given back (``queries.unstamp_pg``) and then charged, held or
+dead-lettered as ``mark_rows`` does, in that same transaction; a batch confirmed more than
+``STAMP_SLACK_MS`` after its claim is stamped again at its confirm time.
+
 One module, though long: claim, send, finish and mark are the relay's one ordered step (publish first, mark
 after) and share the claimed rows' shape; the steps stay public here so a test can assemble the wrong order on
 purpose.
@@ -42,6 +50,11 @@ from celery_outbox.settings import Settings
 from celery_outbox.sql import translates_schema
 
 log = logging.getLogger("celery_outbox.relay.dispatch")
+
+# A batch stamped at its claim (``claim_batch``) whose confirm came later than this is stamped again at its
+# confirm time: a row's ``published_at_ms`` is never more than this before the broker had the message (the
+# reconciler's publish skew adds it: relay/loop.py ``publish_skew_ms``), nor before its claim.
+STAMP_SLACK_MS = 100
 
 class CrashPointsLike(Protocol):
     def reached(self, name: str) -> None: ...
@@ -135,6 +148,25 @@ def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables,
                        created_at_ms=created_at_ms, attempts=attempts)
             for seq, message_id, type_, payload, headers, created_at_ms, attempts in result
         ]
+
+
+def claimed_and_stamped(session: Session, sql: str, now_ms: int, limit: int) -> tuple[list[ClaimedRow], int | None,
+                                                                                  str | None]:
+    """Postgres: claim up to ``limit`` due rows and stamp them published at ``now_ms`` in one statement
+    (``queries.claim_mark_pg``, compiled ``sql``), in the session's transaction (the caller commits only
+    after the broker confirmed them). Returns the rows, the next due time of the other pending rows and the
+    counter row the count went to."""
+    with wrap_driver_errors("claiming due outbox rows"):
+        result = session.connection().exec_driver_sql(sql, {
+            "now_ms": now_ms, "claim_limit": limit, "scope": counters.RELAY, "name": counters.PUBLISHED,
+            "stripe": counters.stripe_prefix(counters.PUBLISHED)}).all()
+    due, stripe = result[0][0], result[0][1]
+    rows = [
+        ClaimedRow(seq=seq, message_id=message_id, type=type_, payload=payload, headers=dict(headers or {}),
+                   created_at_ms=created_at_ms, attempts=attempts)
+        for _, _, seq, message_id, type_, payload, headers, created_at_ms, attempts in result if seq is not None
+    ]
+    return rows, None if due is None else int(due), None if stripe is None else str(stripe)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -410,6 +442,40 @@ def mark_rows(session: Session, now_ms: int, config: RelayConfig, *, published: 
                   next_due_read=due_read)
 
 
+def settle_stamped(claimed: Claimed, now_ms: int, config: RelayConfig, *, published: Sequence[ClaimedRow],
+                   failed: Mapping[int, tuple[ClaimedRow, str]], dead_now: Mapping[int, tuple[ClaimedRow, str]],
+                   held: Sequence[tuple[ClaimedRow, str]], held_until_ms: int) -> Marked:
+    """``mark_rows`` for a batch its claim stamped published (``claimed.stamped_at_ms``), at ``now_ms``, after
+    the broker's answer; the caller commits.
+
+    Every row published and confirmed within ``STAMP_SLACK_MS`` of the claim: nothing to run, the claim
+    did it all. Otherwise ONE statement (``queries.unstamp_pg``) gives the other rows their pending state
+    back (and takes them off the ``published`` counter) and, for a late confirm, stamps the published rows
+    at ``now_ms``; then the failed, dead and held rows are charged, dead-lettered or held exactly as
+    ``mark_rows`` does. The next due time is the claim's, or earlier when a row given back is due sooner.
+    """
+    statements = config.statements
+    assert statements is not None and statements.unstamp is not None and claimed.stamped_at_ms is not None
+    back = [r.seq for r, _ in failed.values()] + [r.seq for r, _ in dead_now.values()] + [r.seq for r, _ in held]
+    keep = [r.seq for r in published] if now_ms - claimed.stamped_at_ms > STAMP_SLACK_MS else []
+    session = claimed.session
+    if back or keep:
+        with wrap_driver_errors("giving back outbox rows the broker did not take"):
+            session.connection().execute(statements.unstamp, {
+                "ids": back, "keep": keep, "done": now_ms, "stamped": claimed.stamped_at_ms,
+                "scope": counters.RELAY, "stripe": claimed.stripe}).one()
+    m = mark_rows(session, now_ms, config, published=(), failed=failed, dead_now=dead_now, held=held,
+                  held_until_ms=held_until_ms)
+    dues = [now_ms + backoff_ms(r.attempts + 1, base_delay_ms=config.base_delay_ms, max_delay_ms=config.max_delay_ms)
+            for r, _ in failed.values() if r.attempts + 1 < config.max_attempts]
+    if held:
+        dues.append(held_until_ms)
+    if claimed.result.next_due_ms is not None:
+        dues.append(claimed.result.next_due_ms)
+    return Marked(marked=len(published), failed=m.failed, dead_lettered=m.dead_lettered,
+                  next_due_ms=min(dues) if dues else None, next_due_read=True)
+
+
 def start_publish(publisher: Publisher, messages: Sequence[TaskMessage]) -> Callable[[], PublishReport]:
     """Put ``messages`` on the wire and return the call that waits for the broker's answer.
 
@@ -435,6 +501,10 @@ class Claimed:
     result: BatchResult
     limit: int
     recheck_ms: int = 0  # held rows are due again this long after the batch is marked
+    # Postgres: the claim stamped its rows published at this time (``queries.claim_mark_pg``; None: not
+    # stamped, the batch is marked after its confirm) and counted them on the counter row ``stripe``.
+    stamped_at_ms: int | None = None
+    stripe: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -457,7 +527,8 @@ def _abort(session: Session, spans: tracing.RelaySpans, e: BaseException) -> Non
 
 
 def claim_batch(session: Session, clock: Clock, config: RelayConfig, *, limit: int,
-                registry_cache: RegistryCache | None = None, read_next_due: bool = False) -> Claimed:
+                registry_cache: RegistryCache | None = None, read_next_due: bool = False,
+                stamp: bool = True) -> Claimed:
     """Claim up to ``limit`` due rows (earliest due first, then seq) and build their broker messages (nothing is sent).
 
     An empty claim is committed at once. On SQLite the read transaction is committed before
@@ -469,6 +540,13 @@ def claim_batch(session: Session, clock: Clock, config: RelayConfig, *, limit: i
     time (``BatchResult.next_due_ms``) in its own transaction, before its commit: the standalone relay
     sleeps until then without a session and a query of its own (relay/loop.py). Only valid when no batch
     of the same relay is in flight (its rows still look pending): the loop asks for it on a drain's first claim.
+
+    With ``stamp`` (and ``config.statements.claim_mark_sql``: Postgres through a libpq driver), the claim also
+    stamps its rows published, counts them and reads the next due time, empty or not (``claimed_and_stamped``;
+    ``finish_batch`` then only commits, or gives back what the broker did not take). Only for a batch sent
+    right after its claim with no batch of the same relay in flight: its stamp is its send time within
+    ``STAMP_SLACK_MS`` and its next due time is what the relay sleeps for. Otherwise rows are marked after
+    their confirm.
     """
     tables, routes, namespace, hold, statements = (config.tables, config.routes, config.namespace, config.hold,
                                                    config.statements)
@@ -476,10 +554,17 @@ def claim_batch(session: Session, clock: Clock, config: RelayConfig, *, limit: i
     spans = tracing.NO_RELAY_SPANS
     try:
         now = clock.now_ms()
-        rows = claim_due(session, now, limit, tables=tables, statements=statements)
+        stamped_sql = _driver_sql(session.connection(), statements.claim_mark_sql) \
+            if stamp and statements is not None and statements.claim_mark_sql is not None else None
+        stripe: str | None = None
+        if stamped_sql is not None:
+            rows, due, stripe = claimed_and_stamped(session, stamped_sql, now, limit)
+            result.next_due_ms, result.next_due_read = due, True
+        else:
+            rows = claim_due(session, now, limit, tables=tables, statements=statements)
         result.claimed = len(rows)
         held = held_rows(session, rows, now, hold=hold, tables=tables, cache=registry_cache) if rows else {}
-        if not rows and read_next_due and statements is not None:
+        if not rows and read_next_due and statements is not None and not result.next_due_read:
             with wrap_driver_errors("reading the next due time"):
                 due = session.connection().execute(statements.next_due).scalar()
             result.next_due_ms, result.next_due_read = None if due is None else int(due), True
@@ -491,7 +576,8 @@ def claim_batch(session: Session, clock: Clock, config: RelayConfig, *, limit: i
         built = spans.build(rows, lambda rs: build_messages(rs, routes=routes, namespace=namespace,
                                                            max_message_bytes=config.max_message_bytes, held=held))
         return Claimed(session=session, rows=rows, built=built, spans=spans, result=result, limit=limit,
-                       recheck_ms=0 if hold is None else hold.recheck_ms)
+                       recheck_ms=0 if hold is None else hold.recheck_ms,
+                       stamped_at_ms=now if stamped_sql is not None else None, stripe=stripe)
     except BaseException as e:
         _abort(session, spans, e)
         raise
@@ -502,6 +588,7 @@ def _broker_down(claimed: Claimed, e: BrokerUnavailableError, clock: Clock, conf
     """Leave every row of the batch as it was (pending, no attempt charged) and trip the breaker."""
     session, result = claimed.session, claimed.result
     session.rollback()
+    result.next_due_ms, result.next_due_read = None, False  # a stamped claim's reading left its own rows out
     result.broker_unavailable = True
     result.error = str(e)
     result.duplicates_risked = len(claimed.rows) - len(claimed.built.unpublishable)
@@ -560,8 +647,12 @@ def finish_batch(flight: InFlight, clock: Clock, config: RelayConfig, *, breaker
                      if i not in built.unpublishable and i not in rejected_rows and i not in built.held]
         dead_now = {i: (rows[i], why) for i, why in built.unpublishable.items()}
         held = [(rows[i], f"waiting for a worker that runs {why}") for i, why in built.held.items()]
-        m = mark_rows(session, done, config, published=published, failed=rejected_rows, dead_now=dead_now, count=True,
-                      held=held, held_until_ms=done + claimed.recheck_ms)
+        if claimed.stamped_at_ms is None:
+            m = mark_rows(session, done, config, published=published, failed=rejected_rows, dead_now=dead_now,
+                          count=True, held=held, held_until_ms=done + claimed.recheck_ms)
+        else:
+            m = settle_stamped(claimed, done, config, published=published, failed=rejected_rows, dead_now=dead_now,
+                               held=held, held_until_ms=done + claimed.recheck_ms)
         marked, result.failed, result.dead_lettered = m.marked, m.failed, m.dead_lettered
         result.next_due_ms, result.next_due_read = m.next_due_ms, m.next_due_read
         result.held = len(held)

@@ -52,6 +52,7 @@ from celery_outbox.relay import lease
 from celery_outbox.relay.adaptive import AdaptiveBatch, CommitRate
 from celery_outbox.relay.breaker import CircuitBreaker
 from celery_outbox.relay.dispatch import (
+    STAMP_SLACK_MS,
     BatchResult,
     Claimed,
     CrashPointsLike,
@@ -355,8 +356,11 @@ class RelayLoop:
 
     def _claim_next(self, *, first: bool = False) -> Claimed | BatchResult:
         """Claim and build the next batch on a session of its own (the caller closes it). The ``first`` claim of
-        a drain, when empty, reads the next due time in its transaction (no batch of ours is in flight then,
-        so the pending rows it sees are what the loop sleeps for): the wait needs no query of its own."""
+        a drain reads the next due time in its transaction (no batch of ours is in flight then, so the pending
+        rows it sees are what the loop sleeps for): the wait needs no query of its own. On Postgres it also
+        stamps its rows published in that same statement (``dispatch.claim_batch``'s ``stamp``: committed only
+        after the confirm); a claim made while a batch is in flight is marked after its own confirm, because
+        it is sent only after that batch is done."""
         now = self.clock.now_ms()
         if not self.breaker.allow(now):
             return BatchResult(broker_unavailable=True, breaker_open=True, error=self.breaker.last_error)
@@ -364,7 +368,7 @@ class RelayLoop:
         session = self.session_factory()
         try:
             return claim_batch(session, self.clock, self.config, limit=self.breaker.batch_limit(now, self.sizer.size),
-                               registry_cache=self._registry_cache, read_next_due=first)
+                               registry_cache=self._registry_cache, read_next_due=first, stamp=first)
         except BaseException:
             session.close()
             raise
@@ -593,8 +597,9 @@ class RelayLoop:
 
     @property
     def publish_skew_ms(self) -> int:
-        """The longest a published row can be marked after a later one was sent: the publish timeout."""
-        return round(self.settings.relay_publish_timeout_s * 1000)
+        """The longest a published row can be marked after a later one was sent: the publish timeout, plus
+        how long before its send a row stamped at its claim can be marked (``dispatch.STAMP_SLACK_MS``)."""
+        return round(self.settings.relay_publish_timeout_s * 1000) + STAMP_SLACK_MS
 
     def reconcile_if_due(self) -> ReconcileResult | None:
         """One reconcile pass (relay/reconcile.py) when this process wins the ``reconcile`` lease.

@@ -1,6 +1,7 @@
 """The relay's SQL: due pending rows, earliest due first then in seq order (served by the partial index
-``ix_outbox_due``), the next due time the relay sleeps until, and the Postgres mark that stamps a
-batch, counts it and reads the next due time in one statement."""
+``ix_outbox_due``), the next due time the relay sleeps until, the Postgres mark that stamps a
+batch, counts it and reads the next due time in one statement, and the Postgres claim that does all of
+that as it claims (``claim_mark_pg``), with the statement that puts back what the broker did not take."""
 
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ class RelayStatements:
     # type processing; the same statement, round trip and statement events). None: run ``claim``/``mark``.
     claim_sql: str | None = None
     mark_sql: str | None = None
+    # The claim that also stamps, counts and reads the next due time (``claim_mark_pg``), compiled once; None:
+    # not Postgres through a libpq driver, and the relay claims and marks in two statements.
+    claim_mark_sql: str | None = None
+    unstamp: sa.TextClause | None = None  # ``unstamp_pg`` (Postgres): the rare path after ``claim_mark_sql``
 
     @classmethod
     def build(cls, tables: Tables, dialect: sa.Dialect) -> RelayStatements:
@@ -82,7 +87,9 @@ class RelayStatements:
         driver = postgres and dialect.driver in LIBPQ_DRIVERS
         return cls(claim=claim, mark=mark, next_due=next_due(tables),
                    claim_sql=str(claim.compile(dialect=dialect)) if driver else None,
-                   mark_sql=str(mark.compile(dialect=dialect)) if driver and mark is not None else None)
+                   mark_sql=str(mark.compile(dialect=dialect)) if driver and mark is not None else None,
+                   claim_mark_sql=str(claim_mark_pg(tables, dialect).compile(dialect=dialect)) if driver else None,
+                   unstamp=unstamp_pg(tables, dialect) if postgres else None)
 
 
 def next_due(tables: Tables) -> sa.Select[Any]:
@@ -121,3 +128,56 @@ def mark_published_pg(tables: Tables, dialect: sa.Dialect) -> sa.TextClause:
         f"SELECT (SELECT n FROM m), (SELECT min(next_attempt_at_ms) FROM {outbox} "
         f"WHERE {PENDING_SQL} AND seq <> ALL(:ids))"
     ).bindparams(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)))
+
+
+def claim_mark_pg(tables: Tables, dialect: sa.Dialect) -> sa.TextClause:
+    """Postgres: claim up to ``:claim_limit`` due rows (``due_pending``'s rows, order, index and ``SKIP LOCKED``),
+    stamp them published at ``:now_ms``, add them to the relay's ``published`` counter and read the next due
+    time, in ONE statement (data-modifying CTEs), in the transaction that commits only after the broker
+    confirmed them (relay/dispatch.py ``claim_batch``: nothing commits before the confirm, so a crash or a
+    failed publish rolls the stamp back and the rows stay pending).
+
+    Rows: ``(next_due, stripe, <CLAIM_COLUMNS>)`` in claim order, one row of NULL columns after ``stripe``
+    when nothing was due. ``next_due``: the earliest ``next_attempt_at_ms`` of the pending rows but the
+    claimed ones (NULL when none), what ``next_due`` answers once the batch commits with every row published;
+    ``stripe``: the counter row the count went to (``counters.striped_increment_ctes``), which
+    ``unstamp_pg`` takes back from. Parameters: ``now_ms``, ``claim_limit``, ``scope``, ``name``, ``stripe``
+    (``counters.stripe_prefix(name)``).
+    """
+    quote = dialect.identifier_preparer.format_table
+    outbox, table = quote(tables.table(tables.outbox)), quote(tables.table(tables.counters))
+    cols = ", ".join(f"o.{name}" for name in CLAIM_COLUMNS)
+    out = ", ".join(f"marked.{name}" for name in CLAIM_COLUMNS)
+    return sa.text(
+        f"WITH c AS (SELECT seq FROM {outbox} WHERE {PENDING_SQL} AND next_attempt_at_ms <= :now_ms "
+        f"ORDER BY next_attempt_at_ms, seq LIMIT :claim_limit FOR UPDATE SKIP LOCKED), "
+        f"marked AS (UPDATE {outbox} AS o SET published_at_ms = :now_ms FROM c WHERE o.seq = c.seq "
+        f"RETURNING {cols}, o.next_attempt_at_ms AS due_at), "
+        f"m AS (SELECT count(*) AS n FROM marked), "
+        f"{counters.striped_increment_ctes(table, amount='(SELECT n FROM m)')}, "
+        f"head AS (SELECT (SELECT min(next_attempt_at_ms) FROM {outbox} "
+        f"WHERE {PENDING_SQL} AND seq <> ALL(ARRAY(SELECT seq FROM c))) AS next_due, "
+        f"(SELECT name FROM bumped UNION ALL SELECT name FROM added LIMIT 1) AS stripe) "
+        f"SELECT head.next_due, head.stripe, {out} FROM head LEFT JOIN marked ON true "
+        f"ORDER BY marked.due_at, marked.seq"
+    ).bindparams(sa.bindparam("now_ms", type_=sa.BigInteger), sa.bindparam("claim_limit", type_=sa.Integer))
+
+
+def unstamp_pg(tables: Tables, dialect: sa.Dialect) -> sa.TextClause:
+    """Postgres, after ``claim_mark_pg``: give the rows ``:ids`` their stamp ``:stamped`` back (pending again:
+    the broker rejected them, they are held or can never be published; the caller then charges, holds or
+    dead-letters them as ``dispatch.mark_rows`` does), stamp the rows ``:keep`` at ``:done`` instead (a batch
+    whose confirm came late: relay/dispatch.py ``STAMP_SLACK_MS``), and take the rows given back off the
+    counter row ``:stripe`` (scope ``:scope``) this transaction added them to. Returns how many were given back.
+    """
+    quote = dialect.identifier_preparer.format_table
+    outbox, table = quote(tables.table(tables.outbox)), quote(tables.table(tables.counters))
+    return sa.text(
+        f"WITH fixed AS (UPDATE {outbox} SET published_at_ms = CASE WHEN seq = ANY(:keep) THEN "
+        f"CAST(:done AS bigint) END WHERE (seq = ANY(:ids) OR seq = ANY(:keep)) AND published_at_ms = :stamped "
+        f"RETURNING published_at_ms), "
+        f"back AS (SELECT count(*) AS n FROM fixed WHERE published_at_ms IS NULL), "
+        f"taken AS (UPDATE {table} SET value = value - (SELECT n FROM back) "
+        f"WHERE consumer = :scope AND name = :stripe AND (SELECT n FROM back) > 0 RETURNING 1) "
+        f"SELECT n, (SELECT count(*) FROM taken) FROM back"
+    ).bindparams(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)), sa.bindparam("keep", type_=ARRAY(sa.BigInteger)))

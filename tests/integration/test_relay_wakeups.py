@@ -19,7 +19,8 @@ from celery_outbox.clock import ManualClock
 from celery_outbox.messages import TASK_KIND
 from celery_outbox.relay.dispatch import ClaimedRow, RegistryCache, RelayConfig, claim_due, held_rows, mark_rows
 from celery_outbox.relay.loop import GATHER_MIN_COMMITS, RelayLoop
-from celery_outbox.relay.queries import due_pending, mark_published_pg, next_due
+from celery_outbox.relay.queries import claim_mark_pg, next_due
+from celery_outbox.schema import PENDING_SQL
 from celery_outbox.testing.memory import InMemoryPublisher
 from celeryconfig import Settings
 from tests.outbox_rows import insert_pending
@@ -275,7 +276,7 @@ class Recorder:
         self.ends.append("ROLLBACK")
 
 
-def test_a_wake_up_that_publishes_one_commit_runs_the_claim_and_the_mark_in_one_transaction_and_nothing_else(
+def test_a_wake_up_that_publishes_one_commit_runs_one_statement_that_claims_and_marks_in_one_transaction(
         pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock,
         tables: Tables) -> None:
     # Given a relay with the deploy hold on (workers register) that has run once: its leases are claimed,
@@ -300,16 +301,17 @@ def test_a_wake_up_that_publishes_one_commit_runs_the_claim_and_the_mark_in_one_
                    payload=task_body)
     with Recorder(pg_engine) as seen:
         wake_up()
-    # Then it published them with BEGIN, the claim, the mark (which also counts and reads the next due
-    # time) and COMMIT: no second transaction, no registry read, no next-due query, no lease statement.
-    # A statement that comes back fails here.
-    assert seen.kinds == ["claim", "mark"]
+    # Then it published them with BEGIN, the claim (which also stamps, counts and reads the next due time:
+    # ``queries.claim_mark_pg``) and COMMIT: no mark of its own, no second transaction, no registry read, no
+    # next-due query, no lease statement. A statement that comes back fails here.
+    assert seen.kinds == ["claim"]
+    assert seen.statements[0] is loop.config.statements.claim_mark_sql  # type: ignore[union-attr]
     assert seen.ends == ["BEGIN", "COMMIT"]
     assert (loop.stats.published, loop._registry_cache is not None and loop._registry_cache.hits) == (6, 1)
     loop.close()
 
 
-def test_a_wake_up_that_finds_nothing_runs_the_claim_and_the_due_time_read_in_one_transaction(
+def test_a_wake_up_that_finds_nothing_runs_one_statement_that_claims_and_reads_the_due_time(
         pg_engine: sa.Engine, pg_sessions: sessionmaker[Session], pg_url: str, tmp_path: Path, clock: ManualClock,
         tables: Tables) -> None:
     # Given a relay that has run once (its leases claimed) and a row held for 3 s, nothing due
@@ -323,8 +325,8 @@ def test_a_wake_up_that_finds_nothing_runs_the_claim_and_the_due_time_read_in_on
         assert loop.drain_once().claimed == 0
         loop.periodic_jobs()
         wait = loop._until_due_s()
-    # Then BEGIN, the claim, the next due time, COMMIT: no second session for the due time
-    assert seen.kinds[0] == "claim" and seen.kinds[1].startswith("SELECT MIN(") and len(seen.kinds) == 2
+    # Then BEGIN, the claim (which read the next due time), COMMIT: no query and no session for the due time
+    assert seen.kinds == ["claim"]
     assert seen.ends == ["BEGIN", "COMMIT"]
     assert wait == 3.0
     loop.close()
@@ -337,23 +339,23 @@ def test_the_relay_builds_its_claim_and_mark_once_not_per_wake_up(
     loop = RelayLoop(settings=settings(tmp_path, pg_url), tables=tables, session_factory=pg_sessions,
                      publisher=InMemoryPublisher(), clock=clock, listen=False)
     # When two wake-ups each claim and mark a commit's rows
-    claims, marks = [], []
+    claims = []
     for _ in range(2):
         insert_pending(pg_sessions, clock.now_ms(), 2, tables=tables)
         with Recorder(pg_engine) as seen:
             assert loop.drain_once().published == 2
-        assert seen.kinds == ["claim", "mark"]
+        assert seen.kinds == ["claim"]
         claims.append(seen.statements[0])
-        marks.append(seen.statements[1])
-    # Then both ran the same SQL text, compiled once for the relay (``RelayStatements.claim_sql``/``mark_sql``:
-    # no statement built, no cache key computed and no compile-cache lookup per wake-up), and it is the SQL
-    # of due_pending and mark_published_pg
-    assert claims[0] is claims[1] and marks[0] is marks[1]
+    # Then both ran the same SQL text, compiled once for the relay (``RelayStatements.claim_mark_sql``: no
+    # statement built, no cache key computed and no compile-cache lookup per wake-up), and it is the SQL of
+    # claim_mark_pg, whose claim is due_pending's (the partial index's predicate word for word, its order,
+    # limit and SKIP LOCKED)
+    assert claims[0] is claims[1]
     dialect = pg_engine.dialect
-    assert claims[0].replace("now_ms", "p1").replace("claim_limit", "p2") == str(
-        due_pending(1, 2, tables=tables, skip_locked=True).compile(dialect=dialect)).replace(
-        "next_attempt_at_ms_1", "p1").replace("param_1", "p2")
-    assert marks[0] == str(mark_published_pg(tables, dialect).compile(dialect=dialect))
+    assert claims[0] == str(claim_mark_pg(tables, dialect).compile(dialect=dialect))
+    outbox = dialect.identifier_preparer.format_table(tables.table(tables.outbox))
+    assert (f"SELECT seq FROM {outbox} WHERE {PENDING_SQL} AND next_attempt_at_ms <= %(now_ms)s ORDER BY "
+            "next_attempt_at_ms, seq LIMIT %(claim_limit)s FOR UPDATE SKIP LOCKED") in claims[0]
     loop.close()
 
 
