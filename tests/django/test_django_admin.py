@@ -18,6 +18,7 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 from django.apps import apps
+from django.contrib.admin import helpers
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.management import create_permissions
 from django.contrib.auth.models import Permission, User
@@ -236,6 +237,34 @@ def test_an_id_with_blanks_around_it_names_no_dead_letter(root: Client, sa_sessi
             r = root.get(detail(pk).replace(f"/{pk}/", f"/{padded}/"), follow=True)
             # Then the admin says it does not exist, as the CLI and the Flask page refuse it (docs/operations.md)
             assert error not in html(r) and "doesn" in notes(r).replace("\u2019", "'")
+
+
+@pytest.mark.parametrize("query", ["consumer=%00", "consumer=a%00b", "q=%00", "q=a%00", "replayed=%00", "%00=1"])
+def test_a_filter_no_column_can_hold_is_a_400_not_a_500(root: Client, sa_sessions: sessionmaker[Session],
+                                                         tables: Tables, query: str) -> None:
+    # Given a consumer dead letter
+    consumer_dead_letter(sa_sessions, tables, body=json.dumps(envelope()))
+    root.raise_request_exception = False
+    # When a list is filtered or searched with NUL (Postgres refuses it in a query)
+    for page in (CONSUMER_LIST, OUTBOX_LIST):
+        r = root.get(f"{page}?{query}")
+        # Then the client's error is a 400, never the 500 of a refused query
+        assert r.status_code == 400, (page, query, r.status_code)
+
+
+@pytest.mark.parametrize("selected", ["", "abc", "1.0", " 1", "\u0661", "9" * 30, "-1"])
+@pytest.mark.parametrize("action", ["replay_dead_letters", "purge_dead_letters"])
+def test_an_action_on_an_id_that_is_not_one_is_a_400_and_changes_nothing(
+        root: Client, sent: Sent, sa_sessions: sessionmaker[Session], tables: Tables, action: str,
+        selected: str) -> None:
+    # Given a consumer dead letter
+    cid = consumer_dead_letter(sa_sessions, tables, body=json.dumps(envelope()))
+    root.raise_request_exception = False
+    # When an action is posted for it and for a value that is no id (Django's action reads ids with int())
+    r = root.post(CONSUMER_LIST, {"action": action, helpers.ACTION_CHECKBOX_NAME: [str(cid), selected], "post": "yes"})
+    # Then a 400, nothing sent, the dead letter kept and not replayed
+    assert r.status_code == 400, r.status_code
+    assert sent == [] and ConsumerDeadLetter.objects.get(id=cid).replayed_at_ms is None
 
 
 # -- replay -------------------------------------------------------------------------------------------
