@@ -10,7 +10,6 @@ replayed and committed (``ReplayProgress``), so the CLI can render a bar without
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +19,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from celery_outbox.clock import Clock
-from celery_outbox.errors import NotFoundError, ValidationError
+from celery_outbox.errors import MalformedMessageError, NotFoundError, ValidationError
 from celery_outbox.inbox.task_keys import is_task_key
+from celery_outbox.messages import decode_json
 from celery_outbox.schema import DeadLetterRow, OutboxRow, Tables
 
 Source = Literal["outbox", "consumer"]
@@ -132,10 +132,12 @@ def _from_outbox(row: OutboxRow) -> DeadLetter:
 
 
 def _decode_body(body: str) -> Any:
-    """The consumer store keeps the raw body; show the envelope's payload when it parses."""
+    """The consumer store keeps the raw body; show the envelope's payload when it is JSON by the consumers' own
+    rules (``decode_json``), else the raw text. A body with NaN or Infinity (which ``json.loads`` takes) stays
+    text: decoded, it would make ``--json`` print ``NaN``, which is not JSON, and break every parser of it."""
     try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):  # not JSON, or nested past the decoder's limit: show it raw
+        data = decode_json(body, what="dead letter body")
+    except MalformedMessageError:  # not JSON, not strict JSON, or nested past the limit: show it raw
         return body
     if isinstance(data, dict) and "payload" in data:
         return data["payload"]

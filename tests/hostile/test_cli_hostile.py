@@ -4,6 +4,7 @@ dead letter than the one named, never the database password."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import sys
@@ -314,3 +315,29 @@ def test_a_misplaced_argument_is_repeated_masked_and_printable(tmp_path: Path, t
     # Then click's usage error repeats it without the password and without the escape
     assert r.exit_code == 2 and "Error: " in r.output, r.output
     assert PASSWORD not in r.output and "\x1b" not in r.output and "Traceback" not in r.output, r.output
+
+
+def strict_json(text: str) -> Any:
+    """JSON as every other parser reads it: NaN and Infinity are not JSON."""
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("body", ['{"message_id": "m", "payload": NaN}', '{"payload": [Infinity, -Infinity]}',
+                                  '{"payload": 1e400}', "NaN", '{"payload": {"a": ' * 100 + "1" + "}" * 100 + "}"])
+def test_json_output_is_json_whatever_a_dead_letter_body_holds(sqlite_url: str, tmp_home: Path, namespace: str,
+                                                               tables: Tables, body: str) -> None:
+    # Given a consumer dead letter whose body Python's json reads but no strict parser does (or nested deep)
+    engine = make_engine(sqlite_url)
+    with make_session_factory(engine)() as s:
+        cid = consumer_dead_letter(s, tables=tables, consumer="billing", body=body)
+    engine.dispose()
+    env = base_env(tmp_home, namespace, sqlite_url)
+    # When a machine reads the dead letters
+    listed = run(env, "dead-letters", "list", "--json")
+    shown = run(env, "dead-letters", "show", f"consumer:{cid}", "--json")
+    # Then each output is JSON a strict parser reads, the body shown as its raw text
+    assert listed.exit_code == 0 and shown.exit_code == 0
+    assert [d["payload"] for d in strict_json(listed.output)] == [body]
+    assert strict_json(shown.output)["payload"] == body
