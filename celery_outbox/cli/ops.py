@@ -273,7 +273,7 @@ def _run_summary(report: groups_mod.RunReport) -> str:
         text += f", {report.skipped} skipped (cannot be replayed: see the lines above)"
     if report.archived_to:
         text += f"; archived to {report.archived_to}"
-    return text
+    return printable(text)  # the archive's path as given: a file name need not be text a terminal can take
 
 
 def _replay_group(ctx: click.Context, gid: str, *, dry_run: bool, rate: float, as_json: bool) -> None:

@@ -341,3 +341,24 @@ def test_json_output_is_json_whatever_a_dead_letter_body_holds(sqlite_url: str, 
     assert listed.exit_code == 0 and shown.exit_code == 0
     assert [d["payload"] for d in strict_json(listed.output)] == [body]
     assert strict_json(shown.output)["payload"] == body
+
+
+def test_a_purge_to_an_archive_whose_name_is_not_utf8_reports_what_it_did(
+        sqlite_url: str, tmp_path: Path, tmp_home: Path, namespace: str, tables: Tables) -> None:
+    # Given a group of dead letters, and an archive path with a byte that is not UTF-8 (as a shell passes it)
+    engine = make_engine(sqlite_url)
+    sessions: sessionmaker[Session] = make_session_factory(engine)
+    with sessions() as s:
+        for _ in range(2):
+            consumer_dead_letter(s, tables=tables, consumer="billing", body="{}", error="e")
+        gid = list_groups(s, tables=tables)[0].id
+    archive = tmp_path / "dead-\udcff.jsonl"
+    # When the group is purged to it
+    r = run(base_env(tmp_home, namespace, sqlite_url), "dead-letters", "purge", "--group", gid, "--archive",
+            str(archive), "--yes")
+    # Then the purge says it archived and deleted them (it did), instead of "unexpected UnicodeEncodeError", exit 1
+    assert r.exit_code == 0 and "2 purged" in r.output and "\\udcff" in r.output, r.output
+    assert len(archive.read_bytes().splitlines()) == 2
+    with sessions() as s:
+        assert s.scalar(sa.select(sa.func.count()).select_from(tables.dead_letters)) == 0
+    engine.dispose()
