@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.messages import is_storable
 
 log = logging.getLogger("celery_outbox.tracing")
@@ -488,6 +489,9 @@ def install_tracer_provider(factory: Callable[[], Any]) -> bool:
             return False
         api.trace.set_tracer_provider(factory())
         return True
-    except Exception:
-        log.warning("the tracer provider hook failed; tracing is off in this process", exc_info=True)
+    except Exception as e:  # one line (masked: the hook's text may hold a URL); the traceback only at debug level
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:300]
+        log.warning("the tracer provider hook failed (%s%s); tracing is off in this process", type(e).__name__,
+                    f": {mask_secrets(first)}" if first else "")
+        log.debug("the tracer provider hook's traceback", exc_info=True)
         return False

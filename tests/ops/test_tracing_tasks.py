@@ -4,6 +4,7 @@ every process, the worker's pool processes included."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -137,3 +138,22 @@ def test_a_bad_hook_is_one_clear_error_at_start(no_provider: None, sqlite_sessio
     with pytest.raises(ConfigError, match="'absent' is not a function"):
         Shop(sqlite_sessions, tables, tracer_provider="tests.ops.test_tracing_tasks:absent")
     assert BUILT == []
+
+
+def failing_hook() -> Any:
+    """A hook that raises, its text holding a URL with a password."""
+    raise RuntimeError("exporter at https://otel:hook-Pw-Never-Shown@collector:4318 refused\nsecond line")
+
+
+def test_a_hook_that_raises_is_one_masked_warning_and_tracing_stays_off(
+        no_provider: None, sqlite_sessions: sessionmaker[Session], tables: Tables,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given a hook that raises; When the Outbox is built
+    with caplog.at_level(logging.WARNING, logger="celery_outbox.tracing"):
+        Shop(sqlite_sessions, tables, tracer_provider="tests.ops.test_tracing_tasks:failing_hook")
+    # Then the process runs on without tracing, with one warning line: no traceback, no password
+    assert isinstance(otel_trace.get_tracer_provider(), otel_trace.ProxyTracerProvider)
+    [record] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    message = record.getMessage()
+    assert record.exc_info is None and "\n" not in message and "hook-Pw-Never-Shown" not in message, message
+    assert "RuntimeError" in message and "tracing is off" in message
