@@ -43,14 +43,18 @@ def mask_url(url: str) -> str:
 # password holding ``@`` or ``/`` is hidden whole; a quote or a blank ends the token (a repr, a sentence).
 _URL_CREDENTIALS = re.compile(r"""(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@'"]*):(?P<password>[^\s'"]*)@""")
 _MIN_SCRUBBED = 4  # a shorter password is masked where it stands in its URL, not searched for in the whole text
+# The same, password up to the FIRST ``@`` (or ``;``): in a kombu failover list given as one value the greedy
+# match spans the next URL, and a message quoting part of the value quotes each password on its own.
+_URL_CREDENTIALS_SHORT = re.compile(r"""[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@'"]*:(?P<password>[^\s@'";]*)@""")
 
 
 def mask_secrets(text: str, *, source: str = "") -> str:
     """``text`` with every URL password replaced by ``***``: the one masking of free text (error messages,
     driver errors, command output). ``source``: the value the text was made from (a setting's raw value);
     its URL passwords are also hidden wherever else they appear in ``text`` (a message quoting part of it)."""
-    for found in _URL_CREDENTIALS.finditer(source):
-        password = found.group("password")
+    found = {m.group("password") for pattern in (_URL_CREDENTIALS, _URL_CREDENTIALS_SHORT)
+             for m in pattern.finditer(source)}
+    for password in sorted(found, key=len, reverse=True):  # the longest first: a shorter one may be part of it
         if len(password) >= _MIN_SCRUBBED:
             text = text.replace(password, MASK)
     return _URL_CREDENTIALS.sub(lambda m: f"{m.group('head')}:{MASK}@", text)

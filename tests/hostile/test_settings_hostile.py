@@ -46,6 +46,16 @@ def test_a_url_password_is_never_in_a_configuration_error(key: str, url: str, be
         assert_clean(e, key)
 
 
+@pytest.mark.parametrize("url", URLS)
+def test_each_url_in_each_variable_is_refused_without_its_password(url: str) -> None:
+    # Given each URL shape alone in each OUTBOX_* variable (the property above draws them at random)
+    for key in VARIABLES:
+        try:
+            Settings.from_env({key: url})
+        except ConfigError as e:
+            assert_clean(e, key)
+
+
 @pytest.mark.parametrize("key", VARIABLES)
 def test_a_value_given_in_code_is_refused_without_its_password(key: str) -> None:
     # Given a URL with a password passed in code to a setting that is not a URL (or to one with a bad port)
