@@ -17,7 +17,8 @@ readers add them up (``value``, ``fold``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc
@@ -57,26 +58,48 @@ def base_name(name: str) -> str:
     return base if sep and tail.isdigit() else name
 
 
-def striped_increment_ctes(table: str, *, amount: str, param: Callable[[str], str] = ":{}".format) -> str:
+def striped_increment_ctes(table: str, *, amount: str, param: Callable[[str], str] = ":{}".format,
+                           cte_prefix: str = "") -> str:
     """Postgres: the CTEs ``slot``, ``bumped`` and ``added`` of a WITH statement that adds ``amount`` (a SQL
     expression; nothing when it is not > 0) to counter ``(scope, name)``, stripes ``stripe``
     (``stripe_prefix``), without ever waiting for another transaction's row lock. ``table`` is quoted;
-    ``param`` spells a bound parameter (SQLAlchemy's ``:name``; ``"%({})s".format`` for a DB-API cursor).
+    ``param`` spells a bound parameter (SQLAlchemy's ``:name``; ``"%({})s".format`` for a DB-API cursor);
+    ``cte_prefix`` names the CTEs apart, for several counters in one statement (``striped_increments``).
     Only ``name`` itself and ``name#<digits>`` are its rows, as ``base_name`` reads them. ``bumped`` and
     ``added`` return the ``name`` of the row the amount went to (the relay's claim reads it: relay/queries.py)."""
     scope, name, stripe = param("scope"), param("name"), f"CAST({param('stripe')} AS text)"
+    slot, bumped, added = f"{cte_prefix}slot", f"{cte_prefix}bumped", f"{cte_prefix}added"
     return (
-        f"slot AS (SELECT name FROM {table} WHERE consumer = {scope} "
+        f"{slot} AS (SELECT name FROM {table} WHERE consumer = {scope} "
         f"AND (name = {name} OR (left(name, length({stripe})) = {stripe} "
         f"AND substr(name, length({stripe}) + 1) ~ '^[0-9]+$')) AND {amount} > 0 "
         f"ORDER BY name LIMIT 1 FOR UPDATE SKIP LOCKED), "
-        f"bumped AS (UPDATE {table} AS c SET value = c.value + {amount} FROM slot "
-        f"WHERE c.consumer = {scope} AND c.name = slot.name RETURNING c.name), "
-        f"added AS (INSERT INTO {table} (consumer, name, value) "
+        f"{bumped} AS (UPDATE {table} AS c SET value = c.value + {amount} FROM {slot} "
+        f"WHERE c.consumer = {scope} AND c.name = {slot}.name RETURNING c.name), "
+        f"{added} AS (INSERT INTO {table} (consumer, name, value) "
         f"SELECT {scope}, {stripe} || txid_current()::text, {amount} "
-        f"WHERE {amount} > 0 AND NOT EXISTS (SELECT 1 FROM bumped) "
+        f"WHERE {amount} > 0 AND NOT EXISTS (SELECT 1 FROM {bumped}) "
         f"ON CONFLICT (consumer, name) DO UPDATE SET value = {table}.value + EXCLUDED.value RETURNING name)"
     )
+
+
+def striped_increments(table: str, count: int) -> str:
+    """Postgres: ONE statement that adds ``:by<i>`` to counter ``(:scope, :name<i>)`` (stripes ``:stripe<i>``)
+    for each ``i < count``, each as ``striped_increment_ctes`` does; ``increments_params`` binds it."""
+    def numbered(i: int) -> Callable[[str], str]:
+        return lambda p: ":scope" if p == "scope" else f":{p}{i}"
+
+    ctes = [striped_increment_ctes(table, amount=f"CAST(:by{i} AS bigint)", param=numbered(i), cte_prefix=f"c{i}_")
+            for i in range(count)]
+    return f"WITH {', '.join(ctes)} SELECT 1"
+
+
+def increments_params(scope: str, amounts: Sequence[tuple[str, int]]) -> dict[str, Any]:
+    """The parameters of ``striped_increments(table, len(amounts))``: counter ``(scope, name)`` += ``by``."""
+    params: dict[str, Any] = {"scope": scope}
+    for i, (name, by) in enumerate(amounts):
+        params |= {f"name{i}": name, f"stripe{i}": stripe_prefix(name), f"by{i}": by}
+    return params
 
 
 def _increment_pg(session: Session, tables: Tables) -> sa.TextClause:

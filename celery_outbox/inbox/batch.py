@@ -16,7 +16,7 @@
    and cache-key (the multi-row ``VALUES`` elsewhere);
 2. run the handler once, with the first deliveries only (in the order they came), flush;
 3. count the duplicates and the batch (``counters.BATCHES``, ``counters.BATCHED_MESSAGES``) in the
-   same transaction, commit.
+   same transaction (``count_batch``: one statement on Postgres), commit.
 
 A handler exception rolls everything back (no effect, no inbox row, no count) and propagates: the
 caller (``celery_outbox.batch_delivery``) splits the batch, so one poison message cannot hold its
@@ -49,7 +49,7 @@ _KEY_COLUMNS = ("message_id", "consumer")
 MAX_BATCH_SIZE = 1000
 """The largest batch: its claim binds four values per message, well under SQLite's 32,766 variables."""
 
-__all__ = ["MAX_BATCH_SIZE", "BatchHandler", "claim_many", "handle_batch"]
+__all__ = ["MAX_BATCH_SIZE", "BatchHandler", "claim_many", "count_batch", "handle_batch"]
 
 
 def claim_many(session: Session, envelopes: Sequence[Envelope], *, tables: Tables, consumer: str,
@@ -86,6 +86,25 @@ def _claim_unnest(connection: sa.Connection, table: sa.Table) -> sa.TextClause:
         "ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id")
 
 
+def count_batch(session: Session, consumer: str, *, duplicates: int, size: int, tables: Tables) -> None:
+    """Stage the batch's counts in its transaction: one batch of ``size`` messages, ``duplicates`` of them
+    absorbed. On Postgres through a libpq driver, ONE statement compiled once per pooled connection
+    (``counters.striped_increments``); elsewhere ``counters.stage_increment`` for each."""
+    amounts = [(name, by) for name, by in ((counters.DUPLICATES, duplicates), (counters.BATCHES, 1),
+                                           (counters.BATCHED_MESSAGES, size)) if by > 0]
+    table = tables.table(tables.counters)
+    connection = session.connection()
+    # one text per number of counters (the names are parameters): a batch without duplicates plans two, not three
+    sql = driver_sql(connection, ("count_batch", table, len(amounts)), lambda: sa.text(counters.striped_increments(
+        connection.dialect.identifier_preparer.format_table(table), len(amounts))))
+    if sql is None:
+        for name, by in amounts:
+            counters.stage_increment(session, consumer, name, by, tables=tables)
+        return
+    with wrap_driver_errors(f"counting a batch for {consumer}"):
+        execute_driver_sql(connection, sql, counters.increments_params(consumer, amounts))
+
+
 def handle_batch(session: Session, envelopes: Sequence[Envelope], *, tables: Tables, consumer: str,
                  handler: BatchHandler, clock: Clock, crash_points: CrashSite | None = None) -> list[Outcome]:
     """Handle one batch for ``consumer``; commits ``session``. Returns one outcome per envelope, in
@@ -109,9 +128,7 @@ def handle_batch(session: Session, envelopes: Sequence[Envelope], *, tables: Tab
             mine = envelope.message_id in claimed and envelope.message_id not in taken
             taken.add(envelope.message_id)
             outcomes.append(Outcome.PROCESSED if mine else Outcome.DUPLICATE)
-        counters.stage_increment(session, consumer, counters.DUPLICATES, len(envelopes) - len(fresh), tables=tables)
-        counters.stage_increment(session, consumer, counters.BATCHES, 1, tables=tables)
-        counters.stage_increment(session, consumer, counters.BATCHED_MESSAGES, len(envelopes), tables=tables)
+        count_batch(session, consumer, duplicates=len(envelopes) - len(fresh), size=len(envelopes), tables=tables)
         commit_effect(session, crash, f"commit of a batch of {len(envelopes)} for {consumer}")
     crash.reached("consumer_after_commit_before_ack")
     return outcomes

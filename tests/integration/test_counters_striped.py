@@ -96,6 +96,37 @@ def test_an_increment_never_waits_for_a_transaction_holding_the_counter(
     assert len(names) == 2 and {counters.base_name(n) for n in names} == {"duplicates"}
 
 
+
+def test_a_batchs_counts_are_one_statement_that_never_waits_for_a_transaction_holding_them(
+        pg_sessions: sessionmaker[Session], tables: Tables) -> None:
+    from celery_outbox.inbox.batch import count_batch
+    from tests.unit.test_inbox_claim import kinds, recorded
+
+    def totals() -> list[int]:
+        with pg_sessions() as s:
+            return [counters.value(s, "search", n, tables=tables)
+                    for n in (counters.DUPLICATES, counters.BATCHES, counters.BATCHED_MESSAGES)]
+
+    # Given a batch consumer's worker frozen inside a batch that counted 5 messages, 2 of them duplicates
+    frozen = pg_sessions()
+    try:
+        count_batch(frozen, "search", duplicates=2, size=5, tables=tables)
+        # When two other batches count theirs (each with a lock timeout), one without any duplicate
+        with recorded(pg_sessions) as seen:
+            for duplicates, size in ((1, 3), (0, 4)):
+                with pg_sessions() as other:
+                    other.execute(sa.text(NO_WAITING))
+                    count_batch(other, "search", duplicates=duplicates, size=size, tables=tables)
+                    other.commit()
+        # Then neither waited: each counted its three counters in ONE statement and committed
+        assert [k for k in kinds(seen, tables) if k != "SET ?"] == ["WITH counters", "COMMIT"] * 2
+        assert totals() == [1, 2, 7]
+        frozen.commit()
+    finally:
+        frozen.close()
+    # And with the frozen one committed, every count is there once
+    assert totals() == [3, 3, 12]
+
 def test_increments_racing_from_many_threads_add_up_exactly(
         pg_sessions: sessionmaker[Session], tables: Tables) -> None:
     # Given 8 threads, each counting 50 times in transactions that sometimes overlap
