@@ -6,6 +6,7 @@ unit of work that changes its entities; nothing here commits or talks to a broke
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
@@ -16,7 +17,14 @@ from sqlalchemy.orm import Session
 from celery_outbox import tracing
 from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.errors import MalformedMessageError, MessageTooLargeError, UnknownEventTypeError, ValidationError
-from celery_outbox.messages import DEFAULT_MAX_JSON_DEPTH, Envelope, celery_task_messages, encode_json, is_storable
+from celery_outbox.messages import (
+    DEFAULT_MAX_JSON_DEPTH,
+    TYPE_MAX_CHARS,
+    Envelope,
+    celery_task_messages,
+    encode_json,
+    is_storable,
+)
 from celery_outbox.schema import ENTITY_KEY_MAX_CHARS, OutboxRow, Tables
 
 MAX_ENTITY_VERSION = 2**63 - 1  # the entity version columns are 64-bit
@@ -59,6 +67,15 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
     """
     if not isinstance(event.type, str) or not event.type.strip():
         raise ValidationError("event type must be a non-empty string")
+    if len(event.type) > TYPE_MAX_CHARS or not event.type.isprintable() or not is_storable(event.type):
+        # judged first: every later message names the type, and one holding NUL or a lone surrogate cannot be shown
+        raise ValidationError(f"event type must be at most {TYPE_MAX_CHARS} printable characters, got "
+                              f"{event.type[:60]!r}{'...' if len(event.type) > 60 else ''}")
+    if not isinstance(event.payload, Mapping):
+        # dict() of a list of pairs would be written as another object, and of [] as {}: refused, not reshaped
+        raise ValidationError(f"{event.type} event payload must be a JSON object (a mapping), got "
+                              f"{type(event.payload).__name__}")
+    message_id = _message_id(event.message_id)
     if known_types is not None and event.type not in set(known_types):
         raise UnknownEventTypeError(
             f"no consumer is routed for event type {event.type!r}; add it to OUTBOX_ROUTES"
@@ -69,7 +86,7 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
     _check_storable(headers, what=f"{event.type} event headers")
     encode_json({"payload": event.payload, "headers": headers}, what=f"{event.type} event")
     now = (clock or SystemClock()).now_ms()
-    envelope = Envelope(message_id=event.message_id, type=event.type, payload=event.payload, headers=headers,
+    envelope = Envelope(message_id=message_id, type=event.type, payload=event.payload, headers=headers,
                         created_at_ms=now)
     try:  # the consumers' own check, so an accepted event is one every consumer can read
         Envelope.from_dict(envelope.to_dict(), max_depth=max_json_depth)
@@ -79,7 +96,7 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
         celery_task_messages(envelope, targets=[], max_bytes=max_message_bytes)
     headers = _with_trace_context(event, headers, max_message_bytes, now)
     return {
-        "message_id": event.message_id,
+        "message_id": message_id,
         "type": event.type,
         "payload": dict(event.payload),
         "headers": headers,
@@ -87,6 +104,21 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
         "next_attempt_at_ms": now,
         "attempts": 0,
     }
+
+
+def _message_id(value: Any) -> uuid.UUID:
+    """The event's id as the ``message_id`` column takes it: a ``uuid.UUID``, or its canonical text (what
+    ``str(uuid)`` writes). Anything else is refused here: the column's driver would fail it at the caller's
+    commit, taking the caller's own writes with it, and another spelling of a UUID is not the id it names."""
+    if isinstance(value, uuid.UUID):
+        return value
+    if isinstance(value, str) and len(value) == 36:
+        with contextlib.suppress(ValueError):
+            parsed = uuid.UUID(value)
+            if str(parsed) == value.lower():
+                return parsed
+    raise ValidationError(f"message_id must be a uuid.UUID (or its canonical text), got {type(value).__name__} "
+                          f"{str(value)[:40]!r}")
 
 
 def _check_entity(event: Event) -> None:

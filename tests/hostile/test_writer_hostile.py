@@ -22,7 +22,7 @@ from celery_outbox.inbox.ordering import entity_of
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
-from celery_outbox.writer import Event, outbox_values
+from celery_outbox.writer import Event, add, outbox_values
 
 KEYS = st.one_of(st.none(), st.sampled_from(["order:1", "", " ", "k\n", "k\x00", "\u202e", "\ud800", "k" * 200, "k" * 201,
                                              "k" * 10_000]),
@@ -72,3 +72,41 @@ def test_ordering_headers_are_refused_or_applied_in_order(any_sessions: sessionm
 def test_undeliverable_ordering_headers_are_refused(key: Any, version: Any) -> None:
     with pytest.raises(ValidationError, match="entity_"):
         outbox_values(Event("OrderPlaced", {}, entity_key=key, entity_version=version))
+
+
+@pytest.mark.parametrize("payload", [[], [("order_id", "o-1")], ["ab"], None, "{}", 5, ("a", "b")])
+def test_a_payload_that_is_not_an_object_is_refused_not_reshaped(payload: Any) -> None:
+    # Given a payload that is no mapping (dict() would turn [("a", 1)] into {"a": 1}, ["ab"] into {"a": "b"})
+    # Then the writer refuses it, saying what it got, instead of writing another object (or failing with a TypeError)
+    with pytest.raises(ValidationError, match="payload must be a JSON object"):
+        outbox_values(Event("OrderPlaced", payload))
+
+
+@pytest.mark.parametrize("type_", ["Order\x00Placed", "\ud800", "Order\nPlaced", "\x1b[2J", "x" * 201])
+def test_a_type_no_consumer_can_read_is_refused_in_a_message_that_can_be_shown(type_: str) -> None:
+    with pytest.raises(ValidationError, match="event type must be at most 200 printable characters") as e:
+        outbox_values(Event(type_, {"n": 1}))
+    text = str(e.value)
+    text.encode("utf-8")  # a lone surrogate in the message would fail every log handler and terminal
+    assert text.isprintable() and len(text) < 200
+
+
+@pytest.mark.parametrize("message_id", ["not-a-uuid", 5, None, "{11111111-1111-1111-1111-111111111111}",
+                                        "urn:uuid:11111111-1111-1111-1111-111111111111",
+                                        "11111111111111111111111111111111"])
+def test_a_message_id_that_is_no_uuid_is_refused_at_publish_not_at_the_callers_commit(message_id: Any) -> None:
+    with pytest.raises(ValidationError, match=r"message_id must be a uuid\.UUID"):
+        outbox_values(Event("OrderPlaced", {}, message_id=message_id))
+
+
+def test_a_message_id_in_canonical_text_is_written_as_its_uuid(sqlite_sessions: sessionmaker[Session],
+                                                              tables: Tables) -> None:
+    # Given an event whose id is a UUID's canonical text (the column's driver takes only uuid.UUID)
+    mid = "11111111-2222-4333-8444-555555555555"
+    # When it is added and committed with the caller's transaction
+    with sqlite_sessions() as s:
+        add(s, Event("OrderPlaced", {}, message_id=mid.upper()), tables=tables)  # type: ignore[arg-type]
+        s.commit()
+    # Then the row holds that UUID
+    with sqlite_sessions() as s:
+        assert str(s.scalar(sa.select(tables.outbox.message_id))) == mid
