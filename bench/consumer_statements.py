@@ -1,15 +1,20 @@
 """Database round trips per delivery: what a consumer's pool process sends Postgres, counted by kind.
 
-Runs ``delivery.deliver`` (what the consumer task runs in a pool process) on N fresh first deliveries,
-N duplicates and, for comparison, the plain task of bench/consumer_cpu.py (the effect and its commit,
-no inbox), against a throwaway Postgres database, on an engine built like the worker's
-(``db.make_engine``). Counts, per delivery: statements the driver executed (``before_cursor_execute``),
-pool pre-pings (the dialect's ``do_ping``), commits and rollbacks, pool checkouts; and the CPU each costs
-in microseconds: ``cpu_us`` in this process (``time.process_time``: Python, SQLAlchemy, the driver), and
-``pg_cpu_us`` in the Postgres backends it used (utime + stime of their ``/proc/<pid>/stat``, 10 ms ticks:
-run enough deliveries; 0 when Postgres is not a local process). Deliveries are run with a pause of
-``--idle-ms`` before every one (0: back to back, as at saturation). Prints the table and writes
-bench/results/consumer_statements.json.
+Runs ``delivery.deliver_with`` (what the consumer task runs in a pool process, with the consumer's
+``DeliveryContext`` built once as the task builds it) on N fresh first deliveries and N duplicates, each
+body already JSON text as the task receives it; and, for comparison, the plain task of
+bench/_plain_worker.py (the JSON body made an ``Envelope``, the effect and its commit, no inbox) and that
+plain task with the inbox claim added to its transaction (``plain_with_claim``: what the guarantee adds at
+the least, so ``outbox_first_delivery`` minus it is what the library's delivery costs beyond the claim);
+against a throwaway Postgres database, on an engine built like the worker's (``db.make_engine``).
+
+Counts, per delivery: statements the driver executed (``before_cursor_execute``), pool pre-pings (the
+dialect's ``do_ping``), commits and rollbacks, pool checkouts; and the CPU each costs in microseconds:
+``cpu_us`` in this process (``time.process_time``: Python, SQLAlchemy, the driver), and ``pg_cpu_us`` in
+the Postgres backends it used (utime + stime of their ``/proc/<pid>/stat``, 10 ms ticks: run enough
+deliveries; 0 when Postgres is not a local process). Deliveries are run with a pause of ``--idle-ms``
+before every one (0: back to back, as at saturation). The paths run one after the other, not interleaved:
+compare them across repeated runs. Prints the table and writes bench/results/consumer_statements.json.
 
     .venv/bin/python bench/consumer_statements.py [--consumer shipping] [--deliveries 200] [--idle-ms 0]
 
@@ -24,6 +29,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -35,7 +41,8 @@ from sqlalchemy import event
 from bench._common import fresh_database, write_result
 from celery_outbox.clock import SystemClock
 from celery_outbox.db import make_engine, make_session_factory
-from celery_outbox.delivery import deliver
+from celery_outbox.delivery import DeliveryContext, deliver_with
+from celery_outbox.inbox.claim import NOW_KEY, claim_if_absent
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import define_tables
@@ -151,31 +158,43 @@ def main() -> None:
             out[label].update(cpu_us=round(cpu / n * 1e6, 1), pg_cpu_us=round(pg_cpu / n * 1e6, 1))
             out[label]["per_statement"] = {t: round(c / n, 3) for t, c in counting.texts.most_common()}
 
-        envs = {i: first(i, "dup") for i in range(-1, n)}
+        # Bodies are JSON text before the clock starts, as a task receives them; the context is the consumer
+        # task's (``consumer_tasks.context_source``: built at the first delivery, then reused).
+        texts = {i: json.dumps(first(i, "dup").to_dict()) for i in range(-1, n)}
+        plain_texts = {i: json.dumps(first(i, "plain").to_dict()) for i in range(-1, n)}
+        claimed_texts = {i: json.dumps(first(i, "claimed").to_dict()) for i in range(-1, n)}
+        context = DeliveryContext.build(spec, tables=tables, settings=settings, clock=clock)
 
         def outbox_first(i: int) -> None:
-            text = json.dumps(envs[i].to_dict())
-            r = deliver(sessions, spec, text, tables=tables, request_id=None, settings=settings, clock=clock,
-                        first_delivery=True)
+            r = deliver_with(context, sessions, texts[i], request_id=None, first_delivery=True)
             assert r.outcome is Outcome.PROCESSED, r
 
         def outbox_duplicate(i: int) -> None:
-            text = json.dumps(envs[i].to_dict())
-            r = deliver(sessions, spec, text, tables=tables, request_id=None, settings=settings, clock=clock,
-                        first_delivery=True)
+            r = deliver_with(context, sessions, texts[i], request_id=None, first_delivery=True)
             assert r.outcome is Outcome.DUPLICATE, r
 
-        def plain(i: int) -> None:
-            envelope = first(i, "plain")
+        def plain_envelope(text: str) -> Envelope:
+            """What the plain twin does with the body kombu decoded (bench/_plain_worker.py)."""
+            body = json.loads(text)
+            return Envelope(message_id=uuid.UUID(body["message_id"]), type=body["type"], payload=body["payload"],
+                            headers=dict(body["headers"]), created_at_ms=int(body["created_at_ms"]))
+
+        def plain(i: int, *, claim: bool = False) -> None:
+            envelope = plain_envelope((claimed_texts if claim else plain_texts)[i])
             with sessions() as session:
+                now = clock.now_ms()
+                session.info[NOW_KEY] = now
                 if spec.prepare is not None:
                     spec.prepare(session, envelope)
+                if claim:
+                    assert claim_if_absent(session, envelope, tables=tables, consumer=spec.name, now_ms=now)
                 spec.handler(session, envelope)
                 session.commit()
 
         run("outbox_first_delivery", outbox_first)
         run("outbox_duplicate", outbox_duplicate)
         run("plain_task", plain)
+        run("plain_with_claim", lambda i: plain(i, claim=True))
         engine.dispose()
     print_round_trips(f"{args.consumer}: round trips per delivery ({n} deliveries each, idle {args.idle_ms} ms "
                       "before each)", out)
