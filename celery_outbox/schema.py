@@ -19,6 +19,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, MappedColumn, mapped_column, registry
 
 from celery_outbox.errors import ConfigError
+from celery_outbox.messages import ENTITY_KEY_MAX_CHARS
 
 
 class TextJSON(sa.JSON):
@@ -43,7 +44,6 @@ DEDUP_SQL = f"{PENDING_SQL} AND dedup_key IS NOT NULL"
 HELD_SQL = f"{PENDING_SQL} AND held_for IS NOT NULL"
 UNREPLAYED_SQL = "replayed_at_ms IS NULL"
 DEFAULT_PREFIX = "outbox_"
-ENTITY_KEY_MAX_CHARS = 200  # the entity_key columns (parked events, applied entity versions)
 _PREFIX = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
 
 

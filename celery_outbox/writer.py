@@ -23,11 +23,10 @@ from celery_outbox.messages import (
     Envelope,
     celery_task_messages,
     encode_json,
+    entity_problem,
     is_storable,
 )
-from celery_outbox.schema import ENTITY_KEY_MAX_CHARS, OutboxRow, Tables
-
-MAX_ENTITY_VERSION = 2**63 - 1  # the entity version columns are 64-bit
+from celery_outbox.schema import OutboxRow, Tables
 
 
 @dataclass(frozen=True)
@@ -122,21 +121,12 @@ def _message_id(value: Any) -> uuid.UUID:
 
 
 def _check_entity(event: Event) -> None:
-    """Per-entity ordering headers every ordered consumer can apply: a key its columns hold and a version from 1
-    to 2**63-1. Refused rather than written: a key the consumer cannot store, or a version past its column,
-    dead-letters the event at every ordered consumer; an empty or non-text key, a bool version or a version
-    without a key would turn ordering off for the event without a word."""
-    key, version = event.entity_key, event.entity_version
-    if key is None:
-        if version is not None:
-            raise ValidationError("entity_version is set without entity_key: per-entity ordering needs both")
-        return
-    if (not isinstance(key, str) or not key or len(key) > ENTITY_KEY_MAX_CHARS or not key.isprintable()
-            or not is_storable(key)):
-        raise ValidationError(f"entity_key must be 1-{ENTITY_KEY_MAX_CHARS} printable characters, got "
-                              f"{type(key).__name__} of length {len(key) if isinstance(key, str) else '-'}")
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_ENTITY_VERSION:
-        raise ValidationError("entity_version must be a positive integer (at most 2**63-1) when entity_key is set")
+    """Per-entity ordering headers every ordered consumer can apply (``messages.entity_problem``). Refused rather
+    than written: a key the consumer cannot store, or a version past its column, dead-letters the event at every
+    ordered consumer; an empty or non-text key, a bool version or a version without a key would turn ordering
+    off for the event without a word."""
+    if (problem := entity_problem(event.entity_key, event.entity_version)) is not None:
+        raise ValidationError(problem)
 
 
 def _check_storable(value: Any, *, what: str) -> None:

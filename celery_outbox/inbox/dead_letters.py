@@ -35,7 +35,14 @@ from celery_outbox.db import wrap_driver_errors
 from celery_outbox.errors import MalformedMessageError, NotFoundError, ValidationError
 from celery_outbox.inbox.fingerprints import fingerprint
 from celery_outbox.inbox.task_keys import is_task_key
-from celery_outbox.messages import DEFAULT_MAX_JSON_DEPTH, TYPE_MAX_CHARS, decode_json, is_storable, storable_text
+from celery_outbox.messages import (
+    DEFAULT_MAX_JSON_DEPTH,
+    TYPE_MAX_CHARS,
+    Envelope,
+    decode_json,
+    is_storable,
+    storable_text,
+)
 from celery_outbox.schema import DeadLetterRow, Tables
 
 Send = Callable[[str, dict[str, Any]], None]
@@ -193,8 +200,9 @@ def is_open(session: Session, *, tables: Tables, consumer: str, message_id: str)
 
 
 def envelope_of(row: DeadLetterRow, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
-    """The stored body as the dict to send again; a body that never was an object (or is nested
-    deeper than ``max_depth``) cannot be replayed."""
+    """The stored body as the dict to send again; a body that never was an envelope (not an object, an object
+    the consumers' own check refuses, or nested deeper than ``max_depth``) cannot be replayed: sent again, it
+    would only come back to the dead letters."""
     try:
         body = decode_json(body_of(row.body), max_depth=max_depth, what=f"dead letter {row.id}")
     except MalformedMessageError:
@@ -206,6 +214,13 @@ def envelope_of(row: DeadLetterRow, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) 
             f"dead letter {row.id} ({row.consumer}) is not an envelope object, so it cannot be replayed "
             f"as-is; inspect its body and purge it"
         )
+    try:
+        Envelope.from_dict(body, max_depth=max_depth)
+    except MalformedMessageError as e:
+        raise ValidationError(
+            f"dead letter {row.id} ({row.consumer}) is not a valid envelope ({storable_text(str(e), limit=200)}), "
+            f"so it cannot be replayed as-is; inspect its body and purge it"
+        ) from None
     return body
 
 

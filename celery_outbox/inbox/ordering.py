@@ -27,12 +27,13 @@ is enough for it, as a parked message missed now is found by a later delivery), 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from celery_outbox.db import wrap_driver_errors
+from celery_outbox.errors import MalformedMessageError
 from celery_outbox.inbox import dead_letters
 from celery_outbox.inbox.claim import (
     DuplicateDelivery,
@@ -43,18 +44,23 @@ from celery_outbox.inbox.claim import (
     insert_values,
 )
 from celery_outbox.inbox.outcome import Outcome
-from celery_outbox.messages import Envelope, encode_json
+from celery_outbox.messages import Envelope, encode_json, entity_problem
 from celery_outbox.schema import Tables
 from celery_outbox.sql import insert_for, insert_if_absent, statement
 
 
 def entity_of(envelope: Envelope) -> tuple[str, int] | None:
-    """``(entity_key, entity_version)`` when the event opted in, else None (no ordering applies)."""
+    """``(entity_key, entity_version)`` when the event opted in, None when it carries neither header (no ordering
+    applies). Headers an ordered consumer cannot apply (``messages.entity_problem``: the writer's own rule) are
+    a malformed message, dead-lettered with its reason after the consumer's deliveries, the same on every
+    database: never applied without ordering, never taken as stale (no effect, no dead letter)."""
     key = envelope.headers.get("entity_key")
     version = envelope.headers.get("entity_version")
-    if not isinstance(key, str) or not key or isinstance(version, bool) or not isinstance(version, int):
+    if (problem := entity_problem(key, version)) is not None:
+        raise MalformedMessageError(problem)
+    if key is None:
         return None
-    return key, version
+    return cast(str, key), cast(int, version)  # entity_problem checked both
 
 
 def _lock_entity(session: Session, consumer: str, key: str, *, tables: Tables) -> int:

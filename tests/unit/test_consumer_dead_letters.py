@@ -25,16 +25,19 @@ def add(s: Session, tables: Tables, consumer: str, body: str, *, message_id: str
     return row.id
 
 
+MID = "11111111-2222-4333-8444-555555555555"
+
+
 def test_list_get_filter_and_replay_marks(sqlite_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
     with sqlite_sessions() as s:
-        a = add(s, tables, "shipping", '{"message_id":"m","type":"OrderPlaced","payload":{}}')
+        a = add(s, tables, "shipping", f'{{"message_id":"{MID}","type":"OrderPlaced","payload":{{}}}}')
         b = add(s, tables, "billing", "not json at all")
         assert [d.id for d in dead_letters.list_dead_letters(s, tables=tables)] == [a, b]
         assert [d.id for d in dead_letters.list_dead_letters(s, tables=tables, consumer="billing")] == [b]
         assert dead_letters.get(s, b, tables=tables).body == "not json at all"
         sent: list[tuple[str, dict[str, Any]]] = []
         dead_letters.replay(s, a, tables=tables, send=lambda c, e: sent.append((c, e)), clock=clock)
-        assert sent == [("shipping", {"message_id": "m", "type": "OrderPlaced", "payload": {}})]
+        assert sent == [("shipping", {"message_id": MID, "type": "OrderPlaced", "payload": {}})]
         assert [d.id for d in dead_letters.list_dead_letters(s, tables=tables)] == [b]
         assert [d.id for d in dead_letters.list_dead_letters(s, tables=tables, include_replayed=True)] == [a, b]
         assert dead_letters.get(s, a, tables=tables).replayed_at_ms == clock.now_ms()
@@ -49,6 +52,11 @@ def test_clear_errors(sqlite_sessions: sessionmaker[Session], clock: ManualClock
             dead_letters.list_dead_letters(s, tables=tables, consumer="nope", known_consumers=("shipping", "billing"))
         with pytest.raises(ValidationError, match="cannot be replayed"):
             dead_letters.replay(s, b, tables=tables, send=lambda c, e: None, clock=clock)
+        # an object the consumers' own check refuses would only come back to the dead letters
+        c = add(s, tables, "billing", '{"message_id":"x","type":5,"payload":{}}')
+        with pytest.raises(ValidationError, match=r"dead letter \d+ \(billing\) is not a valid envelope .*message_id"):
+            dead_letters.replay(s, c, tables=tables, send=lambda c, e: None, clock=clock)
+        dead_letters.purge(s, [c], tables=tables)
         with pytest.raises(NotFoundError, match="id\\(s\\) 998, 999; nothing purged"):
             dead_letters.purge(s, [b, 998, 999], tables=tables)
         assert len(dead_letters.list_dead_letters(s, tables=tables)) == 1
@@ -60,7 +68,7 @@ def test_send_failure_leaves_it_unreplayed(sqlite_sessions: sessionmaker[Session
         raise OSError("connection refused")
 
     with sqlite_sessions() as s:
-        a = add(s, tables, "shipping", '{"message_id":"m","type":"T","payload":{}}')
+        a = add(s, tables, "shipping", f'{{"message_id":"{MID}","type":"T","payload":{{}}}}')
         with pytest.raises(OSError):
             dead_letters.replay(s, a, tables=tables, send=down, clock=clock)
         assert dead_letters.get(s, a, tables=tables).replayed_at_ms is None

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.clock import ManualClock
+from celery_outbox.errors import MalformedMessageError
 from celery_outbox.inbox import dead_letters, ordering
 from celery_outbox.inbox import handle as inbox
 from celery_outbox.inbox.outcome import Outcome
@@ -171,6 +172,11 @@ def test_the_ordered_search_consumer_keeps_the_newest_document(any_sessions: ses
 
 @pytest.mark.parametrize("headers", [{"entity_key": "k"}, {"entity_key": "", "entity_version": 1},
                                      {"entity_key": "k", "entity_version": True}])
-def test_incomplete_ordering_headers_mean_no_ordering(headers: dict[str, object]) -> None:
+def test_incomplete_ordering_headers_are_a_malformed_message(headers: dict[str, object]) -> None:
     env = Envelope(message_id=uuid.uuid4(), type="T", payload={}, headers=headers)
-    assert ordering.entity_of(env) is None
+    with pytest.raises(MalformedMessageError, match="entity_"):
+        ordering.entity_of(env)
+
+
+def test_no_ordering_headers_mean_no_ordering() -> None:
+    assert ordering.entity_of(Envelope(message_id=uuid.uuid4(), type="T", payload={}, headers={})) is None
