@@ -130,13 +130,15 @@ def broker_pids() -> list[int]:
 class Worker:
     """One ``celery worker`` process group and what it costs."""
 
-    def __init__(self, *, mode: str, app: str, queue: str, env: dict[str, str], log: Path, app_name: str) -> None:
+    def __init__(self, *, mode: str, app: str, queue: str, env: dict[str, str], log: Path, app_name: str,
+                 cwd: Path = ROOT) -> None:
+        """``cwd``: the source tree the worker runs from (another commit's, for an A/B: bench/batch_consumer_ab.py)."""
         self.mode, self.queue, self.app_name = mode, queue, app_name
         argv = [CELERY, "-A", app, "worker", "-Q", queue, "-P", "prefork", "-c", "2", "--without-gossip",
                 "--without-mingle", "--without-heartbeat", "-l", "WARNING", "-n", f"{mode}-{uuid.uuid4().hex[:6]}@%h"]
         self.log = log
         with log.open("wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
     def sample(self, engine: sa.Engine) -> dict[str, dict[int, int]]:
