@@ -66,8 +66,12 @@ class ChaosEnvironment:
     def __init__(self, *, broker: str, workdir: Path, pg_admin_url: str = PG_ADMIN_URL,
                  namespace: str | None = None, extra_env: Mapping[str, str] | None = None,
                  tables: Tables | None = None, db_proxy: bool = False,
-                 broker_impl: ClusterBroker | SentinelBroker | None = None) -> None:
+                 broker_impl: ClusterBroker | SentinelBroker | None = None,
+                 prefetch_multiplier: int | None = None) -> None:
         self.kind = broker
+        # None: the deployment's own (celeryconfig.PREFETCH_MULTIPLIER); else every consumer worker's
+        # ``--prefetch-multiplier`` (run_chaos: a short run's take window on RabbitMQ)
+        self.prefetch_multiplier = prefetch_multiplier
         self.workdir = workdir
         self.pg_admin_url = pg_admin_url
         self.namespace = namespace or f"chaos{uuid.uuid4().hex[:10]}"
@@ -193,6 +197,8 @@ class ChaosEnvironment:
         names = ([self.settings.queue_name(c) for c in queues] if queues
                  else [q for q in self.settings.worker_queues if q != f"{self.namespace}.relay"])
         argv = worker_argv(queues=names, pool=pool, concurrency=concurrency, hostname=f"{name}-{self.namespace}")
+        if self.prefetch_multiplier is not None:
+            argv += ["--prefetch-multiplier", str(self.prefetch_multiplier)]
         return self.processes.add(ManagedProcess(name=name, argv=argv, env=self.env,
                                                  log_dir=self.workdir / "logs", cwd=REPO))
 

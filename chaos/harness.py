@@ -214,7 +214,7 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
               duplicates: int = 5, outage_s: float = 3.0, timeout_s: float = 180.0,
               relay: str = "standalone", takes: int | None = None, beat_kills: int | None = None,
               db_freeze_s: float = 3.0, consumers_stop_s: float = 0.0, orders_per_s: float | None = None,
-              progress: Progress | None = None) -> ChaosReport:
+              prefetch_multiplier: int | None = None, progress: Progress | None = None) -> ChaosReport:
     """Run the chaos scenario (see the module docstring) and return what was provoked and seen.
 
     ``relay``: ``standalone`` or ``beat`` (module docstring). ``takes``: take-window rounds, each losing
@@ -223,7 +223,11 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
     processes' connections to Postgres stall, once, at two thirds of the order stream (0: never).
     ``consumers_stop_s``: how long the consumer workers are stopped (SIGSTOP, connections kept), once, from a
     fifth of the order stream, while orders keep coming (0: never). ``orders_per_s``: the order writer's
-    rate (default: the stream lasts long enough for the kill plan)."""
+    rate (default: the stream lasts long enough for the kill plan). ``prefetch_multiplier``: the consumer
+    workers' ``--prefetch-multiplier`` (None: the deployment's). On RabbitMQ a frozen worker's prefetch window
+    keeps every message it can hold delivered to it, where the take window cannot reach them; a short run whose
+    whole stream fits in those windows (the deployment prefetches 25 per process) finds nothing to lose
+    unless the windows are small."""
     if relay not in RELAY_MODES:
         from celery_outbox.errors import ConfigError
 
@@ -254,7 +258,8 @@ def run_chaos(*, orders: int = 200, kills: int = 12, broker: str = "redis", seed
     base = workdir or Path(tempfile.mkdtemp(prefix="outbox-chaos-"))
     report.workdir = str(base)
 
-    with ChaosEnvironment(broker=broker, workdir=base, db_proxy=db_freeze_s > 0) as env:
+    with ChaosEnvironment(broker=broker, workdir=base, db_proxy=db_freeze_s > 0,
+                          prefetch_multiplier=prefetch_multiplier) as env:
         report.outage = env.broker.describe_outage()
         report.take_how = env.broker.describe_take()
         beat: ManagedProcess | None = None
