@@ -18,8 +18,8 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, MappedColumn, mapped_column, registry
 
+from celery_outbox.entity_headers import ENTITY_KEY_MAX_CHARS
 from celery_outbox.errors import ConfigError
-from celery_outbox.messages import ENTITY_KEY_MAX_CHARS
 
 
 class TextJSON(sa.JSON):

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from celery_outbox import tracing
 from celery_outbox.clock import Clock, SystemClock
+from celery_outbox.entity_headers import entity_problem
 from celery_outbox.errors import MalformedMessageError, MessageTooLargeError, UnknownEventTypeError, ValidationError
 from celery_outbox.messages import (
     DEFAULT_MAX_JSON_DEPTH,
@@ -23,7 +24,6 @@ from celery_outbox.messages import (
     Envelope,
     celery_task_messages,
     encode_json,
-    entity_problem,
     is_storable,
 )
 from celery_outbox.schema import OutboxRow, Tables
@@ -121,7 +121,7 @@ def _message_id(value: Any) -> uuid.UUID:
 
 
 def _check_entity(event: Event) -> None:
-    """Per-entity ordering headers every ordered consumer can apply (``messages.entity_problem``). Refused rather
+    """Per-entity ordering headers every ordered consumer can apply (``entity_headers.entity_problem``). Refused rather
     than written: a key the consumer cannot store, or a version past its column, dead-letters the event at every
     ordered consumer; an empty or non-text key, a bool version or a version without a key would turn ordering
     off for the event without a word."""

@@ -33,6 +33,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from celery_outbox.db import wrap_driver_errors
+from celery_outbox.entity_headers import entity_problem
 from celery_outbox.errors import MalformedMessageError
 from celery_outbox.inbox import dead_letters
 from celery_outbox.inbox.claim import (
@@ -44,14 +45,14 @@ from celery_outbox.inbox.claim import (
     insert_values,
 )
 from celery_outbox.inbox.outcome import Outcome
-from celery_outbox.messages import Envelope, encode_json, entity_problem
+from celery_outbox.messages import Envelope, encode_json
 from celery_outbox.schema import Tables
 from celery_outbox.sql import insert_for, insert_if_absent, statement
 
 
 def entity_of(envelope: Envelope) -> tuple[str, int] | None:
     """``(entity_key, entity_version)`` when the event opted in, None when it carries neither header (no ordering
-    applies). Headers an ordered consumer cannot apply (``messages.entity_problem``: the writer's own rule) are
+    applies). Headers an ordered consumer cannot apply (``entity_headers.entity_problem``: the writer's own rule) are
     a malformed message, dead-lettered with its reason after the consumer's deliveries, the same on every
     database: never applied without ordering, never taken as stale (no effect, no dead letter)."""
     key = envelope.headers.get("entity_key")

@@ -21,11 +21,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_outbox.clock import ManualClock
 from celery_outbox.consumer import consumer
 from celery_outbox.delivery import deliver
+from celery_outbox.entity_headers import entity_problem
 from celery_outbox.errors import MalformedMessageError, ValidationError
 from celery_outbox.inbox import handle as inbox
 from celery_outbox.inbox.ordering import entity_of
 from celery_outbox.inbox.outcome import Outcome
-from celery_outbox.messages import Envelope, entity_problem
+from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
 from celery_outbox.settings import Settings
 from celery_outbox.writer import Event, add, outbox_values
