@@ -72,6 +72,13 @@ class ClaimedRow:
     created_at_ms: int
     attempts: int
 
+    @classmethod
+    def of(cls, columns: Sequence[Any]) -> ClaimedRow:
+        """The row from a claim's columns, in ``queries.CLAIM_COLUMNS`` order (both claims read them so)."""
+        seq, message_id, type_, payload, headers, created_at_ms, attempts = columns
+        return cls(seq=seq, message_id=message_id, type=type_, payload=payload, headers=dict(headers or {}),
+                   created_at_ms=created_at_ms, attempts=attempts)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Built:
@@ -143,11 +150,7 @@ def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables,
             result = connection.execute(statements.claim, {"now_ms": now_ms, "claim_limit": limit})
         else:
             result = session.execute(due_pending(now_ms, limit, tables=tables, skip_locked=is_postgres(session)))
-        return [
-            ClaimedRow(seq=seq, message_id=message_id, type=type_, payload=payload, headers=dict(headers or {}),
-                       created_at_ms=created_at_ms, attempts=attempts)
-            for seq, message_id, type_, payload, headers, created_at_ms, attempts in result
-        ]
+        return [ClaimedRow.of(columns) for columns in result]
 
 
 def claimed_and_stamped(session: Session, sql: str, now_ms: int, limit: int) -> tuple[list[ClaimedRow], int | None,
@@ -161,11 +164,7 @@ def claimed_and_stamped(session: Session, sql: str, now_ms: int, limit: int) -> 
             "now_ms": now_ms, "claim_limit": limit, "scope": counters.RELAY, "name": counters.PUBLISHED,
             "stripe": counters.stripe_prefix(counters.PUBLISHED)}).all()
     due, stripe = result[0][0], result[0][1]
-    rows = [
-        ClaimedRow(seq=seq, message_id=message_id, type=type_, payload=payload, headers=dict(headers or {}),
-                   created_at_ms=created_at_ms, attempts=attempts)
-        for _, _, seq, message_id, type_, payload, headers, created_at_ms, attempts in result if seq is not None
-    ]
+    rows = [ClaimedRow.of(columns[2:]) for columns in result if columns[2] is not None]
     return rows, None if due is None else int(due), None if stripe is None else str(stripe)
 
 
