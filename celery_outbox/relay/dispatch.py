@@ -338,6 +338,8 @@ class Marked:
     dead_lettered: int
     next_due_ms: int | None = None
     next_due_read: bool = False
+    # the earliest time a row charged an attempt (not dead) or held here is due again (None: none)
+    rescheduled_ms: int | None = None
 
 
 def mark_batch(session: Session, now_ms: int, config: RelayConfig, *, published: Sequence[ClaimedRow],
@@ -369,6 +371,7 @@ def mark_rows(session: Session, now_ms: int, config: RelayConfig, *, published: 
     marked = n_failed = n_dead = 0
     next_due: int | None = None
     due_read = False
+    again: list[int] = [held_until_ms] if held else []  # when the rows charged or held here are due again
     outbox = tables.table(tables.outbox)
     with wrap_driver_errors("marking outbox rows"):
         params: list[dict[str, Any]] = []
@@ -377,9 +380,10 @@ def mark_rows(session: Session, now_ms: int, config: RelayConfig, *, published: 
             dead = attempts >= max_attempts
             n_dead += dead
             n_failed += not dead
-            params.append({"b_seq": row.seq, "b_attempts": attempts, "b_error": error[:2000],
-                           "b_next": now_ms + backoff_ms(attempts, base_delay_ms=base_delay_ms,
-                                                         max_delay_ms=max_delay_ms),
+            due_again = now_ms + backoff_ms(attempts, base_delay_ms=base_delay_ms, max_delay_ms=max_delay_ms)
+            if not dead:
+                again.append(due_again)
+            params.append({"b_seq": row.seq, "b_attempts": attempts, "b_error": error[:2000], "b_next": due_again,
                            "b_dead": now_ms if dead else None})
             if dead:
                 log.warning("outbox row seq=%s message_id=%s dead-lettered after %s attempts: %s",
@@ -438,7 +442,7 @@ def mark_rows(session: Session, now_ms: int, config: RelayConfig, *, published: 
             if count:
                 counters.stage_increment(session, counters.RELAY, counters.PUBLISHED, marked, tables=tables)
     return Marked(marked=marked, failed=n_failed, dead_lettered=n_dead, next_due_ms=next_due,
-                  next_due_read=due_read)
+                  next_due_read=due_read, rescheduled_ms=min(again) if again else None)
 
 
 def settle_stamped(claimed: Claimed, now_ms: int, config: RelayConfig, *, published: Sequence[ClaimedRow],
@@ -465,12 +469,7 @@ def settle_stamped(claimed: Claimed, now_ms: int, config: RelayConfig, *, publis
                 "scope": counters.RELAY, "stripe": claimed.stripe}).one()
     m = mark_rows(session, now_ms, config, published=(), failed=failed, dead_now=dead_now, held=held,
                   held_until_ms=held_until_ms)
-    dues = [now_ms + backoff_ms(r.attempts + 1, base_delay_ms=config.base_delay_ms, max_delay_ms=config.max_delay_ms)
-            for r, _ in failed.values() if r.attempts + 1 < config.max_attempts]
-    if held:
-        dues.append(held_until_ms)
-    if claimed.result.next_due_ms is not None:
-        dues.append(claimed.result.next_due_ms)
+    dues = [due for due in (m.rescheduled_ms, claimed.result.next_due_ms) if due is not None]
     return Marked(marked=len(published), failed=m.failed, dead_lettered=m.dead_lettered,
                   next_due_ms=min(dues) if dues else None, next_due_read=True)
 
