@@ -16,10 +16,13 @@ deliveries; 0 when Postgres is not a local process). Deliveries are run with a p
 before every one (0: back to back, as at saturation). The paths run one after the other, not interleaved:
 compare them across repeated runs. Prints the table and writes bench/results/consumer_statements.json.
 
-    .venv/bin/python bench/consumer_statements.py [--consumer shipping] [--deliveries 200] [--idle-ms 0]
+    .venv/bin/python bench/consumer_statements.py [--consumer shipping] [--deliveries 200] [--idle-ms 0] \
+        [--entity-version 1]
 
 ``--consumer`` names one of the reference deployment's consumers, or ``search_in_order``: its search effect
 as a per-entity ordered consumer (``ordering=True``; consumers/search.py), which the deployment does not run.
+``--entity-version V`` makes every delivery version V of its order's entity (default 1): versions 1 to V - 1 of
+each are delivered first, untimed, so an ordered consumer measures the advance of an entity it has seen.
 """
 
 from __future__ import annotations
@@ -132,6 +135,8 @@ def main() -> None:
     parser.add_argument("--consumer", default="shipping")
     parser.add_argument("--deliveries", type=int, default=200)
     parser.add_argument("--idle-ms", type=float, default=0.0, help="pause before each delivery")
+    parser.add_argument("--entity-version", type=int, default=1,
+                        help="each delivery is this version of its entity (earlier ones delivered first, untimed)")
     args = parser.parse_args()
     n, pause = args.deliveries, args.idle_ms / 1000
     spec = search_in_order if args.consumer == "search_in_order" else default_registry()[args.consumer]
@@ -142,8 +147,8 @@ def main() -> None:
         sessions = make_session_factory(engine)
         counting = Counting(engine)
 
-        def first(i: int, tag: str) -> Envelope:
-            return order_placed_envelope(f"{tag}-{i}")
+        def first(i: int, tag: str, version: int = args.entity_version) -> Envelope:
+            return order_placed_envelope(f"{tag}-{i}", version=version)
 
         def run(label: str, one: Any) -> None:
             one(-1)  # warm-up: the pool's first connection, statement caches
@@ -164,6 +169,11 @@ def main() -> None:
         plain_texts = {i: json.dumps(first(i, "plain").to_dict()) for i in range(-1, n)}
         claimed_texts = {i: json.dumps(first(i, "claimed").to_dict()) for i in range(-1, n)}
         context = DeliveryContext.build(spec, tables=tables, settings=settings, clock=clock)
+        for i in range(-1, n):  # the entity's earlier versions, untimed (--entity-version)
+            for version in range(1, args.entity_version):
+                r = deliver_with(context, sessions, json.dumps(first(i, "dup", version).to_dict()), request_id=None,
+                                 first_delivery=True)
+                assert r.outcome is Outcome.PROCESSED, r
 
         def outbox_first(i: int) -> None:
             r = deliver_with(context, sessions, texts[i], request_id=None, first_delivery=True)
@@ -196,10 +206,10 @@ def main() -> None:
         run("plain_task", plain)
         run("plain_with_claim", lambda i: plain(i, claim=True))
         engine.dispose()
-    print_round_trips(f"{args.consumer}: round trips per delivery ({n} deliveries each, idle {args.idle_ms} ms "
-                      "before each)", out)
+    print_round_trips(f"{args.consumer}: round trips per delivery ({n} deliveries each, entity version "
+                      f"{args.entity_version}, idle {args.idle_ms} ms before each)", out)
     write_result("consumer_statements", {"consumer": args.consumer, "deliveries": n, "idle_ms": args.idle_ms,
-                                         "per_delivery": out})
+                                         "entity_version": args.entity_version, "per_delivery": out})
 
 
 if __name__ == "__main__":
