@@ -49,6 +49,12 @@ def statement(session: Session, key: tuple[Any, ...], build: Callable[[], S]) ->
     return connection, cast(S, stmt)
 
 
+def key_columns(table: sa.Table) -> tuple[str, ...]:
+    """The names of ``table``'s primary key columns, in order: the conflict target of an insert-if-absent
+    (the inbox's ``(message_id, consumer)`` is its primary key, schema.py ``InboxRow``)."""
+    return tuple(column.name for column in table.primary_key.columns)
+
+
 def insert_if_absent(session: Session, table: sa.Table, keys: tuple[str, ...], values: dict[str, Any]) -> bool:
     """``INSERT ... ON CONFLICT (keys) DO NOTHING`` of one row, in the session's transaction; True when
     it inserted it.

@@ -39,12 +39,10 @@ from celery_outbox.inbox.claim import NOW_KEY, CrashSite, commit_effect, driver_
 from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
-from celery_outbox.sql import insert_for
+from celery_outbox.sql import insert_for, key_columns
 
 BatchHandler = Callable[[Session, list[Envelope]], None]
 """The effect of a batch: write with the given session (one bulk statement, ideally), never commit."""
-
-_KEY_COLUMNS = ("message_id", "consumer")
 
 MAX_BATCH_SIZE = 1000
 """The largest batch: its claim binds four values per message, well under SQLite's 32,766 variables."""
@@ -71,7 +69,7 @@ def claim_many(session: Session, envelopes: Sequence[Envelope], *, tables: Table
             rows = [{"message_id": e.message_id, "consumer": consumer, "type": e.type, "processed_at_ms": now_ms}
                     for e in ordered]
             inserted = session.execute(insert_for(session, table).values(rows)
-                                       .on_conflict_do_nothing(index_elements=list(_KEY_COLUMNS))
+                                       .on_conflict_do_nothing(index_elements=list(key_columns(table)))
                                        .returning(table.c.message_id)).scalars()
         return {m if isinstance(m, uuid.UUID) else uuid.UUID(str(m)) for m in inserted}
 
@@ -79,11 +77,12 @@ def claim_many(session: Session, envelopes: Sequence[Envelope], *, tables: Table
 def _claim_unnest(connection: sa.Connection, table: sa.Table) -> sa.TextClause:
     """Postgres: the batch's claim with its ids and types as two arrays, in their order (``claim_many``)."""
     name = connection.dialect.identifier_preparer.format_table(table)
+    key = ", ".join(key_columns(table))
     return sa.text(
         f"INSERT INTO {name} (message_id, consumer, type, processed_at_ms) "
         "SELECT m, :consumer, t, :processed_at_ms "
         "FROM unnest(CAST(:message_ids AS uuid[]), CAST(:types AS varchar[])) AS claimed (m, t) "
-        "ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id")
+        f"ON CONFLICT ({key}) DO NOTHING RETURNING message_id")
 
 
 def count_batch(session: Session, consumer: str, *, duplicates: int, size: int, tables: Tables) -> None:

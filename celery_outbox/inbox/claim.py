@@ -33,7 +33,7 @@ from celery_outbox.clock import SystemClock
 from celery_outbox.db import LIBPQ_DRIVERS, wrap_driver_errors
 from celery_outbox.messages import Envelope
 from celery_outbox.schema import Tables
-from celery_outbox.sql import insert_if_absent, translates_schema
+from celery_outbox.sql import insert_if_absent, key_columns, translates_schema
 
 Handler = Callable[[Session, Envelope], None]
 """The effect: write with the given session, never commit (the inbox commits)."""
@@ -42,7 +42,6 @@ Prepare = Callable[[Session, Envelope], None]
 """An external effect with an idempotency key, run before the inbox transaction opens."""
 
 NOW_KEY = "outbox_consumer_now_ms"
-_KEY_COLUMNS = ("message_id", "consumer")
 _CLAIM_COLUMNS = ("message_id", "consumer", "type", "processed_at_ms")
 _DRIVER_SQL_KEY = "celery_outbox.driver_sql"
 # psycopg 3 reports -1 for an INSERT's row count unless SQLAlchemy is asked to keep it (sql.insert_for)
@@ -112,12 +111,12 @@ def claim_if_absent(session: Session, envelope: Envelope, *, tables: Tables, con
     with wrap_driver_errors(f"inbox insert for {consumer}"):
         connection = session.connection()
         sql = driver_sql(connection, ("claim", table), lambda: (
-            insert_values(table, _CLAIM_COLUMNS).on_conflict_do_nothing(index_elements=list(_KEY_COLUMNS))))
+            insert_values(table, _CLAIM_COLUMNS).on_conflict_do_nothing(index_elements=list(key_columns(table)))))
         if sql is not None:
             return execute_driver_sql(connection, sql, {
                 "message_id": str(envelope.message_id), "consumer": consumer, "type": envelope.type,
                 "processed_at_ms": now_ms}).rowcount == 1
-        return insert_if_absent(session, table, _KEY_COLUMNS, {
+        return insert_if_absent(session, table, key_columns(table), {
             "message_id": envelope.message_id, "consumer": consumer, "type": envelope.type, "processed_at_ms": now_ms,
         })
 
