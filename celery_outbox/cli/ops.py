@@ -39,7 +39,7 @@ from celery_outbox.cli.common import (
 from celery_outbox.cli.probes import EXIT_PROBLEM
 from celery_outbox.cli.progress import ProgressView
 from celery_outbox.clock import SystemClock
-from celery_outbox.errors import ArchiveError
+from celery_outbox.errors import ArchiveError, ValidationError
 from celery_outbox.ops import dead_letter_groups as groups_mod
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import retention
@@ -345,7 +345,10 @@ def prune(ctx: click.Context, inbox_older_than: int | None, published_older_than
         raise click.UsageError("give --inbox-older-than and/or --published-older-than")
     settings = get_settings(ctx)
     if inbox_older_than is not None:
-        retention.check_inbox_retention(inbox_older_than, settings.broker_redelivery_window_ms)
+        try:  # a value the settings forbid is a bad flag (exit 2, docs/operations.md "Probes and exit codes")
+            retention.check_inbox_retention(inbox_older_than, settings.broker_redelivery_window_ms)
+        except ValidationError as e:
+            raise BadInput(f"--inbox-older-than: {one_line(str(e))}") from None
     names = {"inbox": "inbox", "outbox": "published outbox rows"}
     started = time.monotonic()
     with ProgressView(machine=as_json) as view:

@@ -26,7 +26,7 @@ from celery_outbox.config.masking import mask_secrets
 from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.ops.dead_letter_groups import list_groups
 from celery_outbox.ops.dead_letters import DeadLetterId, parse_ids
-from tests.ops_seed import T0, consumer_dead_letter, outbox_row
+from tests.ops_seed import T0, consumer_dead_letter, inbox_rows, outbox_row
 
 PASSWORD = "cli-pw-never-shown"
 LOOKALIKES = ["outbox:\u00b2", "consumer:\u2460", "consumer:\u0661", "outbox:\uff11", "consumer:01", "consumer:+1", "consumer:-1",
@@ -361,4 +361,22 @@ def test_a_purge_to_an_archive_whose_name_is_not_utf8_reports_what_it_did(
     assert len(archive.read_bytes().splitlines()) == 2
     with sessions() as s:
         assert s.scalar(sa.select(sa.func.count()).select_from(tables.dead_letters)) == 0
+    engine.dispose()
+
+
+@pytest.mark.parametrize("age", ["0ms", "0s", "1ms", "23h"])
+def test_an_inbox_age_below_the_redelivery_window_is_a_usage_error(sqlite_url: str, tmp_home: Path, namespace: str,
+                                                                   tables: Tables, age: str) -> None:
+    # Given inbox rows and the default one-day redelivery window (docs/operations.md "Retention" refuses below it)
+    engine = make_engine(sqlite_url)
+    with make_session_factory(engine)() as s:
+        inbox_rows(s, tables=tables, consumer="billing", processed_at_ms=0, n=3)
+        s.commit()
+    # When a prune asks for less (0ms included: the docs give it no meaning of "everything")
+    r = run(base_env(tmp_home, namespace, sqlite_url), "prune", "--inbox-older-than", age)
+    # Then a bad flag: one line, exit 2 (usage), and nothing was deleted
+    line = assert_one_clean_line(r, exit_code=2)
+    assert line.startswith("Error: --inbox-older-than: refusing to prune") and "redelivery window" in line
+    with make_session_factory(engine)() as s:
+        assert s.scalar(sa.select(sa.func.count()).select_from(tables.inbox)) == 3
     engine.dispose()

@@ -136,7 +136,7 @@ def test_purge(env: dict[str, str], seeded: dict[str, str], any_sessions: sessio
     (["prune", "--inbox-older-than", "7x"], 2, "is not a duration"),
     (["prune", "--published-older-than", "-1d"], 2, "is not a duration"),
     (["prune"], 2, "give --inbox-older-than and/or --published-older-than"),
-    (["prune", "--inbox-older-than", "1d", "--published-older-than", "1d"], 1, "redelivery window"),
+    (["prune", "--inbox-older-than", "1d", "--published-older-than", "1d"], 2, "redelivery window"),
     (["prune", "--published-older-than", "1d", "--batch", "0"], 2, "--batch"),
 ])
 def test_bad_input_is_a_clear_error_and_changes_nothing(env: dict[str, str], seeded: dict[str, str],
