@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from celery_outbox.config.masking import bounded_repr
 from celery_outbox.errors import EXTRAS, ConfigError, missing_extra
 from celery_outbox.outbox import Outbox
 
@@ -102,10 +103,15 @@ def _on_path(root: Path) -> None:
         sys.path.insert(0, entry)
 
 
+def _said(spec: str, origin: str) -> str:
+    """Where the app was named, as an error names it: ``-A 'proj'``, ``OUTBOX_APP='proj'``, ``FLASK_APP ('app')``."""
+    return f"{origin} {spec!r}" if origin == "-A" else f"{origin}={spec!r}" if origin == APP_ENV else f"{origin} ({spec!r})"
+
+
 def load_outbox(spec: str, *, origin: str = "-A") -> Outbox:
     """``module`` or ``module:attr`` -> the ``Outbox`` there (an attribute named outbox, or the only one)."""
     module_name, _, attr = spec.partition(":")
-    said = f"{origin} {spec!r}" if origin == "-A" else f"{origin}={spec!r}" if origin == APP_ENV else f"{origin} ({spec!r})"
+    said = _said(spec, origin)
     if not module_name or not all(part.isidentifier() for part in module_name.split(".")):
         raise ConfigError(f"{said} is not MODULE[:ATTR]")
     try:
@@ -177,13 +183,23 @@ def _flask_outbox(source: AppSource) -> tuple[Outbox, Any]:
 
 
 def load_app(source: AppSource) -> tuple[Outbox, Any]:
-    """The ``Outbox`` of ``source``, and the Flask app to run the command in (None for the others)."""
+    """The ``Outbox`` of ``source``, and the Flask app to run the command in (None for the others).
+
+    The user's module (or settings, or Flask app) may call ``sys.exit`` while it loads: that is a bad app to
+    load, one ``ConfigError`` line (exit 2), never the module's own exit status, nor exit 0 for a command that
+    never ran. An exit of ``exit_on_config_error`` passes: it has already said why, in one line."""
     _on_path(source.root)
-    if source.kind == "django":
-        return _django_outbox(source), None
-    if source.kind == "flask":
-        return _flask_outbox(source)
-    return load_outbox(source.spec, origin=source.origin), None
+    try:
+        if source.kind == "django":
+            return _django_outbox(source), None
+        if source.kind == "flask":
+            return _flask_outbox(source)
+        return load_outbox(source.spec, origin=source.origin), None
+    except SystemExit as e:
+        if isinstance(e.__context__, ConfigError) and e.__suppress_context__:
+            raise
+        raise ConfigError(f"{_said(source.spec, source.origin)}: loading it called sys.exit({bounded_repr(e.code)}) "
+                          "instead of defining an Outbox") from None
 
 
 def resolve(given: str | None, *, environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> tuple[Outbox, Any]:

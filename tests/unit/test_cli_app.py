@@ -245,3 +245,40 @@ def test_an_app_whose_dependency_is_missing_is_one_line_naming_it(
     # Then one line names what is missing (and the extra that installs it, when it is one of ours)
     message = str(raised.value)
     assert words in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("source", "body", "shown"), [
+    ("-A", "import sys\nsys.exit(3)", "sys.exit(3)"),
+    ("-A", "import sys\nsys.exit(0)", "sys.exit(0)"),  # exit 0 with no command run would read as success
+    ("-A", "raise SystemExit", "sys.exit(None)"),
+    ("-A", "import sys\nsys.exit('postgresql://app:pw-exit-9@db/app')", "sys.exit('postgresql://app:***@db/app')"),
+    ("FLASK_APP", "import sys\nsys.exit(4)", "sys.exit(4)"),
+    ("DJANGO_SETTINGS_MODULE", "import sys\nsys.exit(5)", "sys.exit(5)"),
+])
+def test_an_app_that_exits_while_it_loads_is_one_line_and_exit_2(tmp_path: Path, source: str, body: str,
+                                                                   shown: str) -> None:
+    # Given a user's module that calls sys.exit when it is imported
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "exits_app.py").write_text(body + "\n")
+    # When the command is pointed at it (-A, or the framework variable)
+    args, env = (["-A", "exits_app"], user_env()) if source == "-A" else ([], user_env(**{source: "exits_app"}))
+    r = outbox(*args, "stats", cwd=project, env=env)
+    # Then the CLI's own exit for a bad app (2), one line naming the exit, the module's status never passed on
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: bad configuration: ") and shown in lines[0], lines
+    assert "pw-exit-9" not in r.stderr
+
+
+def test_an_app_that_exits_on_a_bad_setting_keeps_its_one_line(tmp_path: Path) -> None:
+    # Given a user's module that guards its settings with exit_on_config_error (it says why, then exits 2)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "guarded_app.py").write_text(
+        "from celery_outbox import Settings, exit_on_config_error\n"
+        "with exit_on_config_error():\n    Settings.from_env({'OUTBOX_ROUTES': 'A=x;A=y'})\n")
+    r = outbox("-A", "guarded_app", "stats", cwd=project, env=user_env())
+    # Then its own line stands alone, exit 2
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert r.stderr.startswith("bad configuration: OUTBOX_ROUTES")
