@@ -1,14 +1,14 @@
 """The archive a group purge writes before it deletes: an append-only JSON-lines file on a real disk.
 
-The rule is the one in docs/operations.md ("Dead letters"): nothing is deleted that is not written to
-the archive and flushed to disk first, whatever the file already holds and in whatever order groups
-are purged into it. So the archive is checked before anything is deleted (a regular file or a new one
-in an existing directory, not on ``/proc`` or ``/sys``, and, when it already holds something, holding
-only archive lines), a row is skipped only when its exact line is already in the file (a purge resumed
-after a crash does not write a row twice; any other row is written, whatever ids the file holds), and
-each batch is written and ``fsync``-ed before its delete is sent. A write or sync that fails (a full
-disk) stops the purge before that batch is deleted. Every refusal is an ``ArchiveError`` naming the file
-and the problem in one line.
+The rule is the one in docs/operations.md ("Dead letters"): nothing is deleted that is not written to the
+archive and flushed to disk first, whatever the file already holds and in whatever order groups are purged
+into it. So the archive is checked before anything is deleted (a regular file or a new one in an existing
+directory, not on ``/proc`` or ``/sys``, not ``-`` (stdout, by the command-line convention), and, when it
+already holds something, holding only archive lines), a row is skipped only when its exact line is already in
+the file (a purge resumed after a crash does not write a row twice; any other row is written, whatever ids the
+file holds), and each batch is written and ``fsync``-ed before its delete is sent. A write or sync that fails
+(a full disk) stops the purge before that batch is deleted. Every refusal is an ``ArchiveError`` naming the
+file and the problem in one line.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from celery_outbox.errors import ArchiveError
 
 _PSEUDO = ("/proc", "/sys")  # kernel views: writing there is never keeping a copy (and may change the kernel)
 _CHUNK = 1 << 20
+STDOUT = "-"  # what a command line means by this file name; a purge never archives to it (use ./- for a file)
 
 
 def _digest(line: bytes) -> bytes:
@@ -60,6 +61,9 @@ class Archive:
         path = os.fspath(raw)
         if not path.strip():
             raise ArchiveError("--archive: the path is empty; name a JSON-lines file; nothing was deleted")
+        if path == STDOUT:  # the command-line convention for stdout: a stream cannot be read back nor synced
+            raise ArchiveError("--archive -: the archive is a file on a disk (read back to resume a purge, synced "
+                               "before each delete), not stdout; name a JSON-lines file; nothing was deleted")
         real = os.path.realpath(path)
         if any(real == top or real.startswith(top + "/") for top in _PSEUDO):
             raise ArchiveError(f"archive {path}: {real.split('/')[1]} is a kernel view, not a disk; "

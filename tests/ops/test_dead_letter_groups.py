@@ -302,15 +302,19 @@ def bad_archives(tmp_path: Path) -> dict[str, tuple[str, str]]:
             "directory": (str(tmp_path), "it is a directory"), "proc": ("/proc/nope/x.jsonl", "proc is a kernel view"),
             "sys": ("/sys/x.jsonl", "sys is a kernel view"), "empty": ("", "the path is empty"),
             "missing dir": (str(tmp_path / "nope" / "a.jsonl"), "its directory does not exist"),
-            "binary": (str(binary), "not a dead-letter archive"), "text": (str(lines), "line 1 is not a dead-letter")}
+            "binary": (str(binary), "not a dead-letter archive"), "text": (str(lines), "line 1 is not a dead-letter"),
+            "stdout": ("-", "not stdout")}  # the command-line convention: never a file named "-" in the cwd
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("kind", ["device", "null", "directory", "proc", "sys", "empty", "missing dir", "binary",
-                                  "text"])
+                                  "text", "stdout"])
 def test_cli_purge_refuses_a_bad_archive_in_one_line_and_deletes_nothing(
         kind: str, any_sessions: sessionmaker[Session], tables: Tables, any_db_url: str, tmp_home: Path,
-        namespace: str, tmp_path: Path) -> None:
+        namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
     with any_sessions() as s:
         two_groups(s, tables)
         gid = by_consumer(groups.list_groups(s, tables=tables))["shipping"].id
@@ -323,6 +327,7 @@ def test_cli_purge_refuses_a_bad_archive_in_one_line_and_deletes_nothing(
     assert says in r.output and "nothing was deleted" in r.output
     assert len(r.output.strip().splitlines()) == 1 and "unexpected" not in r.output
     assert left_ids(any_sessions, tables) == before
+    assert list(work.iterdir()) == []  # and no file was made where the command ran
 
 
 @pytest.mark.parametrize("raw", ["", "abc", "0123456789abcdeg", "0123456789ABCDEF", "\u0660" * 10 + "abcdef", None])
