@@ -135,6 +135,10 @@ class EntityVersionRow(_Row):
     consumer: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
     entity_key: Mapped[str] = mapped_column(sa.String(ENTITY_KEY_MAX_CHARS), primary_key=True)
     version: Mapped[int] = mapped_column(sa.BigInteger)
+    # Whether the entity may have parked messages: 0 says it has none, so a delivery that advances it does not
+    # read them (inbox/ordering.py); set by the transaction that parks one, cleared by one that finds none left.
+    # The default (1: read them) is what rows written before the column, or without it, get.
+    parked: Mapped[int] = mapped_column(sa.Integer, server_default="1")
 
 
 class CounterRow(_Row):

@@ -110,6 +110,45 @@ def test_version_one_waits_for_a_concurrent_delivery_parking_version_two(pg_sess
     assert rec.applied == [1, 2]
 
 
+@pytest.mark.postgres
+def test_the_next_version_waits_for_a_concurrent_delivery_parking_its_successor(pg_sessions: sessionmaker[Session],
+                                                                                clock: ManualClock,
+                                                                                tables: Tables) -> None:
+    rec = Recorder()
+    results: list[Outcome] = []
+    errors: list[BaseException] = []
+    # Given v1 applied: the entity's row says it has no parked message
+    assert run(pg_sessions, tables, v(1), clock, rec) is Outcome.PROCESSED
+
+    def version_two() -> None:
+        try:
+            with pg_sessions() as s:
+                results.append(inbox.handle(s, v(2), tables=tables, consumer="ledger", handler=rec, clock=clock,
+                                            ordering=True))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    with pg_sessions() as parking:
+        # And v3 parked by a delivery that has not committed yet (it holds the entity's row and set its marker)
+        outcome, _ = ordering.apply(parking, v(3), tables=tables, consumer="ledger", handler=rec,
+                                    now_ms=clock.now_ms())
+        assert outcome is Outcome.PARKED
+        thread = threading.Thread(target=version_two)
+        thread.start()
+        # When v2 arrives meanwhile, Then its advance of the entity's row waits on that delivery's row lock
+        assert waits_on_a_lock(pg_sessions, thread) and results == []
+        parking.commit()
+    # And once it committed, the advance returns the committed marker (not its snapshot's): v2 reads the parked
+    # v3 and applies both in order
+    thread.join(timeout=30)
+    assert errors == []
+    assert results == [Outcome.PROCESSED]
+    assert rec.applied == [1, 2, 3]
+    with pg_sessions() as s:
+        row = s.get(tables.entity_versions, ("ledger", "order:o-1"))
+        assert row is not None and (row.version, row.parked) == (3, 0)
+
+
 def test_entities_are_independent_and_unordered_events_pass(sqlite_sessions: sessionmaker[Session],
                                                             clock: ManualClock, tables: Tables) -> None:
     rec = Recorder()

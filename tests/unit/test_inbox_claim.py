@@ -165,11 +165,79 @@ def test_ordered_next_version_statement_budget(any_sessions: sessionmaker[Sessio
     # When the next version arrives with nothing parked
     with recorded(any_sessions) as seen:
         assert run(order_placed_envelope("o-1", version=2)) is Outcome.PROCESSED
-    # Then: claim, the version advanced (and locked) in one statement, one read of parked messages (this
-    # entity's and expired ones), the effect's ORM writes (flushed before the commit), one commit
-    assert kinds(seen, tables) == ["INSERT inbox", "UPDATE versions", "SELECT parked", "INSERT shipments", "COMMIT"]
+    # Then: claim, the version advanced (and locked) in one statement whose RETURNING gives the entity's parked
+    # marker (clear: no read of its parked messages) and whether any of the consumer's expired, the effect's ORM
+    # writes (flushed before the commit), one commit
+    assert kinds(seen, tables) == ["INSERT inbox", "UPDATE versions", "INSERT shipments", "COMMIT"]
     with any_sessions() as s:
-        assert s.get(tables.entity_versions, ("ledger", "order:o-1")).version == 2  # type: ignore[union-attr]
+        row = s.get(tables.entity_versions, ("ledger", "order:o-1"))
+        assert row is not None and (row.version, row.parked) == (2, 0)
+
+
+def test_ordered_version_with_parked_siblings_reads_and_releases_them(any_sessions: sessionmaker[Session],
+                                                                      clock: ManualClock, tables: Tables) -> None:
+    applied: list[int] = []
+
+    def run(env: Envelope) -> Outcome:
+        with any_sessions() as s:
+            return inbox.handle(s, env, tables=tables, consumer="ledger", clock=clock, ordering=True,
+                                handler=lambda s, e: applied.append(int(e.headers["entity_version"])),
+                                park_timeout_ms=60_000)
+
+    def marker() -> int:
+        with any_sessions() as s:
+            row = s.get(tables.entity_versions, ("ledger", "order:o-1"))
+            assert row is not None
+            return row.parked
+
+    # Given versions 1 and 2 applied, then 4 and 6 parked: the deliveries that parked them set the marker
+    for version in (1, 2):
+        assert run(order_placed_envelope("o-1", version=version)) is Outcome.PROCESSED
+    assert marker() == 0
+    for version in (4, 6):
+        assert run(order_placed_envelope("o-1", version=version)) is Outcome.PARKED
+    assert marker() == 1
+    # When 3 arrives, Then it reads the parked ones, applies 4, leaves 6 parked and the marker set
+    with recorded(any_sessions) as seen:
+        assert run(order_placed_envelope("o-1", version=3)) is Outcome.PROCESSED
+    assert kinds(seen, tables)[:3] == ["INSERT inbox", "UPDATE versions", "SELECT parked"]
+    assert applied == [1, 2, 3, 4] and marker() == 1
+    # When 5 arrives, Then 6 is released too and the marker cleared
+    assert run(order_placed_envelope("o-1", version=5)) is Outcome.PROCESSED
+    assert applied == [1, 2, 3, 4, 5, 6] and marker() == 0
+    assert count(any_sessions, tables.parked) == 0
+    # And the next version reads nothing parked
+    with recorded(any_sessions) as seen:
+        assert run(order_placed_envelope("o-1", version=7)) is Outcome.PROCESSED
+    assert "SELECT parked" not in kinds(seen, tables) and applied[-1] == 7
+
+
+def test_a_marker_left_by_an_expired_parked_message_costs_one_read_then_clears(
+        any_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables) -> None:
+    applied: list[int] = []
+
+    def run(env: Envelope) -> Outcome:
+        with any_sessions() as s:
+            return inbox.handle(s, env, tables=tables, consumer="ledger", clock=clock, ordering=True,
+                                handler=lambda s, e: applied.append(int(e.headers["entity_version"])),
+                                park_timeout_ms=10_000)
+
+    # Given version 3 parked, then dead-lettered by a later delivery once the timeout passed (the expiry does
+    # not hold the entity's row, so the marker stays set)
+    assert run(order_placed_envelope("o-1", version=1)) is Outcome.PROCESSED
+    assert run(order_placed_envelope("o-1", version=3)) is Outcome.PARKED
+    clock.advance(10_000)
+    assert run(order_placed_envelope("o-2", version=1)) is Outcome.PROCESSED
+    assert count(any_sessions, tables.parked) == 0 and count(any_sessions, tables.dead_letters) == 1
+    # When version 2 arrives, Then it reads the entity's parked messages once, finds none and clears the marker
+    with recorded(any_sessions) as seen:
+        assert run(order_placed_envelope("o-1", version=2)) is Outcome.PROCESSED
+    assert kinds(seen, tables) == ["INSERT inbox", "UPDATE versions", "SELECT parked", "UPDATE versions",
+                                   "COMMIT"]
+    with any_sessions() as s:
+        row = s.get(tables.entity_versions, ("ledger", "order:o-1"))
+        assert row is not None and (row.version, row.parked) == (2, 0)
+    assert applied == [1, 1, 2]
 
 
 def test_parked_message_has_no_inbox_row_and_expires_in_a_later_delivery(any_sessions: sessionmaker[Session],
@@ -298,12 +366,13 @@ def test_every_postgres_driver_tells_a_first_delivery_from_a_duplicate(pg_url: s
         with sessions() as s:
             started = ordering._create(s, "search", f"order:{driver}", tables=tables, cutoff_ms=0)
             again = ordering._create(s, "search", f"order:{driver}", tables=tables, cutoff_ms=None)
-            advanced = ordering._advance(s, "search", f"order:{driver}", 2, tables=tables)
+            advanced = ordering._advance(s, "search", f"order:{driver}", 2, tables=tables, cutoff_ms=0)
             s.commit()
         # Then the first is processed with its effect, the second a duplicate, the first version creates the
-        # entity's row (nothing expired) and its second insert does not, the second version advances it
+        # entity's row (nothing expired) and its second insert does not, the second version advances it (the
+        # entity's parked marker clear, nothing expired)
         assert (first, second) == (Outcome.PROCESSED, Outcome.DUPLICATE)
-        assert (started, again, advanced) == ((True, False), (False, False), True)
+        assert (started, again, advanced) == ((True, False), (False, False), (False, False))
         with sessions() as s:
             assert s.scalar(sa.select(sa.func.count()).select_from(Shipment)
                             .where(Shipment.order_id == f"o-{driver}")) == 1

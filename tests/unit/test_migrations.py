@@ -8,6 +8,7 @@ Each must match its models, create only its own tables and undo exactly what it 
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import uuid
 from contextlib import ExitStack, closing
@@ -28,8 +29,12 @@ import orders.migrate
 import orders.models
 from celery_outbox import Outbox, Settings, migrate
 from celery_outbox.cli import cli
-from celery_outbox.db import make_engine
-from celery_outbox.schema import PENDING_SQL, Tables
+from celery_outbox.clock import ManualClock
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.inbox import handle as inbox
+from celery_outbox.inbox.outcome import Outcome
+from celery_outbox.schema import PENDING_SQL, Tables, define_tables
+from consumers.testing import order_placed_envelope
 from tests.conftest import scratch_database
 
 _ = orders.models  # its models join consumers.models.Base.metadata
@@ -205,22 +210,28 @@ def insert_message(url: str, payload: str = '{"a": 1}') -> int:
         engine.dispose()
 
 
+def release_before(backend: str, tmp_path: Path, stack: ExitStack) -> str:
+    """A database exactly as `outbox db upgrade` of the release before left it (its schema, at co0007)."""
+    url = (f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite"
+           else stack.enter_context(scratch_database("outbox_old")))
+    sql = (DATA / f"co0007_{backend}.sql").read_text()
+    if backend == "sqlite":
+        with closing(sqlite3.connect(tmp_path / "old.db")) as c:
+            c.executescript(sql)
+    else:
+        engine = make_engine(url)
+        with engine.begin() as c:
+            c.exec_driver_sql(sql)
+        engine.dispose()
+    assert migrate.current(url) == "co0007"
+    return url
+
+
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def test_a_database_the_release_before_left_upgrades_to_the_declared_schema(backend: str, tmp_path: Path) -> None:
     with ExitStack() as stack:
-        url = (f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite"
-               else stack.enter_context(scratch_database("outbox_old")))
         # Given a database exactly as `outbox db upgrade` of the release before left it (its schema, at co0007)
-        sql = (DATA / f"co0007_{backend}.sql").read_text()
-        if backend == "sqlite":
-            with closing(sqlite3.connect(tmp_path / "old.db")) as c:
-                c.executescript(sql)
-        else:
-            engine = make_engine(url)
-            with engine.begin() as c:
-                c.exec_driver_sql(sql)
-            engine.dispose()
-        assert migrate.current(url) == "co0007"
+        url = release_before(backend, tmp_path, stack)
         first = insert_message(url)
         if backend == "sqlite":  # and a row written around the library's writer, not strict JSON (jsonb refuses it)
             insert_message(url, '{"total": NaN}')
@@ -237,6 +248,41 @@ def test_a_database_the_release_before_left_upgrades_to_the_declared_schema(back
             c.execute(sa.text("DELETE FROM outbox_messages"))
         engine.dispose()
         assert insert_message(url) > first
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_an_entity_with_parked_messages_before_the_marker_still_releases_them(backend: str, tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        # Given a database of the release before, with entity o-1 at version 1 and its version 3 parked
+        url = release_before(backend, tmp_path, stack)
+        early = order_placed_envelope("o-1", version=3)
+        engine = make_engine(url)
+        with engine.begin() as c:
+            c.execute(sa.text("INSERT INTO outbox_entity_versions (consumer, entity_key, version) "
+                              "VALUES ('ledger', 'order:o-1', 1)"))
+            c.execute(sa.text("INSERT INTO outbox_parked (message_id, consumer, entity_key, entity_version, envelope, "
+                              "parked_at_ms) VALUES (:id, 'ledger', 'order:o-1', 3, :envelope, 1)"),
+                      {"id": early.message_id.hex, "envelope": json.dumps(early.to_dict())})
+        engine.dispose()
+        # When it is upgraded, Then the entity's row says it may have parked messages
+        migrate.upgrade(url)
+        assert migrate.check(url) == []
+        engine = make_engine(url)
+        stack.callback(engine.dispose)
+        sessions = make_session_factory(engine)
+        tables = define_tables()
+        with sessions() as s:
+            assert s.get(tables.entity_versions, ("ledger", "order:o-1")).parked == 1  # type: ignore[union-attr]
+        # And version 2 reads them: it applies 2, then the parked 3
+        applied: list[int] = []
+        with sessions() as s:
+            assert inbox.handle(s, order_placed_envelope("o-1", version=2), tables=tables, consumer="ledger",
+                                handler=lambda s, e: applied.append(int(e.headers["entity_version"])),
+                                clock=ManualClock(), ordering=True) is Outcome.PROCESSED
+        assert applied == [2, 3]
+        with sessions() as s:
+            row = s.get(tables.entity_versions, ("ledger", "order:o-1"))
+            assert row is not None and (row.version, row.parked) == (3, 0)
 
 
 def test_the_schema_check_names_each_difference(tmp_path: Path) -> None:
