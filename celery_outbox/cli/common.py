@@ -51,8 +51,13 @@ class OutboxGroup(click.Group):
 
 
 def _shown_safely(error: click.UsageError) -> click.UsageError:
-    """``error`` with what it repeats of the command line masked (a URL password) and made printable."""
-    return click.UsageError(printable(mask_secrets(error.format_message())), ctx=error.ctx)
+    """``error`` as one line (docs/operations.md, "Probes and exit codes"): what it repeats of the command line
+    masked (a URL password) and made printable, and where to read the usage named in the same line instead of
+    click's usage lines above it. A group run without a command keeps click's answer: its help."""
+    if isinstance(error, click.exceptions.NoArgsIsHelpError):
+        return error
+    hint = f" (see '{error.ctx.command_path} -h')" if error.ctx is not None else ""
+    return click.UsageError(one_line(error.format_message()) + printable(hint), ctx=None)
 
 
 def settings_group(fn: Callable[..., None]) -> click.Group:

@@ -380,3 +380,28 @@ def test_an_inbox_age_below_the_redelivery_window_is_a_usage_error(sqlite_url: s
     with make_session_factory(engine)() as s:
         assert s.scalar(sa.select(sa.func.count()).select_from(tables.inbox)) == 3
     engine.dispose()
+
+
+USAGE_ERRORS = [["nosuch"], ["stats", "--bogus"], ["stats", "--jsn"], ["trace", "-0"], ["trace"], ["dead-letters", "replay"],
+                ["dead-letters", "nosuch"], ["dead-letters", "purge", "outbox:1"], ["prune"], ["prune", "--inbox-older-than"],
+                ["db", "nosuch"], ["db", "partitions", "convert", "--by", "day"], ["relay", "--once", "extra"],
+                ["-A"], ["stats", "--json", "--json=1"]]
+
+
+@pytest.mark.parametrize("args", USAGE_ERRORS, ids=" ".join)
+def test_a_usage_error_is_one_line_naming_the_help(tmp_path: Path, tmp_home: Path, namespace: str,
+                                                   args: list[str]) -> None:
+    # Given a command line click refuses (an unknown command or option, a missing value, options that do not go
+    # together)
+    r = run(base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'x.db'}"), *args)
+    # Then one line and exit 2 (docs/operations.md "Probes and exit codes"), not click's usage lines above it
+    line = assert_one_clean_line(r, exit_code=2)
+    assert line.startswith("Error: ") and "Usage:" not in r.output
+
+
+@pytest.mark.parametrize("args", [[], ["dead-letters"], ["db"], ["db", "partitions"]], ids=" ".join)
+def test_a_group_without_a_command_shows_its_help(tmp_path: Path, tmp_home: Path, namespace: str,
+                                                  args: list[str]) -> None:
+    # Given a group named without a command; Then its help (click's answer), never an "Error: Usage: ..." around it
+    r = run(base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'x.db'}"), *args)
+    assert r.output.startswith("Usage: ") and "Error" not in r.output and "Commands:" in r.output, r.output
