@@ -16,7 +16,7 @@ from sqlalchemy import exc as sa_exc
 
 from celery_outbox.cli.app import resolve
 from celery_outbox.config.masking import mask_secrets
-from celery_outbox.errors import ConfigError, DatabaseError, OutboxError
+from celery_outbox.errors import ConfigError, DatabaseError, OutboxError, ValidationError
 from celery_outbox.outbox import Outbox
 from celery_outbox.settings import Settings
 
@@ -265,3 +265,18 @@ class AsciiSeconds(click.ParamType):  # type: ignore[type-arg]
         if not number >= self.low:  # also refuses nan given in code
             self.fail(f"{number:g} is below {self.low:g}", param, ctx)
         return number
+
+
+class Checked(click.ParamType):  # type: ignore[type-arg]
+    """An argument judged by its form alone, by the library's own check (a dead-letter id, a group id, a trace
+    key): one refused is a usage error at parse, exit 2, before the app or the database is reached (one that is
+    well formed and names nothing there is exit 1, "not found"). ``check`` returns the value to use."""
+
+    def __init__(self, *, name: str, check: Callable[[str], object]) -> None:
+        self.name, self._check = name, check
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        try:
+            return str(self._check(value))
+        except ValidationError as e:
+            self.fail(str(e), param, ctx)

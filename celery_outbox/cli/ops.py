@@ -28,6 +28,7 @@ from celery_outbox.cli.common import (
     AsciiInt,
     AsciiSeconds,
     BadInput,
+    Checked,
     Duration,
     SafeConsole,
     get_outbox,
@@ -44,6 +45,9 @@ from celery_outbox.ops import dead_letter_groups as groups_mod
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import retention
 from celery_outbox.ops import stats as ops_stats
+
+DEAD_LETTER_ID = Checked(name="dead_letter_id", check=dl.DeadLetterId.parse)
+GROUP_ID = Checked(name="group_id", check=groups_mod.check_group_id)
 
 
 def _sessions(ctx: click.Context) -> sessionmaker[Session]:
@@ -111,7 +115,7 @@ def list_cmd(ctx: click.Context, source: dl.Source | None, consumer: str | None,
 
 
 @dead_letters.command("show")
-@click.argument("dl_id")
+@click.argument("dl_id", type=DEAD_LETTER_ID)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 @handle_errors
@@ -142,10 +146,10 @@ def show_cmd(ctx: click.Context, dl_id: str, as_json: bool) -> None:
 
 
 @dead_letters.command("replay")
-@click.argument("ids", nargs=-1)
+@click.argument("ids", nargs=-1, type=DEAD_LETTER_ID)
 @click.option("--all", "replay_all", is_flag=True, help="Replay every unreplayed dead letter.")
 @click.option("--consumer", default=None, help="With --all: only this consumer's dead letters.")
-@click.option("--group", "group", default=None, help="Replay one group (see 'outbox dead-letters groups').")
+@click.option("--group", "group", type=GROUP_ID, default=None, help="Replay one group (see 'outbox dead-letters groups').")
 @click.option("--dry-run", is_flag=True, help="With --group: say what would be sent where; change nothing.")
 @click.option("--rate", type=AsciiSeconds(low=0.001), default=groups_mod.DEFAULT_REPLAY_RATE, show_default=True,
               help="With --group: at most this many dead letters a second.")
@@ -205,8 +209,8 @@ def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consu
 
 
 @dead_letters.command("purge")
-@click.argument("ids", nargs=-1)
-@click.option("--group", "group", default=None, help="Purge one group (see 'outbox dead-letters groups').")
+@click.argument("ids", nargs=-1, type=DEAD_LETTER_ID)
+@click.option("--group", "group", type=GROUP_ID, default=None, help="Purge one group (see 'outbox dead-letters groups').")
 @click.option("--archive", default=None, metavar="FILE",
               help="With --group: append each dead letter to this JSON-lines file before deleting it.")
 @click.option("--rate", type=AsciiSeconds(low=0.001), default=groups_mod.DEFAULT_PURGE_RATE, show_default=True,

@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from celery_outbox.cli.common import AsciiInt, SafeConsole, get_outbox, handle_errors
+from celery_outbox.cli.common import AsciiInt, Checked, SafeConsole, get_outbox, handle_errors
 from celery_outbox.ops import trace as ops_trace
 
 
@@ -59,7 +59,7 @@ def render(t: ops_trace.MessageTrace, console: Console) -> None:
 
 
 @click.command("trace")
-@click.argument("key")
+@click.argument("key", type=Checked(name="key", check=ops_trace.check_key))
 @click.option("--limit", type=AsciiInt(low=1), default=ops_trace.DEFAULT_LIMIT, show_default=True,
               help="At most this many messages for a key (the newest).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

@@ -24,8 +24,9 @@ from celery_outbox import Tables, ValidationError
 from celery_outbox.cli import cli
 from celery_outbox.config.masking import mask_secrets
 from celery_outbox.db import make_engine, make_session_factory
-from celery_outbox.ops.dead_letter_groups import list_groups
+from celery_outbox.ops.dead_letter_groups import check_group_id, list_groups
 from celery_outbox.ops.dead_letters import DeadLetterId, parse_ids
+from celery_outbox.ops.trace import check_key
 from tests.ops_seed import T0, consumer_dead_letter, inbox_rows, outbox_row
 
 PASSWORD = "cli-pw-never-shown"
@@ -116,8 +117,8 @@ def test_lookalike_ids_are_one_line_errors_and_touch_nothing(seeded_env: tuple[d
     for args in (["dead-letters", "show", raw], ["dead-letters", "show", raw, "--json"],
                  ["dead-letters", "replay", raw], ["dead-letters", "purge", raw, "--yes"]):
         r = run(env, *args)
-        # Then one line saying it is not an id, exit 1, and dead letter 1 was neither shown nor changed
-        line = assert_one_clean_line(r)
+        # Then one line saying it is not an id, exit 2 (usage), and dead letter 1 was neither shown nor changed
+        line = assert_one_clean_line(r, exit_code=2)
         assert "not a dead-letter id" in line
         assert "one-error" not in r.output
     assert dead_state(sessions, tables) == before
@@ -135,8 +136,8 @@ def test_an_id_with_blanks_around_it_is_refused_not_stripped(seeded_env: tuple[d
     # When a command is given one of their ids with blanks around it
     for args in (["dead-letters", "show", raw], ["dead-letters", "replay", raw], ["dead-letters", "purge", raw, "--yes"]):
         r = run(env, *args)
-        # Then one line saying it is not an id (the one rule, docs/operations.md), and nothing was shown or changed
-        line = assert_one_clean_line(r)
+        # Then one line saying it is not an id (the one rule, docs/operations.md), exit 2, nothing shown or changed
+        line = assert_one_clean_line(r, exit_code=2)
         assert "not a dead-letter id" in line and "one-error" not in r.output
     assert dead_state(sessions, tables) == before
 
@@ -149,10 +150,10 @@ def test_a_group_id_with_blanks_around_it_is_refused_not_stripped(seeded_env: tu
     before = dead_state(sessions, tables)
     for padded in (f" {gid} ", f"{gid}\n"):
         r = run(env, "dead-letters", "replay", "--group", padded)
-        line = assert_one_clean_line(r)
+        line = assert_one_clean_line(r, exit_code=2)
         assert "not a dead-letter group" in line
         r = run(env, "dead-letters", "purge", "--group", padded, "--yes")
-        assert "not a dead-letter group" in assert_one_clean_line(r)
+        assert "not a dead-letter group" in assert_one_clean_line(r, exit_code=2)
     assert dead_state(sessions, tables) == before
 
 
@@ -405,3 +406,45 @@ def test_a_group_without_a_command_shows_its_help(tmp_path: Path, tmp_home: Path
     # Given a group named without a command; Then its help (click's answer), never an "Error: Usage: ..." around it
     r = run(base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'x.db'}"), *args)
     assert r.output.startswith("Usage: ") and "Error" not in r.output and "Commands:" in r.output, r.output
+
+
+MALFORMED_ARGUMENTS = [["dead-letters", "show", "{}"], ["dead-letters", "replay", "{}"], ["dead-letters", "purge", "{}", "--yes"],
+                       ["dead-letters", "replay", "--group", "{}"], ["dead-letters", "purge", "--group", "{}", "--yes"],
+                       ["trace", "{}"]]
+HOSTILE_TEXT = st.one_of(st.sampled_from(["", " ", "-", "\x00", "a\x00b", "\u202e", "\x1b[2J", "9" * 5000, "\ud800",
+                                          f"postgresql://u:{PASSWORD}@h/db"]), st.text(max_size=40))
+
+
+def refused_by_its_form(template: list[str], raw: str) -> bool:
+    check = check_key if template[0] == "trace" else check_group_id if "--group" in template else DeadLetterId.parse
+    try:
+        check(raw)
+    except ValidationError:
+        return True
+    return False
+
+
+def a_malformed_argument_is_a_usage_error(sqlite_url: str, tmp_home: Path, namespace: str, template: list[str],
+                                          raw: str) -> None:
+    """``raw`` where the command takes an id, a group id or a key: one the library's check refuses by its form
+    is refused at parse, exit 2 (docs/operations.md "Probes and exit codes"), never 1 as a failed command."""
+    if not refused_by_its_form(template, raw):
+        return
+    r = run(base_env(tmp_home, namespace, sqlite_url), *[raw if a == "{}" else a for a in template])
+    line = assert_one_clean_line(r, exit_code=2)
+    assert line.startswith(("Error: Invalid value for ", "Error: Missing argument", "Error: No such option"))
+    assert "\x1b" not in r.output and "\u202e" not in r.output
+
+
+@hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(template=st.sampled_from(MALFORMED_ARGUMENTS), raw=HOSTILE_TEXT)
+def test_a_malformed_argument_is_a_usage_error(sqlite_url: str, tmp_home: Path, namespace: str, template: list[str],
+                                               raw: str) -> None:
+    a_malformed_argument_is_a_usage_error(sqlite_url, tmp_home, namespace, template, raw)
+
+
+@pytest.mark.parametrize("template", MALFORMED_ARGUMENTS, ids=" ".join)
+def test_each_malformed_argument_is_a_usage_error(sqlite_url: str, tmp_home: Path, namespace: str,
+                                                  template: list[str]) -> None:
+    for raw in [*LOOKALIKES, *BLANKED, "", "\x1b[2J", "9" * 5000, f"postgresql://u:{PASSWORD}@h/db"]:
+        a_malformed_argument_is_a_usage_error(sqlite_url, tmp_home, namespace, template, raw)

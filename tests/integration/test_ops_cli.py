@@ -120,7 +120,7 @@ def test_purge(env: dict[str, str], seeded: dict[str, str], any_sessions: sessio
 
 
 @pytest.mark.parametrize("args, exit_code, message", [
-    (["dead-letters", "show", "42"], 1, "not a dead-letter id"),
+    (["dead-letters", "show", "42"], 2, "not a dead-letter id"),  # malformed: usage; well formed, absent: 1
     (["dead-letters", "show", "outbox:999"], 1, "does not exist"),
     (["dead-letters", "show", "consumer:999"], 1, "no such consumer dead letter"),
     (["dead-letters", "list", "--consumer", "shiping"], 1, "unknown consumer 'shiping'"),
@@ -130,7 +130,7 @@ def test_purge(env: dict[str, str], seeded: dict[str, str], any_sessions: sessio
     (["dead-letters", "replay", "outbox:1", "--all"], 2, "give dead-letter ids or --all"),
     (["dead-letters", "replay", "outbox:1", "--consumer", "shipping"], 2, "--consumer goes with --all"),
     (["dead-letters", "replay", "{outbox}", "consumer:999"], 1, "no such dead letter(s): consumer:999"),
-    (["dead-letters", "replay", "{outbox}", "bogus"], 1, "'bogus' is not a dead-letter id"),
+    (["dead-letters", "replay", "{outbox}", "bogus"], 2, "'bogus' is not a dead-letter id"),
     (["dead-letters", "purge", "{outbox}", "outbox:999", "--yes"], 1, "outbox:999"),
     (["dead-letters", "purge", "{pending}", "--yes"], 1, "not dead-lettered"),
     (["prune", "--inbox-older-than", "7x"], 2, "is not a duration"),

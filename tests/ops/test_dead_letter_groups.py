@@ -367,7 +367,7 @@ def test_cli_groups_dry_run_replay_purge(any_sessions: sessionmaker[Session], ta
     r = run(env, "dead-letters", "replay", "--group", shipping)
     assert r.exit_code == 1 and f"no dead letters left in group {shipping}" in r.output
     r = run(env, "dead-letters", "replay", "--group", "nope")
-    assert r.exit_code == 1 and "not a dead-letter group" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2 and "not a dead-letter group" in r.output and "Traceback" not in r.output
 
 
 # -- 100,000 dead letters on Postgres --------------------------------------------------------------------------
