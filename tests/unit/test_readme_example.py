@@ -47,3 +47,21 @@ def test_the_readme_example_publishes_and_its_consumer_runs_once(tmp_path: Path,
     finally:
         outbox.close()  # type: ignore[attr-defined]
         namespace["engine"].dispose()  # type: ignore[attr-defined]
+
+
+def test_the_readme_example_names_the_broker_its_relay_publishes_to(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given the README's example as written, with no OUTBOX_* setting around it (a pip user's first try)
+    for key in [k for k in os.environ if k.startswith("OUTBOX_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "shop"}
+    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    outbox = namespace["outbox"]
+    try:
+        # Then the `outbox -A shop relay` the README names next has a broker to publish to (it refuses a Celery
+        # app that names none: "bad configuration: no broker"), the one `celery -A shop worker` reads from
+        assert outbox.broker_url() == "amqp://localhost"  # type: ignore[attr-defined]
+    finally:
+        outbox.close()  # type: ignore[attr-defined]
+        namespace["engine"].dispose()  # type: ignore[attr-defined]
