@@ -6,6 +6,7 @@ Benchmarks are plain scripts, not tests: they print figures and ratios and write
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -19,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import sqlalchemy as sa
+
 from celery_outbox.db import make_engine
 from orders import migrate
 
@@ -26,17 +29,35 @@ W = TypeVar("W", bound="BenchWorker")
 
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RESULTS = Path(__file__).resolve().parent / "results"
+# The Postgres drivers a bench can run on (the library's [psycopg2] and [psycopg] extras). psycopg 3 prepares a
+# statement on the server after it ran 5 times on a connection (its default ``prepare_threshold``); psycopg2 never.
+DRIVERS = ("psycopg2", "psycopg")
+
+
+def driver_url(url: str, driver: str | None) -> str:
+    """``url`` on the Postgres ``driver`` (``postgresql+<driver>://``); ``None`` leaves it as it is (a plain
+    ``postgresql://`` is the installed driver, psycopg2 first: ``db.normalize_url``)."""
+    if driver is None:
+        return url
+    return sa.make_url(url).set(drivername=f"postgresql+{driver}").render_as_string(hide_password=False)
+
+
+def add_driver_option(parser: argparse.ArgumentParser) -> None:
+    """``--driver``: the Postgres driver of every process of the bench, the outbox's and its plain twin's alike,
+    so a ratio compares the two on one driver."""
+    parser.add_argument("--driver", choices=DRIVERS, default=None,
+                        help="Postgres driver of every process (default: the installed one, psycopg2 first)")
 
 
 @contextmanager
-def fresh_database(prefix: str = "outbox_bench") -> Iterator[str]:
+def fresh_database(prefix: str = "outbox_bench", *, driver: str | None = None) -> Iterator[str]:
     """A database of its own (``<prefix>_<hex>``) with the library's and the Orders service's tables, dropped
-    afterwards."""
+    afterwards; its URL names ``driver`` (``driver_url``)."""
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    url = driver_url(sa.make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False), driver)
     try:
         migrate.upgrade(url)
         yield url

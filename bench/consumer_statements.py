@@ -17,7 +17,10 @@ before every one (0: back to back, as at saturation). The paths run one after th
 compare them across repeated runs. Prints the table and writes bench/results/consumer_statements.json.
 
     .venv/bin/python bench/consumer_statements.py [--consumer shipping] [--deliveries 200] [--idle-ms 0] \
-        [--entity-version 1]
+        [--entity-version 1] [--driver psycopg2|psycopg] [--no-prepare]
+
+``--driver`` runs every path on that Postgres driver (psycopg 3 prepares a statement on the server after 5 runs on
+a connection; ``--no-prepare`` turns that off, ``prepare_threshold=None``, as behind PgBouncer before 1.21).
 
 ``--consumer`` names one of the reference deployment's consumers, or ``search_in_order``: its search effect
 as a per-entity ordered consumer (``ordering=True``; consumers/search.py), which the deployment does not run.
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sqlalchemy import event
 
-from bench._common import fresh_database, write_result
+from bench._common import add_driver_option, fresh_database, write_result
 from celery_outbox.clock import SystemClock
 from celery_outbox.db import make_engine, make_session_factory
 from celery_outbox.delivery import DeliveryContext, deliver_with
@@ -137,13 +140,19 @@ def main() -> None:
     parser.add_argument("--idle-ms", type=float, default=0.0, help="pause before each delivery")
     parser.add_argument("--entity-version", type=int, default=1,
                         help="each delivery is this version of its entity (earlier ones delivered first, untimed)")
+    add_driver_option(parser)
+    parser.add_argument("--no-prepare", action="store_true", help="psycopg 3: prepare_threshold=None")
     args = parser.parse_args()
+    if args.no_prepare and args.driver != "psycopg":
+        parser.exit(2, "--no-prepare needs --driver psycopg\n")
     n, pause = args.deliveries, args.idle_ms / 1000
     spec = search_in_order if args.consumer == "search_in_order" else default_registry()[args.consumer]
     tables, clock, settings = define_tables(), SystemClock(), Settings()
     out: dict[str, Any] = {}
-    with fresh_database() as url:
-        engine = make_engine(url, settings=settings)
+    with fresh_database(driver=args.driver) as url:
+        connect_args: dict[str, Any] = {"prepare_threshold": None} if args.no_prepare else {}
+        engine = make_engine(url, settings=settings, connect_args=connect_args)
+        driver = engine.dialect.driver
         sessions = make_session_factory(engine)
         counting = Counting(engine)
 
@@ -206,10 +215,12 @@ def main() -> None:
         run("plain_task", plain)
         run("plain_with_claim", lambda i: plain(i, claim=True))
         engine.dispose()
-    print_round_trips(f"{args.consumer}: round trips per delivery ({n} deliveries each, entity version "
-                      f"{args.entity_version}, idle {args.idle_ms} ms before each)", out)
+    prepared = " (no prepare)" if args.no_prepare else ""
+    print_round_trips(f"{args.consumer} on {driver}{prepared}: round trips per delivery ({n} deliveries each, entity "
+                      f"version {args.entity_version}, idle {args.idle_ms} ms before each)", out)
     write_result("consumer_statements", {"consumer": args.consumer, "deliveries": n, "idle_ms": args.idle_ms,
-                                         "entity_version": args.entity_version, "per_delivery": out})
+                                         "entity_version": args.entity_version, "driver": driver,
+                                         "no_prepare": args.no_prepare, "per_delivery": out})
 
 
 if __name__ == "__main__":

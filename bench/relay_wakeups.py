@@ -20,13 +20,15 @@ at each offered rate for ``--seconds``, waits until the outbox is drained, and r
 Variants run interleaved in every round (a fresh relay process each): ``--gather-ms`` values of this
 tree's relay (``OUTBOX_RELAY_GATHER_MS``) and, with ``--baseline-src DIR``, the relay of another source
 tree (e.g. ``git archive main | tar -x -C DIR``) put first on the relay's PYTHONPATH (``--variant-src
-NAME=DIR``, repeatable, adds more such trees). No worker runs:
+NAME=DIR``, repeatable, adds more such trees) and, with ``--drivers psycopg2,psycopg``, this tree's relay on each
+Postgres driver (its ``OUTBOX_DATABASE_URL`` names it; this script's own writers keep the default driver and are
+not counted). No worker runs:
 the broker keeps the messages (queues purged between steps); the reconcile interval is set to a day so
 the reconciler (which would re-send what no consumer recorded) stays out of the figures. Prints
 medians over rounds and the ratios against the first variant; writes bench/results/<name>.json.
 
     .venv/bin/python bench/relay_wakeups.py [--rates 40,80,160] [--seconds 8] [--rounds 2]
-        [--gather-ms 0,5,10] [--baseline-src /tmp/base] [--variant-src name=/tmp/other]
+        [--gather-ms 0,5,10] [--baseline-src /tmp/base] [--variant-src name=/tmp/other] [--drivers psycopg2,psycopg]
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sqlalchemy as sa
 from kombu import Connection, Queue
 
-from bench._common import percentile, write_result
+from bench._common import DRIVERS, driver_url, percentile, write_result
 from bench.e2e_latency import default_env
 from celery_outbox.db import make_engine, make_session_factory
 from chaos.environment import ChaosEnvironment
@@ -132,8 +134,12 @@ def main() -> None:
     parser.add_argument("--gather-ms", default="0", help="OUTBOX_RELAY_GATHER_MS values of this tree's relay")
     parser.add_argument("--baseline-src", default="", help="a source tree whose relay runs as the variant 'base'")
     parser.add_argument("--variant-src", action="append", default=[], help="NAME=DIR: another source tree's relay")
+    parser.add_argument("--drivers", default="", help=f"comma separated, of {', '.join(DRIVERS)}: the relay on each")
     parser.add_argument("--name", default="relay_wakeups", help="bench/results/<name>.json")
     args = parser.parse_args()
+    drivers = [d for d in args.drivers.split(",") if d]
+    if any(d not in DRIVERS for d in drivers):
+        parser.exit(2, f"--drivers: of {', '.join(DRIVERS)}\n")
     rates = [float(r) for r in args.rates.split(",")]
     variants: dict[str, dict[str, str]] = {}
     if args.baseline_src:
@@ -141,12 +147,17 @@ def main() -> None:
     for spec in args.variant_src:
         vname, _, src = spec.partition("=")
         variants[vname] = {"PYTHONPATH": os.pathsep.join([src, str(REPO)])}
-    for g in filter(None, args.gather_ms.split(",")):
-        variants[f"gather{int(g)}"] = {"OUTBOX_RELAY_GATHER_MS": str(int(g))}
     work = Path(tempfile.mkdtemp(prefix="outbox-wakeups-"))
     extra = {**default_env(), "OUTBOX_RELAY_RECONCILE_INTERVAL_S": "86400"}
+    env = ChaosEnvironment(broker="rabbitmq", workdir=work, extra_env=extra)
+    gathers = [str(int(g)) for g in args.gather_ms.split(",") if g]
+    for g in gathers:
+        for d in drivers or [None]:
+            variants[f"gather{g}" + (f"-{d}" if d else "")] = {
+                "OUTBOX_RELAY_GATHER_MS": g,
+                **({"OUTBOX_DATABASE_URL": driver_url(env.process_database_url, d)} if d else {})}
     runs: dict[str, dict[float, list[dict[str, float]]]] = {v: {r: [] for r in rates} for v in variants}
-    with ChaosEnvironment(broker="rabbitmq", workdir=work, extra_env=extra) as env:
+    with env:
         from relay.factory import create_outbox
 
         # The relay publishes to RabbitMQ itself, past the environment's fault-injection proxy.
@@ -233,7 +244,7 @@ def main() -> None:
                   f"+ rabbitmq {m['rabbitmq_cpu_ms_per_order']:.2f} = {total:.2f} ms CPU/order (x{total / btotal:.2f})  "
                   f"p50 {m['p50_ms']:.0f} ms  p99 {m['p99_ms']:.0f} ms  "
                   f"{m['orders_per_batch']:.1f} orders/batch")
-    write_result(args.name, {"rates": rates, "seconds_per_step": args.seconds, "rounds": args.rounds,
+    write_result(args.name, {"rates": rates, "seconds_per_step": args.seconds, "rounds": args.rounds, "drivers": drivers,
                               "clients": args.clients, "variants": variants, "medians": med,
                               "runs": {v: {f"{r:g}": x for r, x in d.items()} for v, d in runs.items()},
                               "env": "outbox relay (LISTEN/NOTIFY), defaults but reconcile interval 1 day; "

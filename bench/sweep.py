@@ -41,7 +41,10 @@ concurrency and rate, orders/s and CPU per order of each mode and the ratios; wr
 bench/results/sweep.json (``--name``).
 
     .venv/bin/python bench/sweep.py [--rates 25,50,100,150,250,0] [--concurrency 2,4] [--rounds 3]
-        [--seconds 5] [--min-orders 100] [--max-orders 300] [--quick]
+        [--seconds 5] [--min-orders 100] [--max-orders 300] [--quick] [--driver psycopg2|psycopg]
+
+``--driver``: every process's Postgres driver, the plain twins' as the outbox's (psycopg 3 prepares a statement on
+the server after 5 runs on a connection; psycopg2 never does).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 import sqlalchemy as sa  # noqa: E402
 
-from bench._common import LineClient, percentile, write_result  # noqa: E402
+from bench._common import PG_ADMIN_URL, LineClient, add_driver_option, driver_url, percentile, write_result  # noqa: E402
 from bench.consumer_cpu import broker_pids, children_of, cpu_ticks  # noqa: E402
 from chaos.broker import RabbitBroker  # noqa: E402
 
@@ -401,10 +404,12 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="outbox-sweep-"))
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    env = ChaosEnvironment(broker="rabbitmq", workdir=work, extra_env=default_env())
+    env = ChaosEnvironment(broker="rabbitmq", workdir=work, extra_env=default_env(),
+                           pg_admin_url=driver_url(PG_ADMIN_URL, args.driver))
     env.broker = DirectRabbit()
     out: dict[str, Any] = {"runs": [], "summary": {}}
-    print(f"modes (each column): {' / '.join(MODES)}; logs in {work}", flush=True)
+    print(f"modes (each column): {' / '.join(MODES)}; driver {sa.make_url(env.database_url).drivername}; "
+          f"logs in {work}", flush=True)
     with env:
         try:
             for c in args.concurrency:
@@ -491,6 +496,7 @@ def main() -> None:
     parser.add_argument("--client-threads", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="a smoke test: -c 2, 25/s and unthrottled, tiny runs")
     parser.add_argument("--name", default=None, help="bench/results/<name>.json (default sweep; --quick sweep_quick)")
+    add_driver_option(parser)
     parser.add_argument("--as-client", default=None, choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.as_client:
@@ -513,7 +519,7 @@ def main() -> None:
     print(f"\nmain commit {git_head()}; load (/proc/loadavg) before {load_before}, after {load_after}; "
           f"took {time.monotonic() - started:.0f} s")
     write_result(args.name or ("sweep_quick" if q else "sweep"), {
-        "commit": git_head(), "broker": "rabbitmq (shared server, direct: no proxy)",
+        "commit": git_head(), "broker": "rabbitmq (shared server, direct: no proxy)", "driver": args.driver,
         "rates": args.rates, "concurrency": args.concurrency, "rounds": args.rounds,
         "phases": "round 0 fresh (processes started for this rate, no warm-up), rounds 1.. warmed (median)",
         "seconds": args.seconds, "min_orders": args.min_orders, "max_orders": args.max_orders,
