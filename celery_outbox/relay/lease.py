@@ -9,12 +9,13 @@ A lease is one row of the counters table, ``(consumer='_relay', name='lease:<job
 the instant (ms) the job is next due. Claiming it is one atomic statement, so two claimers can never
 both win::
 
-    UPDATE counters SET value = max(value, now - early) + interval
-     WHERE consumer = '_relay' AND name = 'lease:<job>' AND value <= now + early
+    INSERT INTO counters VALUES ('_relay', 'lease:<job>', now + interval)
+        ON CONFLICT DO UPDATE SET value = max(value, now - early) + interval WHERE value <= now + early
+        RETURNING value
 
-(the very first claim inserts the row, ``ON CONFLICT DO NOTHING``). The claim commits before the job
-runs, and nothing is ever released: a holder that crashes, hangs or fails mid-job only loses its own
-pass, and the next interval is due as usual (no stale lock to expire).
+(the very first claim inserts the row; a claimer that gets no row back lost, and reads the due instant).
+The claim commits before the job runs, and nothing is ever released: a holder that crashes, hangs or
+fails mid-job only loses its own pass, and the next interval is due as usual (no stale lock to expire).
 
 The schedule stays anchored: a claim on time moves the due instant by exactly one interval, so the
 job runs once per interval, not once per interval plus polling delay, and only a claimer later than
@@ -38,7 +39,7 @@ from celery_outbox import counters
 from celery_outbox.clock import Clock
 from celery_outbox.db import wrap_driver_errors
 from celery_outbox.schema import Tables
-from celery_outbox.sql import upsert
+from celery_outbox.sql import insert_for
 
 log = logging.getLogger("celery_outbox.relay.lease")
 
@@ -74,21 +75,18 @@ def claim(session: Session, job: str, *, interval_ms: int, clock: Clock, tables:
     name = lease_name(job)
     now = clock.now_ms()
     with wrap_driver_errors(f"claiming the {job} lease"):
-        first = session.execute(upsert(session, c, {"consumer": SCOPE, "name": name, "value": now + interval_ms},
-                                       keys=("consumer", "name")))
-        if _rowcount(first) == 1:
-            session.commit()
-            return Claim(claimed=True, next_due_ms=now + interval_ms)
-        taken = session.execute(
-            sa.update(c)
-            .where(c.consumer == SCOPE, c.name == name, c.value <= now + early_ms)
-            .values(value=sa.case((c.value > now - early_ms, c.value), else_=now - early_ms) + interval_ms)
-            .execution_options(synchronize_session=False)
-        )
-        won = _rowcount(taken) == 1
-        due = session.execute(sa.select(c.value).where(c.consumer == SCOPE, c.name == name)).scalar_one()
+        # One statement: the first claim inserts the row, a later one moves it on only when it is due; either
+        # way it returns the new due instant, and no row means another claimer holds the lease.
+        stmt = insert_for(session, c).values(consumer=SCOPE, name=name, value=now + interval_ms)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["consumer", "name"], where=c.value <= now + early_ms,
+            set_={"value": sa.case((c.value > now - early_ms, c.value), else_=now - early_ms) + interval_ms},
+        ).returning(c.value)
+        won = session.execute(stmt).scalar()
+        due = won if won is not None else session.execute(
+            sa.select(c.value).where(c.consumer == SCOPE, c.name == name)).scalar_one()
         session.commit()
-    return Claim(claimed=won, next_due_ms=int(due))
+    return Claim(claimed=won is not None, next_due_ms=int(due))
 
 
 def next_due_ms(session: Session, job: str, *, tables: Tables) -> int | None:
@@ -96,10 +94,6 @@ def next_due_ms(session: Session, job: str, *, tables: Tables) -> int | None:
     c = tables.counters
     value = session.execute(sa.select(c.value).where(c.consumer == SCOPE, c.name == lease_name(job))).scalar()
     return None if value is None else int(value)
-
-
-def _rowcount(result: object) -> int:
-    return int(getattr(result, "rowcount", 0) or 0)
 
 
 class Lease:

@@ -37,7 +37,9 @@ A message with neither is waiting, whatever its age: its window stops there and 
 on the next pass. Each event consumer has its own window (a keyset watermark (published_at_ms, seq)
 in ``outbox_counters``), so a consumer that is behind holds back only its own; ``@outbox.task`` rows
 share one window and plain tasks another. A pass pages through each window (at most ``max_pages``
-pages), committing the watermark after each page. When the broker cannot be asked, only the
+pages); the watermarks and the progress it read are written in one upsert when it commits: once, at its
+end, when it sends nothing and no window has more than a page (one transaction), else also before each
+publish and after each page. When the broker cannot be asked, only the
 consumers' progress counts: logged, counted (``reconcile_probe_failures``), nothing re-sent on age.
 What it sends is counted in ``outbox_counters`` (``reconciled`` and one counter per kind) and logged.
 
@@ -238,31 +240,57 @@ def _write_counters(session: Session, values: Mapping[str, int], *, tables: Tabl
                                                set_={"value": stmt.excluded.value}))
 
 
-def _watermark(session: Session, window: _Window, *, tables: Tables) -> tuple[int, int] | None:
-    """(published_at_ms, seq) checked through; a watermark without its seq covers that whole ms.
-    Both counters in one read (a pass runs every few seconds, found something or not), locked on Postgres
-    until the caller's transaction ends: a concurrent pass waits, then reads what this one wrote."""
-    found = _read_counters(session, (window.mark_ms, window.mark_seq), tables=tables, lock=True)
-    ms = found.get(window.mark_ms)
-    if ms is None:
-        return None
-    return ms, found.get(window.mark_seq, _ALL)
+def _marks(window: _Window, value: tuple[int, int]) -> dict[str, int]:
+    return {window.mark_ms: value[0], window.mark_seq: value[1]}
 
 
-def _set_watermark(session: Session, window: _Window, value: tuple[int, int], *, tables: Tables) -> None:
-    """Both counters in one upsert (the caller commits)."""
-    _write_counters(session, {window.mark_ms: value[0], window.mark_seq: value[1]}, tables=tables)
+@dataclass(kw_only=True)
+class _Counters:
+    """The counters a pass keeps (watermarks, consumers' progress, queue marks): read in ONE statement, locked on
+    Postgres until the pass commits (a concurrent pass waits, then reads what this one wrote), and written in ONE
+    upsert at that commit, so a pass that sends nothing is one transaction however many windows it checks. A
+    commit (before a publish: no lock held across a broker call; after a full page) lets the locks go; the next
+    read takes them again and sees what another pass wrote meanwhile."""
+
+    names: tuple[str, ...]
+    stored: dict[str, int] | None = None  # None: not read since the last commit
+    pending: dict[str, int] = field(default_factory=dict)
+    drop: set[str] = field(default_factory=set)
+
+    def read(self, session: Session, *, tables: Tables) -> dict[str, int]:
+        if self.stored is None:
+            self.stored = _read_counters(session, self.names, prefixes=("rp:", "rq:", "rs:"), tables=tables,
+                                         lock=True)
+        return {k: v for k, v in self.stored.items() if k not in self.drop} | self.pending
+
+    def watermark(self, session: Session, window: _Window, *, tables: Tables) -> tuple[int, int] | None:
+        """(published_at_ms, seq) checked through; a watermark without its seq covers that whole ms."""
+        found = self.read(session, tables=tables)
+        ms = found.get(window.mark_ms)
+        return None if ms is None else (ms, found.get(window.mark_seq, _ALL))
+
+    def set(self, values: Mapping[str, int]) -> None:
+        self.pending.update(values)
+        self.drop.difference_update(values)
+
+    def forget(self, names: Collection[str], *, session: Session, tables: Tables) -> bool:
+        """Delete ``names`` at the commit; True when one of them is stored."""
+        found = [n for n in names if n in self.read(session, tables=tables)]
+        for n in names:
+            self.pending.pop(n, None)
+        self.drop.update(found)
+        return bool(found)
+
+    def commit(self, session: Session, *, tables: Tables) -> None:
+        _write_counters(session, self.pending, tables=tables)
+        if self.drop:
+            session.execute(sa.delete(tables.counters).where(tables.counters.consumer == counters.RELAY,
+                                                             tables.counters.name.in_(sorted(self.drop))))
+        session.commit()
+        self.stored, self.pending, self.drop = None, {}, set()
 
 
-def _forget_watermark(session: Session, window: _Window, *, tables: Tables) -> bool:
-    """A window turned off: turned on again later it starts afresh instead of re-checking its gap.
-    True when there was a watermark to forget."""
-    done = session.execute(sa.delete(tables.counters).where(
-        tables.counters.consumer == counters.RELAY, tables.counters.name.in_((window.mark_ms, window.mark_seq))))
-    return bool(getattr(done, "rowcount", 0))
-
-
-def _sample_progress(session: Session, now: int, *, tables: Tables, floor_ms: int, skew_ms: int,
+def _sample_progress(session: Session, now: int, held: _Counters, *, tables: Tables, floor_ms: int, skew_ms: int,
                      plain: bool) -> tuple[dict[str, int], dict[str, int]]:
     """Move every target's progress on by what it recorded since the last sample; its proved horizons.
 
@@ -271,27 +299,22 @@ def _sample_progress(session: Session, now: int, *, tables: Tables, floor_ms: in
     before it was taken, and any copy given back queued again, before something the target has since
     recorded (module docstring). Reads only what was recorded since the previous sample (a second more: a
     commit can carry an earlier time; a row missed only holds the frontier back, never forward), through
-    ``ix_<prefix>inbox_processed`` and ``ix_<prefix>receipts_at``. Returns the horizons and, read in the
-    same statement, the RabbitMQ queues' quiet marks (``_Evidence.quiet``). Commits."""
+    ``ix_<prefix>inbox_processed`` and ``ix_<prefix>receipts_at``, the inbox and the receipts in one statement.
+    Returns the horizons and the RabbitMQ queues' quiet marks (``_Evidence.quiet``), both from ``held``'s
+    read; what moved is written at ``held``'s commit."""
     o, i, r = tables.outbox, tables.inbox, tables.receipts
     with wrap_driver_errors("reading the consumers' progress"):
-        stored = _read_counters(session, (SAMPLED,), prefixes=("rp:", "rq:", "rs:"), tables=tables,
-                                lock=True)
+        stored = held.read(session, tables=tables)
         since = max(stored.get(SAMPLED, now - floor_ms), now - floor_ms) - min(floor_ms // 4, 1_000)
-        latest: dict[str, int] = {}
-        for consumer, top in session.execute(
-                sa.select(i.consumer, sa.func.max(o.published_at_ms)).select_from(i)
-                .join(o, o.message_id == i.message_id)
-                .where(i.processed_at_ms > since).group_by(i.consumer)):
-            if top is not None:
-                latest[consumer] = int(top)
+        query: Any = (sa.select(i.consumer.label("target"), sa.func.max(o.published_at_ms)).select_from(i)
+                      .join(o, o.message_id == i.message_id)
+                      .where(i.processed_at_ms > since).group_by(i.consumer))
         if plain:
-            for name, top in session.execute(
-                    sa.select(o.type, sa.func.max(o.published_at_ms)).select_from(r)
-                    .join(o, o.message_id == r.task_id)
-                    .where(r.received_at_ms > since).group_by(o.type)):
-                if top is not None:
-                    latest[plain_target(name)] = int(top)
+            query = sa.union_all(query, sa.select((sa.literal(plain_target("")) + o.type).label("target"),
+                                                  sa.func.max(o.published_at_ms)).select_from(r)
+                                 .join(o, o.message_id == r.task_id)
+                                 .where(r.received_at_ms > since).group_by(o.type))
+        latest = {target: int(top) for target, top in session.execute(query) if top is not None}
         changed: dict[str, int] = {SAMPLED: now}
         keys = {name.split(":")[1] for name in stored if name.startswith("rp:")}
         by_key = {_digest(t): t for t in latest}
@@ -314,8 +337,7 @@ def _sample_progress(session: Session, now: int, *, tables: Tables, floor_ms: in
                     changed[f"rp:{key}:{part}"] = value
             if horizon is not None:
                 horizons[key] = horizon
-        _write_counters(session, changed, tables=tables)
-        session.commit()
+        held.set(changed)
     return horizons, {name: value for name, value in stored.items() if name.startswith(("rq:", "rs:"))}
 
 
@@ -449,8 +471,9 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
               namespace: str, max_message_bytes: int, older_than_ms: int, idempotent_tasks: Collection[str] = (),
               plain_older_than_ms: int = 0, limit: int = 1000, max_pages: int = 100,
               queues: QueueInspector | None = None, publish_skew_ms: int = 10_000) -> ReconcileResult:
-    """One pass over every window; commits after every page. The first pass of a window only sets its
-    watermark (history is not re-checked). ``idempotent_tasks``: the ``@outbox.task`` names this app
+    """One pass over every window, in one transaction unless it sends something (it commits before each
+    publish and after it) or a window has more than a page (it commits after each page). The first pass of a
+    window only sets its watermark (history is not re-checked). ``idempotent_tasks``: the ``@outbox.task`` names this app
     defines (the relay passes them as it passes ``routes``); ``plain_older_than_ms`` 0: plain tasks off.
     ``queues``: the broker's queue probe (relay/queues.py); None: the publisher's, if it has one, else no
     broker evidence. ``publish_skew_ms``: the longest a publish can be marked after a later one was sent
@@ -473,37 +496,53 @@ def reconcile(session: Session, publisher: Publisher, clock: Clock, *, tables: T
                                older_than_ms=older_than_ms, types=frozenset(idempotent_tasks)))
     plain = _Window(kind="plain_task", mark_ms=PLAIN_WATERMARK, mark_seq=PLAIN_WATERMARK_SEQ,
                     older_than_ms=max(plain_older_than_ms, older_than_ms))  # never before the events'
+    held = _Counters(names=(SAMPLED, WATERMARK, WATERMARK_SEQ, plain.mark_ms, plain.mark_seq,
+                            *(n for w in windows for n in (w.mark_ms, w.mark_seq))))
     if plain_older_than_ms > 0:
         windows.append(plain)
         result.plain_watermark_ms = now - plain.older_than_ms
     else:
         with wrap_driver_errors("turning off the plain-task reconcile window"):
-            forgot = _forget_watermark(session, plain, tables=tables)
-            session.commit()
+            forgot = held.forget((plain.mark_ms, plain.mark_seq), session=session, tables=tables)
         if forgot:  # once when it is turned off; on every pass when another process still has it on
             log.warning("plain-task reconcile is off here (OUTBOX_RELAY_RECONCILE_PLAIN_TASKS_AFTER_MS=0): its "
                         "watermark was reset. If another relay or beat still has it on, each of its passes now "
                         "starts afresh and lost plain tasks are never sent again: set the same value everywhere")
-    horizons, quiet = _sample_progress(session, now, tables=tables, floor_ms=older_than_ms,
+    horizons, quiet = _sample_progress(session, now, held, tables=tables, floor_ms=older_than_ms,
                                        skew_ms=publish_skew_ms, plain=plain_older_than_ms > 0)
     evidence = _Evidence(now=now, floor_ms=older_than_ms, horizons=horizons, inspector=queues, quiet=quiet)
+    empty = _nothing_published(session, held, windows, now, tables=tables)
     for window in windows:
-        if not _run_window(session, publisher, window, now - window.older_than_ms, result, evidence, tables=tables,
-                           idempotent_tasks=frozenset(idempotent_tasks), namespace=namespace,
-                           max_message_bytes=max_message_bytes, limit=limit, max_pages=max_pages):
+        if not _run_window(session, publisher, window, now - window.older_than_ms, result, evidence, held,
+                           tables=tables, idempotent_tasks=frozenset(idempotent_tasks), namespace=namespace,
+                           max_message_bytes=max_message_bytes, limit=limit, max_pages=max_pages, empty=empty):
             break
-    _remember_quiet(session, evidence, stored=quiet, tables=tables)
-    if evidence.probe_failed:
-        result.probe_failed = True
-        with wrap_driver_errors("counting a failed queue probe"):
+    with wrap_driver_errors("writing the reconcile counters"):
+        _remember_quiet(evidence, held, stored=quiet)
+        if evidence.probe_failed:
+            result.probe_failed = True
             counters.stage_increment(session, counters.RELAY, PROBE_FAILURES, 1, tables=tables)
-            session.commit()
+        held.commit(session, tables=tables)
     return result
 
 
-def _remember_quiet(session: Session, evidence: _Evidence, *, stored: Mapping[str, int], tables: Tables) -> None:
+def _nothing_published(session: Session, held: _Counters, windows: Sequence[_Window], now: int, *,
+                       tables: Tables) -> bool:
+    """Whether no row was published in any window's span, from its watermark to its end: then no window has a
+    page to read (one statement instead of one page per window, on every idle pass)."""
+    with wrap_driver_errors("reconciling the outbox with the inbox"):
+        marks = [held.watermark(session, w, tables=tables) for w in windows]
+        if not windows or any(m is None for m in marks):
+            return False
+        published = tables.outbox.published_at_ms
+        lo, hi = min(m[0] for m in marks if m is not None), max(now - w.older_than_ms for w in windows)
+        return session.execute(sa.select(tables.outbox.seq).where(
+            published.is_not(None), published >= lo, published <= hi).limit(1)).first() is None
+
+
+def _remember_quiet(evidence: _Evidence, held: _Counters, *, stored: Mapping[str, int]) -> None:
     """Since when each asked RabbitMQ queue with consumers has had nothing waiting, and when an ask last saw
-    it so; forgotten when it has something waiting."""
+    it so; forgotten when it has something waiting (written at ``held``'s commit)."""
     keep: dict[str, int] = {}
     drop: list[str] = []
     for queue, state in evidence.states.items():
@@ -514,20 +553,15 @@ def _remember_quiet(session: Session, evidence: _Evidence, *, stored: Mapping[st
             keep[seen] = evidence.now
         elif state is not None:
             drop.extend(n for n in (name, seen) if n in stored)
-    if not keep and not drop:
-        return
-    with wrap_driver_errors("writing the reconcile queue marks"):
-        _write_counters(session, keep, tables=tables)
-        if drop:
-            session.execute(sa.delete(tables.counters).where(tables.counters.consumer == counters.RELAY,
-                                                             tables.counters.name.in_(drop)))
-        session.commit()
+    held.set(keep)
+    held.drop.update(drop)
 
 
 def _run_window(session: Session, publisher: Publisher, window: _Window, upto: int, result: ReconcileResult,
-                evidence: _Evidence, *, tables: Tables, idempotent_tasks: Collection[str], namespace: str,
-                max_message_bytes: int, limit: int, max_pages: int) -> bool:
+                evidence: _Evidence, held: _Counters, *, tables: Tables, idempotent_tasks: Collection[str],
+                namespace: str, max_message_bytes: int, limit: int, max_pages: int, empty: bool) -> bool:
     """Page through ``window`` up to ``upto``; False when the broker was unavailable (stop the pass).
+    ``empty``: nothing was published in the window's span (``_nothing_published``), so no page is read.
 
     The watermark only moves forward. Two passes can disagree on ``upto`` (a clock ahead or behind on
     another host, a pass that overran its lease): one whose window ends before the watermark does nothing,
@@ -536,26 +570,26 @@ def _run_window(session: Session, publisher: Publisher, window: _Window, upto: i
     may still be queued (a plain task has no inbox to absorb it)."""
     for _ in range(max_pages):
         with wrap_driver_errors("reconciling the outbox with the inbox"):
-            since = _watermark(session, window, tables=tables)
+            since = held.watermark(session, window, tables=tables)
             if since is None:
+                found = held.read(session, tables=tables)
                 legacy = None
-                if window.kind != "plain_task":  # one watermark used to cover events and @outbox.task rows
-                    found = _read_counters(session, (WATERMARK, WATERMARK_SEQ), tables=tables)
-                    if WATERMARK in found:
-                        legacy = (found[WATERMARK], found.get(WATERMARK_SEQ, _ALL))
-                _set_watermark(session, window, min(legacy, (upto, _ALL)) if legacy else (upto, _ALL), tables=tables)
-                session.commit()
+                if window.kind != "plain_task" and WATERMARK in found:  # one watermark used to cover events and tasks
+                    legacy = (found[WATERMARK], found.get(WATERMARK_SEQ, _ALL))
+                held.set(_marks(window, min(legacy, (upto, _ALL)) if legacy else (upto, _ALL)))
                 if legacy is None:
                     return True
                 continue
             if since >= (upto, _ALL):  # another pass checked past this window's end
-                session.rollback()
                 return True
-            checked, next_mark, plan, held = _page(session, window, since, upto, evidence, tables=tables,
-                                                   idempotent_tasks=idempotent_tasks, namespace=namespace,
-                                                   max_message_bytes=max_message_bytes, limit=limit)
+            if empty:
+                checked, next_mark, plan, stopped = 0, (upto, _ALL), _Plan(messages=[], resent=[]), False
+            else:
+                checked, next_mark, plan, stopped = _page(session, window, since, upto, evidence, tables=tables,
+                                                          idempotent_tasks=idempotent_tasks, namespace=namespace,
+                                                          max_message_bytes=max_message_bytes, limit=limit)
             if plan.messages:
-                session.rollback()  # hold no locks across the publish
+                held.commit(session, tables=tables)  # what the pass has so far: hold no locks across the publish
         result.pages += 1
         if window.plain:
             result.plain_checked += checked
@@ -574,13 +608,14 @@ def _run_window(session: Session, publisher: Publisher, window: _Window, upto: i
         per_kind = {kind: sum(1 for s in plan.resent if s.kind == kind) for kind in KINDS}
         with wrap_driver_errors("advancing the reconcile watermark"):
             # Nothing sent: still in the transaction that read (and locked) ``since``.
-            current = _watermark(session, window, tables=tables) if plan.messages else since
+            current = held.watermark(session, window, tables=tables) if plan.messages else since
             if current is None or current < next_mark:
-                _set_watermark(session, window, next_mark, tables=tables)
+                held.set(_marks(window, next_mark))
             counters.stage_increment(session, counters.RELAY, counters.RECONCILED, len(plan.messages), tables=tables)
             for kind, n in per_kind.items():
                 counters.stage_increment(session, counters.RELAY, KINDS[kind], n, tables=tables)
-            session.commit()
+            if plan.messages or (not stopped and next_mark[1] != _ALL):  # sent, or another page follows
+                held.commit(session, tables=tables)
         result.republished += len(plan.messages)
         result.events += per_kind["event"]
         result.tasks += per_kind["task"]
@@ -590,7 +625,7 @@ def _run_window(session: Session, publisher: Publisher, window: _Window, upto: i
             result.plain_watermark_ms = next_mark[0]
         else:
             result.watermark_ms = min(result.watermark_ms, next_mark[0])
-        if held:
+        if stopped:
             result.waiting += 1
             return True
         if next_mark[1] == _ALL:  # caught up with the window
