@@ -367,12 +367,16 @@ def test_every_postgres_driver_tells_a_first_delivery_from_a_duplicate(pg_url: s
             started = ordering._create(s, "search", f"order:{driver}", tables=tables, cutoff_ms=0)
             again = ordering._create(s, "search", f"order:{driver}", tables=tables, cutoff_ms=None)
             advanced = ordering._advance(s, "search", f"order:{driver}", 2, tables=tables, cutoff_ms=0)
+            next_one = ordering._lock_entity(s, "search", f"order:{driver}", 3, tables=tables)
+            early = ordering._lock_entity(s, "search", f"order:{driver}", 4, tables=tables)
             s.commit()
         # Then the first is processed with its effect, the second a duplicate, the first version creates the
         # entity's row (nothing expired) and its second insert does not, the second version advances it (the
-        # entity's parked marker clear, nothing expired)
+        # entity's parked marker clear, nothing expired); the lock a third version takes leaves the marker clear,
+        # the one a fourth takes (it will park) sets it
         assert (first, second) == (Outcome.PROCESSED, Outcome.DUPLICATE)
         assert (started, again, advanced) == ((True, False), (False, False), (False, False))
+        assert (next_one, early) == ((2, False), (2, True))
         with sessions() as s:
             assert s.scalar(sa.select(sa.func.count()).select_from(Shipment)
                             .where(Shipment.order_id == f"o-{driver}")) == 1
