@@ -77,7 +77,6 @@ log = logging.getLogger("celery_outbox.relay.loop")
 STALL_MARGIN_S = 2.0  # added to the longest healthy step (``stall_bound_s``)
 STOP_GRACE_S = 0.4  # after SIGTERM: how long the current batch may finish before its connections are shut down
 STOP_GIVE_UP_S = 0.7  # after SIGTERM: when ``run`` returns even if the loop's thread is still blocked
-_TICK_S = 0.05  # how often the watchdog looks
 # A NOTIFY gathers (``relay_gather_ms``) only while the commit rate, decayed over this horizon, expects
 # GATHER_MIN_COMMITS more commits within the window (relay/adaptive.py ``CommitRate``): a wake-up's claim,
 # confirm wait, mark and COMMIT (and the broker's confirm) are then paid once for two commits or more instead
@@ -164,6 +163,7 @@ class LoopStats:
     prunes: int = 0  # retention passes run (``prune_if_due``)
     pruned: int = 0  # inbox and published outbox rows those passes deleted
     stalls: int = 0  # times the watchdog found no progress within ``stall_after_s``
+    watchdog_wakeups: int = 0  # times the watchdog woke: at its next deadline, a stop, or the loop's end
     interrupted: int = 0  # database connections the watchdog or a stop shut down
     abandoned: bool = False  # ``run`` returned after SIGTERM with the loop's thread still blocked
     listening: bool = False  # a LISTEN connection whose probe NOTIFY arrived is open
@@ -277,9 +277,12 @@ class RelayLoop:
         self.on_drain = on_drain
         self.stats = LoopStats()
         self._stop = threading.Event()
+        # kick() wakes the loop's wait through the first pipe; a stop or the loop's end wakes the watchdog,
+        # asleep until its next deadline (``_watch``), through the second (a signal handler can write to a pipe)
         self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._watch_r, self._watch_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w, self._watch_r, self._watch_w):
+            os.set_blocking(fd, False)
         self._listener: _PgListener | None = None
         self._listen_engine: Engine | None = None  # OUTBOX_RELAY_LISTEN_URL's, built at the first LISTEN
         self._listen_again_at = 0.0  # monotonic: after a probe that went unheard, no LISTEN before this
@@ -303,11 +306,16 @@ class RelayLoop:
             self._stop_at = time.monotonic()
         self._stop.set()
         self.kick()
+        self._wake_watchdog()
 
     def kick(self) -> None:
         """Wake a waiting loop now."""
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
+
+    def _wake_watchdog(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._watch_w, b"x")
 
     # -- work ------------------------------------------------------------------------------------
     def drain_once(self) -> DrainResult:
@@ -441,11 +449,11 @@ class RelayLoop:
         log.info("relay loop started (batch %s, poll %.3gs, listen %s, stall bound %.3gs)", self.batch_size,
                  self.poll_interval_s, self._listen_plan(), self.stall_after_s)
         self._attach()
+        self._served.clear()
         try:
             if supervised:
                 self._run_in_thread()
             else:
-                self._served.clear()
                 watchdog = threading.Thread(target=self._watch, args=(None,), name="outbox-relay-watchdog",
                                             daemon=True)
                 watchdog.start()
@@ -453,6 +461,7 @@ class RelayLoop:
                     self._serve()
                 finally:
                     self._served.set()
+                    self._wake_watchdog()
                     watchdog.join()
         finally:
             if not self.stats.abandoned:  # an abandoned thread may still hold the listener
@@ -493,6 +502,9 @@ class RelayLoop:
                 self._serve()
             except BaseException as e:  # handed to the main thread below
                 failure.append(e)
+            finally:
+                self._served.set()
+                self._wake_watchdog()
 
         worker = threading.Thread(target=body, name="outbox-relay", daemon=True)
         worker.start()
@@ -508,18 +520,24 @@ class RelayLoop:
     def _watch(self, worker: threading.Thread | None) -> None:
         """The watchdog: shut the database connections down when the loop makes no progress for
         ``stall_after_s``, or when a stop was asked for ``STOP_GRACE_S`` ago and it is still busy;
-        with ``worker`` (main-thread mode), give up waiting for it ``STOP_GIVE_UP_S`` after a stop."""
+        with ``worker`` (main-thread mode), give up waiting for it ``STOP_GIVE_UP_S`` after a stop. It sleeps
+        until its next deadline (progress meanwhile moves it: it then sleeps again); a stop or the loop's end
+        wakes it at once."""
 
-        def alive() -> bool:
-            return worker.is_alive() if worker is not None else not self._served.is_set()
+        def alive() -> bool:  # ``_served`` is set as the loop ends, before its thread does
+            return not self._served.is_set() and (worker is None or worker.is_alive())
 
         acted_at = 0.0
         stop_acted = False
         while alive():
-            if worker is not None:
-                worker.join(_TICK_S)
-            else:
-                self._served.wait(_TICK_S)
+            stop_at = self._stop_at
+            if stop_at is None:
+                due = max(self._progress_at, acted_at) + self.stall_after_s
+            elif not stop_acted:
+                due = stop_at + STOP_GRACE_S
+            else:  # without ``worker`` nothing is left to do but wait for the loop's end
+                due = stop_at + STOP_GIVE_UP_S if worker is not None else time.monotonic() + self.stall_after_s
+            self._doze(until=due)
             if not alive():
                 return
             now = time.monotonic()
@@ -545,6 +563,15 @@ class RelayLoop:
                 log.error("relay stalled: no progress for %.1fs (bound %.1fs, from the database and publish "
                           "timeouts); shut down %d database connection(s) so the loop starts again on new ones",
                           quiet, self.stall_after_s, closed)
+
+    def _doze(self, *, until: float) -> None:
+        """The watchdog's sleep: until ``until`` (monotonic), or a write to its pipe (a stop, the loop's end)."""
+        self.stats.watchdog_wakeups += 1
+        left = until - time.monotonic()
+        if left > 0 and select.select([self._watch_r], [], [], left)[0]:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._watch_r, 512):
+                    pass
 
     def _progress(self, *_: Any) -> None:
         """A sign of progress for the watchdog (also a listener of every statement that returns)."""
@@ -660,7 +687,7 @@ class RelayLoop:
         if self._listen_engine is not None:
             self._listen_engine.dispose()
             self._listen_engine = None
-        for fd in (self._wake_r, self._wake_w):
+        for fd in (self._wake_r, self._wake_w, self._watch_r, self._watch_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
 

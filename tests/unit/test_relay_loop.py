@@ -231,3 +231,55 @@ def test_sigterm_returns_from_run_at_once_even_while_the_loop_is_blocked(
     wait_for(lambda: pending(sqlite_sessions, tables) == 0, "the released batch to be marked after its publish")
     assert len(set(pub.message_ids())) == 3
     loop.close()
+
+
+def test_the_watchdog_sleeps_until_its_deadline_and_a_stop_or_the_loops_end_wakes_it(
+        tmp_path: Path, sqlite_url: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+        tables: Tables) -> None:
+    # Given a loop with the default stall bound (over a minute), polling every 50 ms: progress all the time
+    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), tables=tables, session_factory=sqlite_sessions,
+                     publisher=InMemoryPublisher(), clock=clock, listen=False)
+    thread = threading.Thread(target=loop.run, kwargs={"handle_signals": False})
+    thread.start()
+    try:
+        wait_for(lambda: loop.stats.waits >= 10, "ten polls")
+    finally:
+        # When it is stopped
+        loop.stop()
+        thread.join(10)
+    # Then the stop woke the watchdog and the loop's end let it go at once (not at its deadline, a minute on),
+    # and it had not woken in between: it sleeps until its next deadline, not on a tick
+    assert not thread.is_alive()
+    assert loop.stats.watchdog_wakeups <= 3
+    loop.close()
+
+
+def test_sigterm_wakes_the_watchdog_of_a_blocked_loop_long_before_its_stall_deadline(
+        tmp_path: Path, sqlite_url: str, sqlite_sessions: sessionmaker[Session], clock: ManualClock,
+        tables: Tables) -> None:
+    insert(sqlite_sessions, clock, tables, 3)
+    pub = BlockingPublisher()
+    # the default stall bound: over a minute
+    loop = RelayLoop(settings=make_settings(tmp_path, sqlite_url), tables=tables, session_factory=sqlite_sessions,
+                     publisher=pub, clock=clock, listen=False)
+    returned = threading.Event()
+
+    def terminate() -> None:
+        assert pub.entered.wait(30)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if not returned.wait(20):  # the watchdog slept through the signal: let the loop finish on its own
+            pub.release.set()
+
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    try:
+        # Given a loop blocked inside a publish, When SIGTERM arrives (the main thread's watchdog asleep)
+        loop.run()
+        returned.set()
+        killer.join(10)
+        # Then run gave up on the blocked thread after the stop: the signal woke the watchdog
+        assert loop.stats.abandoned
+    finally:
+        pub.release.set()
+    wait_for(lambda: pending(sqlite_sessions, tables) == 0, "the released batch to be marked after its publish")
+    loop.close()
