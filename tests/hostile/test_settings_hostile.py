@@ -5,6 +5,7 @@ variable is no less a secret). Any other exception, or a value accepted and then
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from hypothesis import given
@@ -76,3 +77,39 @@ def test_a_shown_value_is_masked_before_it_is_cut() -> None:
     assert mask_secrets("x postgresql://u:p@ss@h:1/db y") == "x postgresql://u:***@h:1/db y"
     assert mask_secrets(f"point 'postgresql://u:{PASSWORD}'", source=f"postgresql://u:{PASSWORD}@h") == \
         "point 'postgresql://u:***'"
+
+
+# -- a huge value ------------------------------------------------------------------------------------------------
+
+# The shapes that made masking quadratic: a long run of scheme characters, and many ``scheme://user:`` in one token
+# (each attempt scanned on to the end of its token); a megabyte of either took minutes per variable.
+HUGE = ["x" * 1_000_000, "x1" * 500_000, "a://b:" * 100_000, "a://b:" * 100_000 + ";@", "@" + "a://b:" * 100_000,
+        "a://b:" * 100_000 + f"{PASSWORD}@h/app"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("value", HUGE, ids=lambda v: f"{v[:8]!r}x{len(v)}")
+def test_a_huge_value_in_any_variable_is_read_cleanly(value: str) -> None:
+    # Given a value of a megabyte or so in each OUTBOX_* variable; Then each is accepted or refused in one clean
+    # line (before the fix, masking the refusal took minutes per variable and the timeout failed the test)
+    for key in VARIABLES:
+        read_cleanly(key, value)
+
+
+# The masking of free text as it was before the stretches, on the whole text at once: the reference it must match.
+_REFERENCE = re.compile(r"""(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@'"]*):(?P<password>[^\s'"]*)@""")
+URL_TEXT = st.lists(st.sampled_from(["a", "x9", "-", "+", ".", "é", "://", ":", "@", "/", ";", " ", "'", '"', "pw",
+                                     "postgresql", "\n", "?", "#"]), max_size=25).map("".join)
+
+
+@hsettings(max_examples=1000, deadline=None)
+@given(text=URL_TEXT)
+def test_masking_free_text_is_the_whole_text_masking(text: str) -> None:
+    # Given text made of URL pieces; Then masking it by stretches hides exactly what masking it whole did
+    assert mask_secrets(text) == _REFERENCE.sub(lambda m: f"{m.group('head')}:***@", text)
+
+
+@pytest.mark.parametrize("text", ["é-postgresql://u:pw@h", "x9postgresql://u:pw@h", "9-x://u:pw@h", "'a://u:pw@h'",
+                                  "a://u:p@w@h b://v:q@h", "@ a://u:pw@h", "a://u:pw@h@", "-+.://u:pw@h"])
+def test_masking_free_text_is_the_whole_text_masking_at_the_edges(text: str) -> None:
+    assert mask_secrets(text) == _REFERENCE.sub(lambda m: f"{m.group('head')}:***@", text)
