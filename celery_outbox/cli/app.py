@@ -78,7 +78,7 @@ def pyproject_app(path: Path) -> str | None:
 
 def find_app(given: str | None, *, environ: Mapping[str, str], cwd: Path) -> AppSource:
     """The first source in the documented order; ``ConfigError`` (``NO_APP``) when there is none."""
-    if given:
+    if given is not None:  # `-A ""` (an unset shell variable) is a bad -A, never a fall through to another source
         return AppSource(kind="module", spec=given, origin="-A", root=cwd)
     if environ.get(APP_ENV, "").strip():
         return AppSource(kind="module", spec=environ[APP_ENV].strip(), origin=APP_ENV, root=cwd)

@@ -282,3 +282,13 @@ def test_an_app_that_exits_on_a_bad_setting_keeps_its_one_line(tmp_path: Path) -
     # Then its own line stands alone, exit 2
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
     assert r.stderr.startswith("bad configuration: OUTBOX_ROUTES")
+
+
+@pytest.mark.parametrize("given", ["", " "])
+def test_an_empty_dash_a_is_refused_not_passed_over(tmp_path: Path, given: str) -> None:
+    # Given an app named in OUTBOX_APP, and `-A "$APP"` with APP unset (an empty -A)
+    write_app(tmp_path, "env_app")
+    r = outbox("-A", given, "stats", cwd=tmp_path, env=user_env(OUTBOX_APP="env_app"))
+    # Then the empty -A is a bad -A, exit 2, not a command run on whatever app the next source names
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip() == f"Error: bad configuration: -A {given!r} is not MODULE[:ATTR]" and r.stdout == ""
