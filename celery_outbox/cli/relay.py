@@ -8,7 +8,26 @@ import logging
 import click
 
 from celery_outbox.celery import relay_tasks
-from celery_outbox.cli.common import AsciiInt, AsciiSeconds, get_outbox, handle_errors
+from celery_outbox.cli.common import AsciiInt, AsciiSeconds, BadInput, get_outbox, handle_errors, one_line, shown
+from celery_outbox.errors import ConfigError
+from celery_outbox.settings import Settings
+
+# The setting each option stands for: its value is judged by that setting's own rule (celery_outbox/settings.py).
+FLAGS = {"relay_batch_size": "--batch-size", "relay_max_in_flight_rows": "--max-in-flight",
+         "relay_poll_interval_s": "--poll-interval", "relay_confirm_mode": "--confirm-mode"}
+
+
+def with_options(settings: Settings, changes: dict[str, object], given: tuple[str, ...]) -> Settings:
+    """``settings`` with the options' values, each judged by its setting's rule and the settings' relations, a
+    refusal naming the option (exit 2), not the ``OUTBOX_*`` variable nobody set."""
+    for name in given:
+        problem = settings.RULES[name].problem(changes[name], settings)
+        if problem:
+            raise BadInput(f"Invalid value for '{FLAGS[name]}': {shown(changes[name])} {problem}")
+    try:
+        return dataclasses.replace(settings, **changes)  # type: ignore[arg-type]
+    except ConfigError as e:
+        raise BadInput(f"{', '.join(FLAGS[n] for n in given)} with the settings: {one_line(str(e))}") from None
 
 
 @click.command("relay")
@@ -41,7 +60,10 @@ def relay(ctx: click.Context, once: bool, batch_size: int | None, max_in_flight:
     if confirm_mode is not None:
         changes["relay_confirm_mode"] = confirm_mode
     if changes:
-        outbox.settings = dataclasses.replace(outbox.settings, **changes)  # type: ignore[arg-type]
+        given = tuple(name for name, value in (("relay_batch_size", batch_size), ("relay_max_in_flight_rows", max_in_flight),
+                                               ("relay_poll_interval_s", poll_interval), ("relay_confirm_mode", confirm_mode))
+                      if value is not None)
+        outbox.settings = with_options(outbox.settings, changes, given)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop = outbox.relay_loop(listen=not no_listen)

@@ -448,3 +448,20 @@ def test_each_malformed_argument_is_a_usage_error(sqlite_url: str, tmp_home: Pat
                                                   template: list[str]) -> None:
     for raw in [*LOOKALIKES, *BLANKED, "", "\x1b[2J", "9" * 5000, f"postgresql://u:{PASSWORD}@h/db"]:
         a_malformed_argument_is_a_usage_error(sqlite_url, tmp_home, namespace, template, raw)
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--batch-size", "999999999999999999"], "--batch-size"), (["--batch-size", "20000"], "--batch-size"),
+    (["--max-in-flight", "999999999999999999"], "--max-in-flight"), (["--poll-interval", "999999999999"], "--poll-interval"),
+    (["--poll-interval", "0.005"], "--poll-interval"),  # past the option's own floor, below the setting's
+    (["--batch-size", "5", "--max-in-flight", "1"], "--batch-size, --max-in-flight"),
+    (["--max-in-flight", "50"], "--max-in-flight"),  # below the OUTBOX_RELAY_BATCH_SIZE in force (100)
+], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_a_relay_option_is_judged_by_its_settings_rule_and_named(tmp_path: Path, tmp_home: Path, namespace: str,
+                                                                  args: list[str], flag: str) -> None:
+    # Given a relay option its setting's rule (or a relation between settings) refuses
+    r = run(base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'x.db'}"), "relay", "--once", *args)
+    # Then one line, exit 2, naming the option given, not an OUTBOX_* variable as if the environment were wrong
+    line = assert_one_clean_line(r, exit_code=2)
+    assert line.startswith((f"Error: Invalid value for '{flag}'", f"Error: {flag} with the settings")), line
+    assert "bad configuration" not in line
