@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from celery_outbox.config.masking import bounded_repr
-from celery_outbox.errors import EXTRAS, ConfigError, missing_extra
+from celery_outbox.errors import EXTRAS, ConfigError, OutboxError, missing_extra
 from celery_outbox.outbox import Outbox
 
 APP_ENV = "OUTBOX_APP"
@@ -96,10 +96,20 @@ def find_app(given: str | None, *, environ: Mapping[str, str], cwd: Path) -> App
     raise ConfigError(NO_APP)
 
 
+def _cwd() -> Path:
+    """The current directory; one removed under the shell (a deploy replaced it) is one line saying so, exit 1: the
+    command could not run where it was started, nothing the user typed was wrong."""
+    try:
+        return Path.cwd()
+    except FileNotFoundError:
+        raise OutboxError("the current directory no longer exists (removed since the shell entered it); "
+                          "cd into your project's directory") from None
+
+
 def _on_path(root: Path) -> None:
     """Like ``celery -A``: the project's modules import from its directory, not from an installed package."""
     entry = str(root)
-    if entry not in sys.path and not (root == Path.cwd() and "" in sys.path):
+    if entry not in sys.path and not (root == _cwd() and "" in sys.path):
         sys.path.insert(0, entry)
 
 
@@ -204,5 +214,5 @@ def load_app(source: AppSource) -> tuple[Outbox, Any]:
 
 def resolve(given: str | None, *, environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> tuple[Outbox, Any]:
     """``find_app`` then ``load_app``, on this process's environment and directory by default."""
-    source = find_app(given, environ=os.environ if environ is None else environ, cwd=Path.cwd() if cwd is None else cwd)
+    source = find_app(given, environ=os.environ if environ is None else environ, cwd=_cwd() if cwd is None else cwd)
     return load_app(source)

@@ -292,3 +292,17 @@ def test_an_empty_dash_a_is_refused_not_passed_over(tmp_path: Path, given: str) 
     # Then the empty -A is a bad -A, exit 2, not a command run on whatever app the next source names
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.strip() == f"Error: bad configuration: -A {given!r} is not MODULE[:ATTR]" and r.stdout == ""
+
+
+def test_a_current_directory_removed_under_the_shell_is_one_line(tmp_path: Path) -> None:
+    # Given a shell whose current directory was removed since it entered it (a deploy replaced the release)
+    gone = tmp_path / "release"
+    gone.mkdir()
+    script = f"import os, subprocess, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); " \
+             f"sys.exit(subprocess.run([{OUTBOX!r}, 'stats']).returncode)"
+    r = subprocess.run([sys.executable, "-c", script], env=user_env(OUTBOX_APP="some_app"), capture_output=True,
+                       text=True, timeout=120)
+    # Then one line saying so, exit 1 (the command could not run there), not "unexpected FileNotFoundError"
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stderr.strip() == ("Error: the current directory no longer exists (removed since the shell entered it); "
+                                "cd into your project's directory")
