@@ -40,11 +40,12 @@ from celery_outbox.cli.common import (
 from celery_outbox.cli.probes import EXIT_PROBLEM
 from celery_outbox.cli.progress import ProgressView
 from celery_outbox.clock import SystemClock
-from celery_outbox.errors import ArchiveError, ValidationError
+from celery_outbox.errors import ArchiveError, NotFoundError, ValidationError
 from celery_outbox.ops import dead_letter_groups as groups_mod
 from celery_outbox.ops import dead_letters as dl
 from celery_outbox.ops import retention
 from celery_outbox.ops import stats as ops_stats
+from celery_outbox.outbox import Outbox
 
 DEAD_LETTER_ID = Checked(name="dead_letter_id", check=dl.DeadLetterId.parse)
 GROUP_ID = Checked(name="group_id", check=groups_mod.check_group_id)
@@ -52,6 +53,15 @@ GROUP_ID = Checked(name="group_id", check=groups_mod.check_group_id)
 
 def _sessions(ctx: click.Context) -> sessionmaker[Session]:
     return get_outbox(ctx).sessions()
+
+
+def _check_consumer(outbox: Outbox, consumer: str | None) -> None:
+    """``--consumer`` names one of the app's consumers: another name is a bad option (exit 2), refused before the
+    database, like a typo in any other option; a typo must not look like 'no dead letters' either."""
+    try:
+        dl.check_consumer(consumer, outbox.known_consumers())
+    except NotFoundError as e:
+        raise BadInput(f"Invalid value for '--consumer': {one_line(str(e))}") from None
 
 
 def _console() -> Console:
@@ -97,6 +107,7 @@ def dead_letters() -> None:
 def list_cmd(ctx: click.Context, source: dl.Source | None, consumer: str | None, as_json: bool) -> None:
     """Unreplayed dead letters, oldest first."""
     outbox = get_outbox(ctx)
+    _check_consumer(outbox, consumer)
     now = SystemClock().now_ms()
     with _sessions(ctx)() as session:
         items = dl.list_dead_letters(session, tables=outbox.tables, source=source, consumer=consumer,
@@ -171,6 +182,7 @@ def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consu
         _replay_group(ctx, groups_mod.check_group_id(group), dry_run=dry_run, rate=rate, as_json=as_json)
         return
     outbox = get_outbox(ctx)
+    _check_consumer(outbox, consumer)
     clock = SystemClock()
     with _sessions(ctx)() as session:
         if replay_all:

@@ -465,3 +465,26 @@ def test_a_relay_option_is_judged_by_its_settings_rule_and_named(tmp_path: Path,
     line = assert_one_clean_line(r, exit_code=2)
     assert line.startswith((f"Error: Invalid value for '{flag}'", f"Error: {flag} with the settings")), line
     assert "bad configuration" not in line
+
+
+def an_unknown_consumer_is_a_bad_option(env: dict[str, str], raw: str) -> None:
+    """``--consumer raw`` naming none of the app's consumers: one line, exit 2, before the database (the database of
+    ``env`` has no tables: a command that reached it would say so, exit 1)."""
+    if raw in ("shipping", "billing", "search"):
+        return
+    for args in (["dead-letters", "list", "--consumer", raw], ["dead-letters", "replay", "--all", "--consumer", raw]):
+        line = assert_one_clean_line(run(env, *args), exit_code=2)
+        assert line.startswith("Error: Invalid value for '--consumer': unknown consumer "), line
+        assert "\x1b" not in line and "\u202e" not in line
+
+
+@hsettings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=HOSTILE_TEXT)
+def test_an_unknown_consumer_is_a_bad_option(tmp_path: Path, tmp_home: Path, namespace: str, raw: str) -> None:
+    an_unknown_consumer_is_a_bad_option(base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'empty.db'}"), raw)
+
+
+def test_each_unknown_consumer_is_a_bad_option(tmp_path: Path, tmp_home: Path, namespace: str) -> None:
+    env = base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'empty.db'}")
+    for raw in ["", " ", "shiping", "Shipping", "shipping ", "\x1b[2J", "9" * 5000, f"postgresql://u:{PASSWORD}@h/db"]:
+        an_unknown_consumer_is_a_bad_option(env, raw)

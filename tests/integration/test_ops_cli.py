@@ -123,9 +123,9 @@ def test_purge(env: dict[str, str], seeded: dict[str, str], any_sessions: sessio
     (["dead-letters", "show", "42"], 2, "not a dead-letter id"),  # malformed: usage; well formed, absent: 1
     (["dead-letters", "show", "outbox:999"], 1, "does not exist"),
     (["dead-letters", "show", "consumer:999"], 1, "no such consumer dead letter"),
-    (["dead-letters", "list", "--consumer", "shiping"], 1, "unknown consumer 'shiping'"),
+    (["dead-letters", "list", "--consumer", "shiping"], 2, "unknown consumer 'shiping'"),
     (["dead-letters", "list", "--source", "relay"], 2, "Invalid value for '--source'"),
-    (["dead-letters", "replay", "--all", "--consumer", "nobody"], 1, "unknown consumer 'nobody'"),
+    (["dead-letters", "replay", "--all", "--consumer", "nobody"], 2, "unknown consumer 'nobody'"),
     (["dead-letters", "replay"], 2, "give dead-letter ids or --all"),
     (["dead-letters", "replay", "outbox:1", "--all"], 2, "give dead-letter ids or --all"),
     (["dead-letters", "replay", "outbox:1", "--consumer", "shipping"], 2, "--consumer goes with --all"),
