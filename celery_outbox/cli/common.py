@@ -228,12 +228,13 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
 
 
 class AsciiInt(click.ParamType):  # type: ignore[type-arg]
-    """A whole number written in ASCII digits, at least ``low`` (``click.IntRange`` reads any script's digits)."""
+    """A whole number written in ASCII digits, at least ``low`` and at most ``high`` when given (``click.IntRange``
+    reads any script's digits)."""
 
     name = "integer"
 
-    def __init__(self, *, low: int = 1) -> None:
-        self.low = low
+    def __init__(self, *, low: int = 1, high: int | None = None) -> None:
+        self.low, self.high = low, high
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -244,6 +245,8 @@ class AsciiInt(click.ParamType):  # type: ignore[type-arg]
             self.fail(f"{shown(value)} is not a whole number in ASCII digits", param, ctx)
         if number < self.low:
             self.fail(f"{number} is below {self.low}", param, ctx)
+        if self.high is not None and number > self.high:
+            self.fail(f"{number} is above {self.high}", param, ctx)
         return number
 
 

@@ -29,9 +29,9 @@ def partitions() -> None:
 @partitions.command()
 @click.option("--by", type=click.Choice(["seq"]), default="seq", show_default=True,
               help="The partition key: seq ranges (docs/partitioning.md says why not days).")
-@click.option("--size", type=AsciiInt(low=1000), default=ops.DEFAULT_SIZE, show_default=True,
+@click.option("--size", type=AsciiInt(low=1000, high=ops.MAX_SIZE), default=ops.DEFAULT_SIZE, show_default=True,
               help="Rows (seq values) per partition.")
-@click.option("--ahead", type=AsciiInt(low=1), default=ops.DEFAULT_AHEAD, show_default=True,
+@click.option("--ahead", type=AsciiInt(low=1, high=ops.MAX_AHEAD), default=ops.DEFAULT_AHEAD, show_default=True,
               help="Empty partitions to create above the next seq.")
 @click.option("--reused-id-check/--no-reused-id-check", default=True, show_default=True,
               help="Refuse a message_id any partition holds (a probe per partition per insert), or per partition only.")
@@ -54,7 +54,7 @@ def convert(ctx: click.Context, by: str, size: int, ahead: int, reused_id_check:
 
 
 @partitions.command()
-@click.option("--ahead", type=AsciiInt(low=1), default=ops.DEFAULT_AHEAD, show_default=True,
+@click.option("--ahead", type=AsciiInt(low=1, high=ops.MAX_AHEAD), default=ops.DEFAULT_AHEAD, show_default=True,
               help="Empty partitions to keep above the next seq.")
 @_LOCK_TIMEOUT
 @click.pass_context

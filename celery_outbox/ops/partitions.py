@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SIZE = 1_000_000  # rows per partition: about a day at 12 rows/s; docs/partitioning.md, "Sizing"
 DEFAULT_AHEAD = 4
+MAX_AHEAD = 1000
+# Rows per partition at most: ``MAX_AHEAD`` partitions of it above any seq stay far inside BIGINT (past it a range's
+# bound was a database error, "bigint out of range", after the command had started).
+MAX_SIZE = 10**12
 DEFAULT_LOCK_TIMEOUT_MS = 5000
 _BOUND = re.compile(r"FOR VALUES FROM \((MINVALUE|'?-?\d+'?)\) TO \((MAXVALUE|'?-?\d+'?)\)")
 
@@ -240,10 +244,10 @@ def _has_trigger(session: Session, table: str, name: str) -> bool:
 
 
 def _check_size(size: int, ahead: int, lock_timeout_ms: int) -> None:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1000:
-        raise ConfigError(f"partition size must be a whole number of rows >= 1000, got {size!r}")
-    if isinstance(ahead, bool) or not isinstance(ahead, int) or not 1 <= ahead <= 1000:
-        raise ConfigError(f"partitions ahead must be 1..1000, got {ahead!r}")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1000 <= size <= MAX_SIZE:
+        raise ConfigError(f"partition size must be a whole number of rows, 1000..{MAX_SIZE}, got {size!r}")
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or not 1 <= ahead <= MAX_AHEAD:
+        raise ConfigError(f"partitions ahead must be 1..{MAX_AHEAD}, got {ahead!r}")
     if isinstance(lock_timeout_ms, bool) or not isinstance(lock_timeout_ms, int) or lock_timeout_ms < 1:
         raise ConfigError(f"lock timeout must be >= 1 ms, got {lock_timeout_ms!r}")
 

@@ -24,6 +24,8 @@ from celery_outbox import Tables, ValidationError
 from celery_outbox.cli import cli
 from celery_outbox.config.masking import mask_secrets
 from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.errors import ConfigError
+from celery_outbox.ops import partitions as ops_partitions
 from celery_outbox.ops.dead_letter_groups import check_group_id, list_groups
 from celery_outbox.ops.dead_letters import DeadLetterId, parse_ids
 from celery_outbox.ops.trace import check_key
@@ -488,3 +490,24 @@ def test_each_unknown_consumer_is_a_bad_option(tmp_path: Path, tmp_home: Path, n
     env = base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'empty.db'}")
     for raw in ["", " ", "shiping", "Shipping", "shipping ", "\x1b[2J", "9" * 5000, f"postgresql://u:{PASSWORD}@h/db"]:
         an_unknown_consumer_is_a_bad_option(env, raw)
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["ensure", "--ahead", "1001"], "--ahead"), (["convert", "--ahead", "999999999999999999"], "--ahead"),
+    (["convert", "--size", "999999999999999999"], "--size"),  # its ranges would leave BIGINT: a database error
+    (["convert", "--size", "999"], "--size"),
+], ids=" ".join)
+def test_a_partition_option_past_its_bounds_is_refused_at_parse(tmp_path: Path, tmp_home: Path, namespace: str,
+                                                                args: list[str], flag: str) -> None:
+    r = run(base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'x.db'}"), "db", "partitions", *args)
+    line = assert_one_clean_line(r, exit_code=2)
+    assert line.startswith(f"Error: Invalid value for '{flag}'"), line
+
+
+def test_the_partition_bounds_keep_every_range_inside_bigint(tables: Tables,
+                                                             sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given the largest partitions the options allow; Then every range above any seq a table reaches stays in BIGINT
+    assert (ops_partitions.MAX_AHEAD + 2) * ops_partitions.MAX_SIZE < 2**63 // 1000
+    # And the library refuses a larger one given in code, before it touches the database
+    with pytest.raises(ConfigError, match="partition size"):
+        ops_partitions.convert(sqlite_sessions, tables=tables, size=ops_partitions.MAX_SIZE + 1)
