@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -283,3 +285,20 @@ class Checked(click.ParamType):  # type: ignore[type-arg]
             return str(self._check(value))
         except ValidationError as e:
             self.fail(str(e), param, ctx)
+
+
+def echo_json(data: Any) -> None:
+    """The one JSON document a ``--json`` command prints: strict JSON (no NaN or Infinity, which other parsers
+    refuse: a non-finite number read from a database is shown as its name, a string), keys sorted, any other
+    value as its text."""
+    click.echo(json.dumps(_finite(data), indent=2, sort_keys=True, default=str, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # 'nan', 'inf', '-inf'
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

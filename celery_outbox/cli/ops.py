@@ -31,6 +31,7 @@ from celery_outbox.cli.common import (
     Checked,
     Duration,
     SafeConsole,
+    echo_json,
     get_outbox,
     get_settings,
     handle_errors,
@@ -89,10 +90,6 @@ def _table(title: str, columns: tuple[str, ...]) -> Table:
     return table
 
 
-def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
-
-
 @click.group("dead-letters")
 def dead_letters() -> None:
     """List, inspect, replay and purge dead letters (outbox:<seq> and consumer:<id>)."""
@@ -113,7 +110,7 @@ def list_cmd(ctx: click.Context, source: dl.Source | None, consumer: str | None,
         items = dl.list_dead_letters(session, tables=outbox.tables, source=source, consumer=consumer,
                                      known_consumers=outbox.known_consumers())
     if as_json:
-        _echo_json([d.to_dict(now_ms=now) for d in items])
+        echo_json([d.to_dict(now_ms=now) for d in items])
         return
     if not items:
         click.echo("no dead letters")
@@ -138,7 +135,7 @@ def show_cmd(ctx: click.Context, dl_id: str, as_json: bool) -> None:
         d = dl.get(session, dl_id, tables=outbox.tables)
     data = d.to_dict(now_ms=now)
     if as_json:
-        _echo_json(data)
+        echo_json(data)
         return
     table = Table(show_header=False, title=f"dead letter {d.id}")
     table.add_column("field")
@@ -211,7 +208,7 @@ def replay_cmd(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, consu
                                 known_consumers=outbox.known_consumers(), progress=step) \
                 if refs else []
     if as_json:
-        _echo_json([{"id": str(r.id), "replayed": r.replayed, "detail": r.detail} for r in results])
+        echo_json([{"id": str(r.id), "replayed": r.replayed, "detail": r.detail} for r in results])
         return
     if not results:
         click.echo("nothing to replay")
@@ -265,7 +262,7 @@ def groups_cmd(ctx: click.Context, as_json: bool) -> None:
     with _sessions(ctx)() as session:
         found = groups_mod.list_groups(session, tables=outbox.tables)
     if as_json:
-        _echo_json([g.to_dict() for g in found])
+        echo_json([g.to_dict() for g in found])
         return
     if not found:
         click.echo("no dead letters")
@@ -313,7 +310,7 @@ def _replay_group(ctx: click.Context, gid: str, *, dry_run: bool, rate: float, a
                                          known_consumers=outbox.known_consumers(), dry_run=dry_run, rate=rate,
                                          progress=step)
     if as_json:
-        _echo_json(report.to_dict())
+        echo_json(report.to_dict())
         return
     if dry_run:
         plan = ", ".join(f"{n} to {where}" for where, n in sorted((report.plan or {}).items())) or "nothing"
@@ -339,7 +336,7 @@ def _purge_group(ctx: click.Context, gid: str, *, archive: str | None, rate: flo
         except ArchiveError as e:  # the file cannot keep them: a bad argument (or a full disk), exit 2
             raise BadInput(one_line(str(e))) from None
     if as_json:
-        _echo_json(report.to_dict())
+        echo_json(report.to_dict())
         return
     click.echo(_run_summary(report))
 
@@ -382,7 +379,7 @@ def prune(ctx: click.Context, inbox_older_than: int | None, published_older_than
                                  published_older_than_ms=published_older_than, batch=batch, clock=SystemClock(),
                                  redelivery_window_ms=settings.broker_redelivery_window_ms, progress=step)
     if as_json:
-        _echo_json(report.to_dict())
+        echo_json(report.to_dict())
         return
     click.echo(f"inbox: deleted {report.inbox_deleted} row(s) in {report.inbox_batches} batch(es)")
     click.echo(f"outbox: deleted {report.outbox_deleted} published row(s) in {report.outbox_batches} batch(es)")
@@ -463,7 +460,7 @@ def stats(ctx: click.Context, as_json: bool, fail_on_dead_letters: bool, max_pen
         data = st.to_dict()
         if checks:
             data["thresholds"] = [c.to_dict() for c in checks]
-        _echo_json(data)
+        echo_json(data)
     else:
         _print_stats(outbox.known_consumers(), st)
     crossed = [c for c in checks if c.crossed]

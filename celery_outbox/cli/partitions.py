@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import click
 
-from celery_outbox.cli.common import AsciiInt, Duration, get_outbox, handle_errors
+from celery_outbox.cli.common import AsciiInt, Duration, echo_json, get_outbox, handle_errors
 from celery_outbox.clock import SystemClock
 from celery_outbox.ops import partitions as ops
-
-
-def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
-
 
 _LOCK_TIMEOUT = click.option(
     "--lock-timeout", type=Duration(), default=f"{ops.DEFAULT_LOCK_TIMEOUT_MS}ms", show_default=True,
@@ -46,7 +38,7 @@ def convert(ctx: click.Context, by: str, size: int, ahead: int, reused_id_check:
     report = ops.convert(outbox.sessions(), tables=outbox.tables, size=size, ahead=ahead,
                          lock_timeout_ms=lock_timeout, reused_id_check=reused_id_check)
     if as_json:
-        _echo_json(report.to_dict())
+        echo_json(report.to_dict())
         return
     click.echo(f"{report.table}: partitioned by seq, {report.size} per partition; the old table holds seq < "
                f"{report.boundary}; created {', '.join(report.created)}")
@@ -75,7 +67,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     outbox = get_outbox(ctx)
     states = ops.status(outbox.sessions(), tables=outbox.tables)
     if as_json:
-        _echo_json([s.to_dict() for s in states])
+        echo_json([s.to_dict() for s in states])
         return
     for s in states:
         p = s.partition
@@ -100,7 +92,7 @@ def drop(ctx: click.Context, published_older_than: int, dead_older_than: int | N
     report = ops.drop_expired(outbox.sessions(), tables=outbox.tables, published_older_than_ms=published_older_than,
                               dead_older_than_ms=dead_older_than, clock=SystemClock(), lock_timeout_ms=lock_timeout)
     if as_json:
-        _echo_json(report.to_dict())
+        echo_json(report.to_dict())
         return
     click.echo(f"dropped {len(report.dropped)} partition(s), {report.rows} row(s)"
                + (f": {', '.join(report.dropped)}" if report.dropped else ""))

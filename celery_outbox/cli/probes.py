@@ -13,12 +13,10 @@ threshold):
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from celery_outbox.celery.probe import DEFAULT_TIMEOUT_S, broker_probe
-from celery_outbox.cli.common import Duration, get_outbox, handle_errors, one_line
+from celery_outbox.cli.common import Duration, echo_json, get_outbox, handle_errors, one_line
 from celery_outbox.ops import health, postgres_checks
 
 EXIT_OK = 0
@@ -52,7 +50,7 @@ def check(ctx: click.Context, no_broker: bool, timeout_ms: int, as_json: bool) -
         doc["ready"] = ok
         doc["findings"] = [f.to_dict() for f in findings]
         doc["failed"] = [*doc["failed"], *(f.name for f in findings if not f.ok)]
-        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        echo_json(doc)
     elif ok:
         click.echo("ready: " + ", ".join(f"{c.name} ok" for c in result.checks))
     for c in result.failed:

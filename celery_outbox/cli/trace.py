@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import sys
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from celery_outbox.cli.common import AsciiInt, Checked, SafeConsole, get_outbox, handle_errors
+from celery_outbox.cli.common import AsciiInt, Checked, SafeConsole, echo_json, get_outbox, handle_errors
 from celery_outbox.ops import trace as ops_trace
 
 
@@ -74,7 +73,7 @@ def trace(ctx: click.Context, key: str, limit: int, as_json: bool) -> None:
         found = ops_trace.trace(session, key, tables=outbox.tables, routes=outbox.routes(),
                                 idempotent_tasks=outbox.idempotent_tasks(), limit=limit)
     if as_json:
-        click.echo(json.dumps([t.to_dict() for t in found], indent=2, sort_keys=True))
+        echo_json([t.to_dict() for t in found])
         return
     console = SafeConsole(width=None if sys.stdout.isatty() else 200)
     for t in found:

@@ -511,3 +511,23 @@ def test_the_partition_bounds_keep_every_range_inside_bigint(tables: Tables,
     # And the library refuses a larger one given in code, before it touches the database
     with pytest.raises(ConfigError, match="partition size"):
         ops_partitions.convert(sqlite_sessions, tables=tables, size=ops_partitions.MAX_SIZE + 1)
+
+
+@pytest.mark.parametrize("stored", ['{"x": 1e400}', '{"x": [1e999, -1e999]}', '{"x": {"y": -1e400}}'])
+def test_json_output_is_strict_json_whatever_a_row_holds(sqlite_url: str, tmp_home: Path, namespace: str,
+                                                         tables: Tables, stored: str) -> None:
+    # Given a dead letter whose stored headers hold valid JSON that Python reads as an infinite float (the column's
+    # json_valid check takes it; Postgres' jsonb too), written by hand
+    engine = make_engine(sqlite_url)
+    with make_session_factory(engine)() as s:
+        cid = consumer_dead_letter(s, tables=tables, consumer="billing", error="e")
+        s.execute(sa.text(f"UPDATE {tables.dead_letters.__table__.name} SET headers = :h WHERE id = :i"),
+                  {"h": stored, "i": cid})
+        s.commit()
+    engine.dispose()
+    env = base_env(tmp_home, namespace, sqlite_url)
+    # When a machine reads it; Then strict JSON, the number shown by its name
+    for args in (["dead-letters", "show", f"consumer:{cid}", "--json"], ["dead-letters", "list", "--json"]):
+        r = run(env, *args)
+        assert r.exit_code == 0, r.output
+        strict_json(r.output)
