@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -89,7 +91,10 @@ def get_outbox(ctx: click.Context) -> Outbox:
     root.ensure_object(dict)
     if "outbox" not in root.obj:
         try:
-            outbox, flask_app = resolve(root.obj.get("app_spec"))
+            # What the user's project prints while it loads (a banner, a logging handler bound to stdout then) goes to
+            # stderr: with --json, stdout is one JSON document (docs/operations.md, "Probes and exit codes").
+            with contextlib.redirect_stdout(sys.stderr):
+                outbox, flask_app = resolve(root.obj.get("app_spec"))
             if flask_app is not None:  # FLASK_APP: the command runs inside the app, as `flask outbox` does
                 root.with_resource(flask_app.app_context())
             outbox.check()

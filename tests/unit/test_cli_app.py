@@ -306,3 +306,20 @@ def test_a_current_directory_removed_under_the_shell_is_one_line(tmp_path: Path)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert r.stderr.strip() == ("Error: the current directory no longer exists (removed since the shell entered it); "
                                 "cd into your project's directory")
+
+
+def test_what_a_project_prints_while_it_loads_keeps_off_the_json(tmp_path: Path) -> None:
+    # Given a user's module that prints a banner and binds a logging handler to stdout when it is imported
+    project = tmp_path / "project"
+    db = write_app(project, "chatty_app")
+    (project / "chatty_app.py").write_text(
+        "import logging, sys\nprint('starting chatty_app')\nlog = logging.getLogger('chatty')\n"
+        "log.addHandler(logging.StreamHandler(sys.stdout))\nlog.warning('loaded')\n"
+        + (project / "chatty_app.py").read_text())
+    assert outbox("-A", "chatty_app", "db", "upgrade", cwd=project, env=user_env()).returncode == 0, db
+    # When a machine asks for JSON
+    r = outbox("-A", "chatty_app", "stats", "--json", cwd=project, env=user_env())
+    # Then stdout is the one JSON document, and what the module printed went to stderr
+    assert r.returncode == 0, r.stderr
+    assert "pending" in json.loads(r.stdout)["outbox"]
+    assert "starting chatty_app" in r.stderr and "loaded" in r.stderr
