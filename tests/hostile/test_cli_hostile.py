@@ -521,8 +521,8 @@ def test_json_output_is_strict_json_whatever_a_row_holds(sqlite_url: str, tmp_ho
     engine = make_engine(sqlite_url)
     with make_session_factory(engine)() as s:
         cid = consumer_dead_letter(s, tables=tables, consumer="billing", error="e")
-        s.execute(sa.text(f"UPDATE {tables.dead_letters.__table__.name} SET headers = :h WHERE id = :i"),
-                  {"h": stored, "i": cid})
+        s.execute(sa.update(tables.dead_letters).where(tables.dead_letters.id == cid)
+                  .values(headers=sa.literal(stored, sa.Text())))  # the text as written, not encoded again
         s.commit()
     engine.dispose()
     env = base_env(tmp_home, namespace, sqlite_url)
