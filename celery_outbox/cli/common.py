@@ -9,7 +9,8 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -116,6 +117,11 @@ UPGRADE_HINT = "the outbox tables are missing: run `outbox db upgrade`"
 TRACEBACK_ENV = "OUTBOX_TRACEBACK"
 
 
+def traceback_wanted(environ: Mapping[str, str]) -> bool:
+    """``OUTBOX_TRACEBACK`` is on: 1, true, yes or on (``0`` or ``false`` turned it on, as any text did)."""
+    return environ.get(TRACEBACK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def one_line(text: str, *, limit: int = 1000) -> str:
     """The first non-empty line of ``text``, masked, its control characters escaped (``printable``) and cut to
     ``limit`` characters."""
@@ -184,8 +190,9 @@ def cli_errors() -> Iterator[None]:
     except sa_exc.SQLAlchemyError as e:  # a bad URL, a missing driver: SQLAlchemy's text can carry the URL
         raise click.ClickException(f"database error: {e.__class__.__name__}: {one_line(str(e))}") from None
     except Exception as e:
-        if os.environ.get(TRACEBACK_ENV):
-            raise
+        if traceback_wanted(os.environ):  # the traceback asked for, masked like every other output
+            click.echo(printable(mask_secrets("".join(traceback.format_exception(e)))), err=True, nl=False)
+            raise click.exceptions.Exit(1) from None
         raise click.ClickException(
             f"unexpected {e.__class__.__name__}: {one_line(str(e))} (set {TRACEBACK_ENV}=1 for the traceback)"
         ) from None

@@ -531,3 +531,21 @@ def test_json_output_is_strict_json_whatever_a_row_holds(sqlite_url: str, tmp_ho
         r = run(env, *args)
         assert r.exit_code == 0, r.output
         strict_json(r.output)
+
+
+@pytest.mark.parametrize(("flag", "wanted"), [("", False), ("0", False), ("false", False), ("no", False),
+                                              ("1", True), ("true", True), ("YES", True)])
+def test_the_traceback_is_asked_for_by_name_and_masked(tmp_path: Path, tmp_home: Path, namespace: str,
+                                                       monkeypatch: pytest.MonkeyPatch, flag: str, wanted: bool) -> None:
+    # Given an app module that fails at import with an error that quotes a URL with its password
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = f"failing_app_{len(flag)}_{wanted}"
+    (tmp_path / f"{module}.py").write_text(f'raise ValueError("cannot reach postgresql://app:{PASSWORD}@db/app")\n')
+    env = {**base_env(tmp_home, namespace, f"sqlite:///{tmp_path / 'x.db'}"), "OUTBOX_TRACEBACK": flag}
+    r = run(env, "-A", module, "stats")
+    # Then exit 1; the traceback only when OUTBOX_TRACEBACK says yes ("0" is no), and never the password
+    assert r.exit_code == 1 and PASSWORD not in r.output, r.output
+    if wanted:
+        assert r.output.startswith("Traceback (most recent call last):") and "postgresql://app:***@db/app" in r.output
+    else:
+        assert_one_clean_line(r)
