@@ -70,8 +70,8 @@ def current(url: str, *, prefix: str = DEFAULT_PREFIX) -> str | None:
 def check(url: str, *, prefix: str = DEFAULT_PREFIX, reloptions: bool = False) -> list[str]:
     """What differs between the live database and the library's tables of ``prefix``, one line each (empty: all
     good): the recorded revision, then columns, types, nullability, keys, CHECKs, indexes with their partial
-    predicates and, on Postgres, the NOTIFY trigger (celery_outbox/schema_check.py). ``reloptions=True`` adds
-    the hot tables' autovacuum settings (``outbox db check`` shows those apart, as warnings)."""
+    predicates, the parked marker's trigger and, on Postgres, the NOTIFY trigger (celery_outbox/schema_check.py).
+    ``reloptions=True`` adds the hot tables' autovacuum settings (``outbox db check`` shows those apart, as warnings)."""
     from alembic.runtime.migration import MigrationContext
 
     tables = define_tables(sa.MetaData(), prefix=prefix)

@@ -136,7 +136,8 @@ class EntityVersionRow(_Row):
     entity_key: Mapped[str] = mapped_column(sa.String(ENTITY_KEY_MAX_CHARS), primary_key=True)
     version: Mapped[int] = mapped_column(sa.BigInteger)
     # Whether the entity may have parked messages: 0 says it has none, so a delivery that advances it does not
-    # read them (inbox/ordering.py); set by the transaction that parks one, cleared by one that finds none left.
+    # read them (inbox/ordering.py); set by the transaction that parks one (and by ``parked_trigger``), cleared by one
+    # that finds none left.
     # The default (1: read them) is what rows written before the column, or without it, get.
     parked: Mapped[int] = mapped_column(sa.Integer, server_default="1")
 
@@ -229,6 +230,59 @@ class NotifyTrigger:
 def notify_trigger(tables: Tables) -> NotifyTrigger:
     return NotifyTrigger(name=f"{tables.prefix}notify", table=tables.table(tables.outbox).name,
                          channel=tables.notify_channel)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParkedTrigger:
+    """The trigger (on Postgres with its function, of the same name) that sets an entity's ``parked`` marker when
+    a message of the entity is parked, as migrations co0010 (Alembic) and 0012_entity_parked_marker (Django)
+    create it: what ``outbox db check`` expects. The delivery that parks sets the marker itself
+    (inbox/ordering.py); the trigger covers a worker of the release before the marker, which parks without
+    setting it, beside new workers that clear it (a rolling deploy). It runs as the inserting role, which
+    updates the entity's row anyway. On Postgres it names the entity table in the parked table's own schema
+    (``TG_TABLE_SCHEMA``), not through the inserting session's search_path."""
+
+    name: str
+    parked: str
+    entity_versions: str
+
+    def _update(self, consumer: str, key: str) -> str:
+        return f"SET parked = 1 WHERE consumer = {consumer} AND entity_key = {key} AND parked <> 1"
+
+    @property
+    def body(self) -> str:
+        """The Postgres function's body."""
+        return (f"BEGIN EXECUTE 'UPDATE ' || quote_ident(TG_TABLE_SCHEMA) || '.{self.entity_versions} "
+                f"{self._update('$1', '$2')}' USING NEW.consumer, NEW.entity_key; RETURN NULL; END")
+
+    @property
+    def definition(self) -> str:
+        """Postgres' CREATE TRIGGER."""
+        return (f"CREATE TRIGGER {self.name} AFTER INSERT ON {self.parked} FOR EACH ROW "
+                f"EXECUTE FUNCTION {self.name}()")
+
+    @property
+    def sqlite(self) -> str:
+        """SQLite's CREATE TRIGGER (its body's table is the trigger's database's)."""
+        return (f"CREATE TRIGGER {self.name} AFTER INSERT ON {self.parked} FOR EACH ROW "
+                f"BEGIN UPDATE {self.entity_versions} {self._update('NEW.consumer', 'NEW.entity_key')}; END")
+
+    def create(self, dialect: str) -> list[str]:
+        """The statements that create it on ``dialect`` (a dialect's name: "postgresql", "sqlite")."""
+        if dialect == "postgresql":
+            return [f"CREATE OR REPLACE FUNCTION {self.name}() RETURNS trigger AS $$ {self.body} $$ "
+                    "LANGUAGE plpgsql", self.definition]
+        return [self.sqlite] if dialect == "sqlite" else []
+
+    def drop(self, dialect: str) -> list[str]:
+        if dialect == "postgresql":
+            return [f"DROP TRIGGER IF EXISTS {self.name} ON {self.parked}", f"DROP FUNCTION IF EXISTS {self.name}()"]
+        return [f"DROP TRIGGER IF EXISTS {self.name}"] if dialect == "sqlite" else []
+
+
+def parked_trigger(tables: Tables) -> ParkedTrigger:
+    return ParkedTrigger(name=f"{tables.prefix}parked_marker", parked=tables.table(tables.parked).name,
+                         entity_versions=tables.table(tables.entity_versions).name)
 
 
 T = TypeVar("T")

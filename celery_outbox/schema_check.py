@@ -2,7 +2,8 @@
 
 Both sides are brought to one plain shape (``SchemaShape``): per table its columns (the dialect's type name,
 nullability, server default, identity), primary key, unique constraints, CHECK constraints, indexes with their
-partial predicates, and on Postgres the triggers and the autovacuum storage parameters. ``declared()`` builds
+partial predicates, the triggers (on SQLite: the parked marker's only), and on Postgres the autovacuum storage
+parameters. ``declared()`` builds
 it from the ``Tables`` (compiled for the database's dialect), ``live()`` reads it from the catalog, and
 ``differences()`` says each difference in one line. tests/django/test_django_schema.py runs it on a
 database Alembic migrated and one Django migrated: the two are the same schema (docs/django.md).
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 
 from celery_outbox import autovacuum
-from celery_outbox.schema import Tables, notify_trigger
+from celery_outbox.schema import Tables, notify_trigger, parked_trigger
 
 Name = tuple[str, ...]
 
@@ -121,9 +122,13 @@ def declared(tables: Tables, dialect: sa.Dialect, *, server_version_num: int = 0
             reloptions=autovacuum.options(server_version_num) if name in hot else {},
         )
     triggers: dict[str, str | None] = {}
+    marker = parked_trigger(tables)
     if postgres:
         trigger = notify_trigger(tables)
         triggers[trigger.name] = _trigger_text(trigger.definition, trigger.body)
+        triggers[marker.name] = _trigger_text(marker.definition, marker.body)
+    elif dialect.name == "sqlite":
+        triggers[marker.name] = _sqlite_trigger_text(marker.sqlite)
     shape = SchemaShape(tables=out, triggers=triggers)
     return _partitioned(shape, tables) if partitioned else shape
 
@@ -169,6 +174,11 @@ def _trigger_text(definition: str, body: str) -> str:
     return f"{' '.join(definition.split())} / {' '.join(body.split())}"
 
 
+def _sqlite_trigger_text(sql: str) -> str:
+    """A SQLite trigger's CREATE TRIGGER in one spelling (its whitespace)."""
+    return " ".join(sql.split())
+
+
 # --- live -----------------------------------------------------------------------------------------------
 
 
@@ -200,7 +210,14 @@ def live(conn: sa.Connection, tables: Tables) -> SchemaShape:
             indexes=_pg_indexes(conn, name) if postgres else _sqlite_indexes(conn, name),
             reloptions=_reloptions(conn, name) if postgres else {},
         )
-    return SchemaShape(tables=out, triggers=dict(_pg_triggers(conn, tables)) if postgres else {})
+    triggers: dict[str, str | None] = {**(_pg_triggers(conn, tables) if postgres else _sqlite_triggers(conn, tables))}
+    return SchemaShape(tables=out, triggers=triggers)
+
+
+def _sqlite_triggers(conn: sa.Connection, tables: Tables) -> dict[str, str]:
+    rows = conn.execute(sa.text("SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name IN :t")
+                        .bindparams(sa.bindparam("t", expanding=True)), {"t": list(tables.names())})
+    return {r.name: _sqlite_trigger_text(r.sql) for r in rows}
 
 
 def _sqlite_autoincrement(conn: sa.Connection, table: str) -> bool:

@@ -18,7 +18,8 @@ locking upsert find the applied version, and a version update follow.
 
 Whether an entity may have parked messages is its row's ``parked`` marker (0: none). A message is parked
 only by a transaction that holds the entity's row (``_lock_entity`` creates it when missing), and that
-transaction's locking statement sets the marker; a transaction that holds the row, has read the entity's
+transaction's locking statement sets the marker (so does the parked table's trigger, ``schema.parked_trigger``,
+for a worker of the release before, whose lock does not); a transaction that holds the row, has read the entity's
 parked messages and applied or dropped those it could, writes the marker from what is left. So a delivery
 that holds the row reads a marker no parked message can contradict: ``UPDATE ... RETURNING`` waits for a
 concurrent holder and returns the row it committed. Anything else that deletes parked messages (their

@@ -24,11 +24,16 @@ from django.db import connections
 from django.db.models import Q
 
 from celery_outbox import migrate, schema_check
+from celery_outbox.clock import ManualClock
 from celery_outbox.contrib.django import database_settings
 from celery_outbox.contrib.django.models import condition
-from celery_outbox.db import make_engine
+from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.inbox import handle as inbox
+from celery_outbox.inbox.outcome import Outcome
 from celery_outbox.schema import define_tables
+from consumers.testing import order_placed_envelope
 from tests.conftest import scratch_database
+from tests.support.old_park import park_as_the_release_before
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 PREVIOUS_DJANGO_HEAD = "0009_autovacuum"  # the release before: the head of this app's migrations then
@@ -106,8 +111,9 @@ def test_django_and_alembic_migrations_create_one_schema(backend: str, scratch: 
     # and the comparison saw what there is to see: the relay's partial index, the trigger and the settings
     outbox = django.tables["outbox_messages"]
     assert outbox.indexes["ix_outbox_pending"].where == "published_at_ms is null and dead_lettered_at_ms is null"
+    assert "outbox_parked_marker" in django.triggers
     if backend == "postgres":
-        assert list(django.triggers) == ["outbox_notify"]
+        assert sorted(django.triggers) == ["outbox_notify", "outbox_parked_marker"]
         assert "pg_notify('outbox_pending', '')" in str(django.triggers["outbox_notify"])
         assert outbox.reloptions["autovacuum_vacuum_threshold"] == "5000"
     else:
@@ -141,6 +147,34 @@ def test_a_database_django_migrated_for_the_release_before_upgrades_on_both_path
         with engine.connect() as c:
             assert c.execute(sa.text("SELECT type FROM outbox_messages")).scalars().all() == ["T"]
         engine.dispose()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_message_a_worker_of_the_release_before_parks_marks_its_entity_on_a_django_migrated_database(
+        backend: str, scratch: Callable[[str, str], str], db_access: None) -> None:
+    # Given a database Django's migrate created, where a new worker applied version 1 of o-1 (marker clear)
+    url = scratch(backend, "parked")
+    django_migrate(url)
+    tables = define_tables()
+    engine = make_engine(url)
+    try:
+        sessions = make_session_factory(engine)
+        with sessions() as s:
+            assert inbox.handle(s, order_placed_envelope("o-1", version=1), tables=tables, consumer="ledger",
+                                handler=lambda s, e: None, clock=ManualClock(), ordering=True) is Outcome.PROCESSED
+        # When a worker of the release before parks version 3 (a rolling deploy: its lock leaves the marker alone)
+        with sessions() as s:
+            park_as_the_release_before(s, order_placed_envelope("o-1", version=3), tables=tables, consumer="ledger")
+            s.commit()
+        # Then migration 0012's trigger has marked the entity: its next version reads the parked message
+        with sessions() as s:
+            row = s.get(tables.entity_versions, ("ledger", "order:o-1"))
+            assert row is not None and (row.version, row.parked) == (1, 1)
+    finally:
+        engine.dispose()
+    # And undone, the migration takes the trigger with it
+    django_migrate(url, "0011_dead_letter_task_id")
+    assert "outbox_parked_marker" not in shape(url).triggers
 
 
 @pytest.mark.postgres
