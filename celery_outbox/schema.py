@@ -240,7 +240,12 @@ class ParkedTrigger:
     (inbox/ordering.py); the trigger covers a worker of the release before the marker, which parks without
     setting it, beside new workers that clear it (a rolling deploy). It runs as the inserting role, which
     updates the entity's row anyway. On Postgres it names the entity table in the parked table's own schema
-    (``TG_TABLE_SCHEMA``), not through the inserting session's search_path."""
+    (``TG_TABLE_SCHEMA``), not through the inserting session's search_path.
+
+    A later migration that rebuilds either table on SQLite (Alembic's batch mode, Django's table remake) drops it
+    first and creates it after: a rebuilt parked table loses it, and the rename that ends a rebuild of the entity
+    table fails while it exists ("error in trigger ... no such table"); the upgrade tests' ``outbox db check``
+    names a lost one."""
 
     name: str
     parked: str
