@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import counters, tracing
 from celery_outbox.clock import Clock
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.consumer import ConsumerSpec
 from celery_outbox.db import is_disconnect, wrap_driver_errors
 from celery_outbox.errors import DatabaseError, MalformedMessageError, SerializationError, UnknownEventTypeError
@@ -74,12 +75,13 @@ def raw_text(body: Any) -> str:
 
 
 def _error_text(e: BaseException) -> str:
-    """``Class: message`` of an exception, storable and bounded, whatever the message holds."""
+    """``Class: message`` of an exception, storable and bounded, whatever the message holds, a URL password masked
+    (an HTTP client's error quotes the URL it called, credentials and all)."""
     try:
         text = f"{e.__class__.__name__}: {e}"
     except Exception:  # a __str__ that raises
         text = f"{e.__class__.__name__}: <unprintable>"
-    return storable_text(text, limit=dead_letters.ERROR_MAX_CHARS)
+    return storable_text(mask_secrets(text), limit=dead_letters.ERROR_MAX_CHARS)
 
 
 class RawBody:

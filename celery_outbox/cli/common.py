@@ -126,7 +126,7 @@ def one_line(text: str, *, limit: int = 1000) -> str:
     """The first non-empty line of ``text``, masked, its control characters escaped (``printable``) and cut to
     ``limit`` characters."""
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    first = printable(mask_secrets(first))
+    first = printable(first)
     return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
@@ -137,17 +137,21 @@ _TERMINAL_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\
 
 
 def printable(text: str) -> str:
-    """``text`` with every character that would act on a terminal shown as its escape (``\\x1b``, ``\\u202e``).
+    """``text`` with every character that would act on a terminal shown as its escape (``\\x1b``, ``\\u202e``), and
+    every URL password masked.
 
     What the commands print comes from the database, and much of it from whoever produced a message
-    (error texts, types, consumer names, payloads): it is shown, never obeyed."""
-    return _TERMINAL_CONTROL.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)
+    (error texts, types, consumer names, payloads): it is shown, never obeyed, and an error text that quotes a
+    URL with its credentials (an HTTP client's) shows none of them."""
+    return _TERMINAL_CONTROL.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"),
+                                 mask_secrets(text))
 
 
 class SafeConsole(Console):
     """The rich console of every human output: stored text is shown as written. No markup (a ``[/bold]`` in
     an error text is text, not a tag that breaks the listing), no emoji codes, no highlighting, and control
-    characters escaped (``printable``). The commands' own styling is passed as ``rich.text.Text``."""
+    characters escaped (``printable``), URL passwords masked (a stored error text may quote one). The commands' own
+    styling is passed as ``rich.text.Text``."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(markup=False, emoji=False, highlight=False, **options)
@@ -191,7 +195,7 @@ def cli_errors() -> Iterator[None]:
         raise click.ClickException(f"database error: {e.__class__.__name__}: {one_line(str(e))}") from None
     except Exception as e:
         if traceback_wanted(os.environ):  # the traceback asked for, masked like every other output
-            click.echo(printable(mask_secrets("".join(traceback.format_exception(e)))), err=True, nl=False)
+            click.echo(printable("".join(traceback.format_exception(e))), err=True, nl=False)
             raise click.exceptions.Exit(1) from None
         raise click.ClickException(
             f"unexpected {e.__class__.__name__}: {one_line(str(e))} (set {TRACEBACK_ENV}=1 for the traceback)"
@@ -302,13 +306,15 @@ class Checked(click.ParamType):  # type: ignore[type-arg]
 def echo_json(data: Any) -> None:
     """The one JSON document a ``--json`` command prints: strict JSON (no NaN or Infinity, which other parsers
     refuse: a non-finite number read from a database is shown as its name, a string), keys sorted, any other
-    value as its text."""
+    value as its text, URL passwords in its strings masked (a stored error text may quote one)."""
     click.echo(json.dumps(_finite(data), indent=2, sort_keys=True, default=str, allow_nan=False))
 
 
 def _finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)  # 'nan', 'inf', '-inf'
+    if isinstance(value, str):
+        return mask_secrets(value)
     if isinstance(value, dict):
         return {key: _finite(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from celery_outbox import counters
 from celery_outbox.clock import Clock
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.db import wrap_driver_errors
 from celery_outbox.errors import MalformedMessageError, NotFoundError, ValidationError
 from celery_outbox.inbox.fingerprints import fingerprint
@@ -146,7 +147,8 @@ def record(session: Session, *, tables: Tables, consumer: str, message_id: str, 
     """
     type_ = storable_text(type, limit=TYPE_MAX_CHARS) if isinstance(type, str) and type else None
     consumer = storable_text(consumer, limit=64)
-    last_error = storable_text(str(last_error), limit=ERROR_MAX_CHARS)
+    # masked before it is kept: every reader (the CLI, the admin pages, Flower's events, trace) shows it as stored
+    last_error = storable_text(mask_secrets(str(last_error)), limit=ERROR_MAX_CHARS)
     row = tables.dead_letters(
         consumer=consumer, message_id=storable_text(str(message_id), limit=64), type=type_,
         body=storable_body(body), headers=storable_headers(headers), delivery_count=delivery_count,

@@ -24,7 +24,9 @@ from celery_outbox import Tables, ValidationError
 from celery_outbox.cli import cli
 from celery_outbox.config.masking import mask_secrets
 from celery_outbox.db import make_engine, make_session_factory
+from celery_outbox.delivery import _error_text
 from celery_outbox.errors import ConfigError
+from celery_outbox.inbox import dead_letters as consumer_dead_letters
 from celery_outbox.ops import partitions as ops_partitions
 from celery_outbox.ops.dead_letter_groups import check_group_id, list_groups
 from celery_outbox.ops.dead_letters import DeadLetterId, parse_ids
@@ -549,3 +551,43 @@ def test_the_traceback_is_asked_for_by_name_and_masked(tmp_path: Path, tmp_home:
         assert r.output.startswith("Traceback (most recent call last):") and "postgresql://app:***@db/app" in r.output
     else:
         assert_one_clean_line(r)
+
+
+# An HTTP client's error quotes the URL it called, credentials and all (requests, urllib3, httpx do).
+LEAKY_ERROR = f"ConnectionError: HTTPSConnectionPool: Max retries exceeded with url https://api:{PASSWORD}@pay.example/v1"
+
+
+def test_a_consumer_error_quoting_a_url_password_is_kept_masked(sqlite_url: str, tables: Tables) -> None:
+    # Given a consumer whose handler failed with an error that quotes a URL with its password
+    assert PASSWORD not in _error_text(ValueError(LEAKY_ERROR))  # what a retry records
+    engine = make_engine(sqlite_url)
+    with make_session_factory(engine)() as s:
+        consumer_dead_letters.record(s, tables=tables, consumer="billing", message_id="m", type="T", body="{}",
+                                     headers={}, delivery_count=3, last_error=LEAKY_ERROR, first_failed_at_ms=T0,
+                                     last_failed_at_ms=T0)
+        s.commit()
+        # Then the dead-letter store keeps it masked: no reader (CLI, admin pages, Flower's events) can show it
+        stored = s.scalars(sa.select(tables.dead_letters.last_error)).one()
+    engine.dispose()
+    assert PASSWORD not in stored and "https://api:***@pay.example/v1" in stored
+
+
+def test_a_stored_error_quoting_a_url_password_is_shown_masked(sqlite_url: str, tmp_home: Path, namespace: str,
+                                                               tables: Tables) -> None:
+    # Given dead letters of both stores whose error texts quote a password (kept so before the store masked them,
+    # or written by the relay from a broker's error)
+    engine = make_engine(sqlite_url)
+    with make_session_factory(engine)() as s:
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10, last_error=LEAKY_ERROR)
+        cid = consumer_dead_letter(s, tables=tables, consumer="billing", error="e")
+        s.execute(sa.update(tables.dead_letters).values(last_error=LEAKY_ERROR))
+        s.commit()
+        seq = row.seq
+    engine.dispose()
+    env = base_env(tmp_home, namespace, sqlite_url)
+    # When a person or a machine reads them; Then no output holds the password
+    for args in (["dead-letters", "list"], ["dead-letters", "list", "--json"], ["dead-letters", "groups"],
+                 ["dead-letters", "groups", "--json"], ["dead-letters", "show", f"outbox:{seq}"],
+                 ["dead-letters", "show", f"consumer:{cid}", "--json"], ["dead-letters", "show", f"consumer:{cid}"]):
+        r = run(env, *args)
+        assert r.exit_code == 0 and PASSWORD not in r.output, (args, r.output)
