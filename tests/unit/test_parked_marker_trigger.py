@@ -8,6 +8,7 @@ the entity's parked messages and leave the parked one to its park timeout (a dea
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from celery_outbox.ops.postgres_checks import grant_statements
 from celery_outbox.schema import Tables, define_tables, parked_trigger
 from consumers.testing import order_placed_envelope
 from tests.conftest import PG_ADMIN_URL, scratch_database
+from tests.support.locks import waits_on_a_lock
 from tests.support.old_park import park_as_the_release_before
 
 CONSUMER = "ledger"
@@ -63,6 +65,37 @@ def test_a_message_an_old_worker_parks_on_a_cleared_entity_is_released_by_the_ne
     assert deliver(any_sessions, 2, applied, tables=tables) is Outcome.PROCESSED
     assert applied == [1, 2, 3]
     assert marker(any_sessions, tables) == (3, 0)
+
+
+@pytest.mark.postgres
+def test_the_next_version_waits_for_an_old_worker_parking_its_successor_and_releases_it(
+        pg_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given version 1 of o-1 applied by a new worker: the row says nothing is parked
+    applied: list[int] = []
+    assert deliver(pg_sessions, 1, applied, tables=tables) is Outcome.PROCESSED
+    outcomes: list[Outcome] = []
+    errors: list[BaseException] = []
+
+    def version_two() -> None:
+        try:
+            outcomes.append(deliver(pg_sessions, 2, applied, tables=tables))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    with pg_sessions() as parking:
+        # And version 3 parked by a worker of the release before, not committed yet (it holds the entity's row)
+        park_as_the_release_before(parking, order_placed_envelope("o-1", version=3), tables=tables,
+                                   consumer=CONSUMER)
+        thread = threading.Thread(target=version_two)
+        thread.start()
+        # When a new worker's version 2 arrives meanwhile, Then its advance waits on that row lock
+        assert waits_on_a_lock(pg_sessions, thread) and outcomes == []
+        parking.commit()
+    # And once the park committed, the advance returns the marker its trigger set: 2 applied, then the parked 3
+    thread.join(timeout=30)
+    assert errors == [] and outcomes == [Outcome.PROCESSED]
+    assert applied == [1, 2, 3]
+    assert marker(pg_sessions, tables) == (3, 0)
 
 
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
