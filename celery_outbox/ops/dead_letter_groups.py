@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox import counters
 from celery_outbox.clock import Clock
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.db import wrap_driver_errors
 from celery_outbox.errors import NotFoundError, ValidationError
 from celery_outbox.inbox.dead_letters import envelope_of, send_replay
@@ -104,16 +105,18 @@ def list_groups(session: Session, *, tables: Tables) -> list[Group]:
         for fp, n, first, last, sample in agg:
             s = samples[int(sample)]
             groups.append(Group(id=fp or UNSET, source="consumer", consumer=s.consumer, error_class=error_class(s.last_error),
-                                message=normalise(s.last_error), count=int(n), first_seen_ms=int(first),
-                                last_seen_ms=int(last), sample_id=f"consumer:{int(sample)}", sample_error=s.last_error))
+                                message=normalise(mask_secrets(s.last_error)), count=int(n), first_seen_ms=int(first),
+                                last_seen_ms=int(last), sample_id=f"consumer:{int(sample)}",
+                                sample_error=mask_secrets(s.last_error)))
         relay: dict[str, Group] = {}
         for seq, type_, error, at in _outbox_dead(session, tables):
             fp = _outbox_fp(type_, error)
             g = relay.get(fp)
             if g is None:
                 relay[fp] = Group(id=fp, source="outbox", consumer=f"{OUTBOX_SCOPE}:{type_}",
-                                  error_class=error_class(error or ""), message=normalise(error or ""), count=1,
-                                  first_seen_ms=at, last_seen_ms=at, sample_id=f"outbox:{seq}", sample_error=error or "")
+                                  error_class=error_class(error or ""), message=normalise(mask_secrets(error or "")),
+                                  count=1, first_seen_ms=at, last_seen_ms=at, sample_id=f"outbox:{seq}",
+                                  sample_error=mask_secrets(error or ""))
             else:
                 relay[fp] = replace(g, count=g.count + 1, first_seen_ms=min(g.first_seen_ms, at),
                                     last_seen_ms=max(g.last_seen_ms, at))

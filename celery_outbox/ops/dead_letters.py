@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from celery_outbox.clock import Clock
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.errors import MalformedMessageError, NotFoundError, ValidationError
 from celery_outbox.inbox.task_keys import is_task_key
 from celery_outbox.messages import decode_json
@@ -125,7 +126,7 @@ def _from_outbox(row: OutboxRow) -> DeadLetter:
     assert row.dead_lettered_at_ms is not None
     return DeadLetter(
         id=DeadLetterId(source="outbox", row_id=row.seq), consumer=None, message_id=str(row.message_id),
-        type=row.type, error=row.last_error or "", attempts=row.attempts,
+        type=row.type, error=mask_secrets(row.last_error or ""), attempts=row.attempts,
         dead_lettered_at_ms=row.dead_lettered_at_ms, first_failed_at_ms=row.created_at_ms,
         payload=row.payload, headers=dict(row.headers or {}),
     )
@@ -147,7 +148,7 @@ def _decode_body(body: str) -> Any:
 def _from_consumer(row: DeadLetterRow) -> DeadLetter:
     return DeadLetter(
         id=DeadLetterId(source="consumer", row_id=row.id), consumer=row.consumer, message_id=row.message_id,
-        type=row.type, error=row.last_error, attempts=row.delivery_count,
+        type=row.type, error=mask_secrets(row.last_error), attempts=row.delivery_count,
         dead_lettered_at_ms=row.last_failed_at_ms, first_failed_at_ms=row.first_failed_at_ms,
         payload=_decode_body(row.body), headers=dict(row.headers or {}), replayed_at_ms=row.replayed_at_ms,
         task_id=row.task_id,

@@ -8,6 +8,7 @@ import re
 import uuid
 
 import pytest
+import sqlalchemy as sa
 from flask.testing import FlaskClient
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -112,3 +113,22 @@ def test_an_id_with_blanks_around_it_is_a_400_not_the_dead_letter(client: FlaskC
     # Then it is refused as the CLI refuses it (the ids' one rule, docs/operations.md), never shown
     assert r.status_code == 400 and "one-error" not in r.get_data(as_text=True)
     assert client.get("/admin/dead-letters/outbox:1", headers=BEARER).status_code == 200
+
+
+def test_pages_never_show_a_url_password_a_stored_error_quotes(client: FlaskClient, tables: Tables,
+                                                                sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given dead letters of both stores whose error texts quote a URL with its password (a broker's or an HTTP
+    # client's error, kept as written)
+    secret = "pw-in-an-error-9"
+    error = f"ConnectionError: max retries exceeded with url https://api:{secret}@pay.example/v1"
+    with sqlite_sessions() as s:
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10, last_error=error)
+        cid = consumer_dead_letter(s, tables=tables, consumer="billing", error="e")
+        s.execute(sa.update(tables.dead_letters).values(last_error=error))
+        s.commit()
+        seq = row.seq
+    # When the list, the groups and each dead letter's page are opened; Then none shows the password
+    for path in ("/admin/dead-letters/", "/admin/dead-letters/groups", f"/admin/dead-letters/outbox:{seq}",
+                 f"/admin/dead-letters/consumer:{cid}"):
+        r = client.get(path, headers=BEARER)
+        assert r.status_code == 200 and secret not in r.get_data(as_text=True), path
