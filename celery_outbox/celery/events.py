@@ -27,6 +27,8 @@ from typing import Any
 from celery import Celery, bootsteps
 from kombu import Producer
 
+from celery_outbox.config.masking import mask_secrets
+
 log = logging.getLogger(__name__)
 
 DUPLICATE_ABSORBED = "outbox-duplicate-absorbed"
@@ -54,7 +56,8 @@ def send_event(app: Celery, type: str, *, hostname: str | None = None, task_id: 
         with app.events.default_dispatcher(hostname=hostname) as dispatcher:
             dispatcher.send(type, retry=False, **fields)
     except Exception as e:
-        log.warning("could not send Celery event %s (%s: %s); continuing", type, e.__class__.__name__, e)
+        log.warning("could not send Celery event %s (%s: %s); continuing", type, e.__class__.__name__,
+                    mask_secrets(str(e)))
         return False
     return True
 
@@ -76,9 +79,10 @@ def duplicate_absorbed(app: Celery, *, consumer: str, message_id: str, event_typ
 def dead_lettered(app: Celery, *, source: str, message_id: str, error: str, consumer: str | None = None,
                   event_type: str | None = None, attempts: int | None = None, hostname: str | None = None,
                   task_id: str | None = None, dead_letter: str | None = None, group: str | None = None) -> bool:
-    """``dead_letter``/``group``: the consumer dead letter written (``consumer:<id>``) and its group, when known."""
+    """``dead_letter``/``group``: the consumer dead letter written (``consumer:<id>``) and its group, when known.
+    ``error`` is masked before it is cut (Flower shows it; a relay's broker error may quote a URL)."""
     return send_event(app, DEAD_LETTERED, hostname=hostname, task_id=task_id, source=source, consumer=consumer,
-                      message_id=message_id, error=error[:500], event_type=event_type, attempts=attempts,
+                      message_id=message_id, error=mask_secrets(error)[:500], event_type=event_type, attempts=attempts,
                       dead_letter=dead_letter, group=group)
 
 

@@ -591,3 +591,20 @@ def test_a_stored_error_quoting_a_url_password_is_shown_masked(sqlite_url: str, 
                  ["dead-letters", "show", f"consumer:{cid}", "--json"], ["dead-letters", "show", f"consumer:{cid}"]):
         r = run(env, *args)
         assert r.exit_code == 0 and PASSWORD not in r.output, (args, r.output)
+
+
+def test_a_dead_lettered_event_never_carries_a_url_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given Celery's event dispatch recorded (Flower shows these events' fields)
+    from celery_outbox.celery import events
+
+    sent: list[dict[str, Any]] = []
+
+    def record(app: Any, type: str, **fields: Any) -> bool:
+        sent.append(fields)
+        return True
+
+    monkeypatch.setattr(events, "send_event", record)
+    # When a dead letter is announced whose error quotes a URL with its password, past the 500 characters shown
+    events.dead_lettered(None, source="outbox", message_id="m", error="x" * 400 + " " + LEAKY_ERROR)  # type: ignore[arg-type]
+    # Then the event's error is masked before it is cut: neither the password nor its start is in it
+    assert PASSWORD[:6] not in sent[0]["error"] and "https://api:***@pay" in sent[0]["error"]
