@@ -122,7 +122,10 @@ def load_outbox(spec: str, *, origin: str = "-A") -> Outbox:
     """``module`` or ``module:attr`` -> the ``Outbox`` there (an attribute named outbox, or the only one)."""
     module_name, _, attr = spec.partition(":")
     said = _said(spec, origin)
-    if not module_name or not all(part.isidentifier() for part in module_name.split(".")):
+    # judged by its form before anything is imported: `-A amqp://u:pw@h//` is a URL typed for the app, not the
+    # attribute "//u:pw@h//" of the module "amqp" (an error naming that attribute showed the password)
+    if (not module_name or not all(part.isidentifier() for part in module_name.split("."))
+            or (attr and not attr.isidentifier())):
         raise ConfigError(f"{said} is not MODULE[:ATTR]")
     try:
         module = importlib.import_module(module_name)

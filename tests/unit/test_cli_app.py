@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from celery_outbox.cli import cli
 from celery_outbox.cli.app import NO_APP, find_app, load_outbox
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.errors import ConfigError
 
 OUTBOX = str(Path(sys.executable).parent / "outbox")
@@ -323,3 +324,15 @@ def test_what_a_project_prints_while_it_loads_keeps_off_the_json(tmp_path: Path)
     assert r.returncode == 0, r.stderr
     assert "pending" in json.loads(r.stdout)["outbox"]
     assert "starting chatty_app" in r.stderr and "loaded" in r.stderr
+
+
+@pytest.mark.parametrize("spec", ["amqp://u:pw-app-77@h//", "redis://:pw-app-77@h:6379/0", "json://u:pw-app-77@h",
+                                  "os:path.sep", "os: path"])
+def test_an_app_that_is_not_module_attr_is_refused_by_its_form(spec: str) -> None:
+    # Given a URL typed where the app goes (its scheme an importable module: py-amqp's amqp, the stdlib's json), or
+    # an attribute that is no name
+    # When the command loads it; Then one line refusing the form, before any import, without the password
+    with pytest.raises(ConfigError) as raised:
+        load_outbox(spec)
+    message = mask_secrets(str(raised.value))  # as the CLI shows it (cli.common.one_line)
+    assert message.endswith("is not MODULE[:ATTR]") and "pw-app-77" not in message, message
