@@ -468,3 +468,18 @@ class _Broken:
         def factory() -> Any:
             raise sa.exc.OperationalError("SELECT secret_sql", {}, Exception("host db.internal:5432 refused"))
         return factory
+
+
+def test_a_url_password_a_stored_error_quotes_is_never_shown(
+        root: Client, sa_sessions: sessionmaker[Session], tables: Tables) -> None:
+    # Given an outbox dead letter whose error (the relay's, kept as written) quotes a URL with its password, and a
+    # consumer dead letter whose stored error was written before the store masked them
+    secret = "pw-in-an-error-9"
+    error = f"ConnectionError: max retries exceeded with url https://api:{secret}@pay.example/v1"
+    dead = outbox_dead_letter({"note": "x"}, error=error)
+    cid = consumer_dead_letter(sa_sessions, tables, body=json.dumps(envelope()))
+    ConsumerDeadLetter.objects.filter(id=cid).update(last_error=error)
+    # When the lists and the detail pages are rendered; Then none shows the password
+    for url in (CONSUMER_LIST, consumer_detail(cid), OUTBOX_LIST, outbox_detail(dead.seq)):
+        page = root.get(url)
+        assert page.status_code == 200 and secret not in html(page), url

@@ -51,6 +51,7 @@ from django.urls import URLPattern, path
 from django.utils.html import format_html
 from sqlalchemy import exc as sa_exc
 
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.contrib.django import dead_letters as ops
 from celery_outbox.contrib.django.models import ConsumerDeadLetter, OutboxMessage
 from celery_outbox.errors import DatabaseError, NotFoundError, OutboxError, PublishError, ValidationError
@@ -193,14 +194,16 @@ def when(ms: int | None) -> str:
 
 
 def short(text: str | None, limit: int = ERROR_LIST_CHARS) -> str:
-    one = " ".join((text or "").split())
+    """``text`` on one line, cut, URL passwords masked first (a stored error may quote a URL with its credentials)."""
+    one = " ".join(mask_secrets(text or "").split())
     return one if len(one) <= limit else one[: limit - 3] + "..."
 
 
 def pre(text: str) -> str:
-    """``text`` in a <pre>, HTML-escaped by ``format_html`` (the only way markup reaches these pages)."""
+    """``text`` in a <pre>, HTML-escaped by ``format_html`` (the only way markup reaches these pages), URL passwords
+    masked."""
     html: str = format_html('<pre style="white-space: pre-wrap; max-height: 40em; overflow: auto">{}</pre>',
-                       shown_text(text))
+                       shown_text(mask_secrets(text)))
     return html
 
 
