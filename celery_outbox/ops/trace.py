@@ -27,6 +27,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from celery_outbox.config.masking import mask_secrets
 from celery_outbox.db import wrap_driver_errors
 from celery_outbox.errors import NotFoundError, ValidationError
 from celery_outbox.inbox.receipts import wants_receipt
@@ -193,7 +194,8 @@ def _related(session: Session, ids: list[uuid.UUID], *, tables: Tables) -> _Rela
     for row in session.scalars(sa.select(d).where(d.message_id.in_([str(i) for i in ids])).order_by(d.id)):
         dead.setdefault(str(_as_uuid(row.message_id) or row.message_id), {}).setdefault(row.consumer, []).append(
             DeadLetterSeen(id=f"consumer:{row.id}", dead_lettered_at_ms=row.last_failed_at_ms,
-                           deliveries=row.delivery_count, error=row.last_error, replayed_at_ms=row.replayed_at_ms))
+                           deliveries=row.delivery_count, error=mask_secrets(row.last_error),
+                           replayed_at_ms=row.replayed_at_ms))
     receipts = {str(tid): int(at) for tid, at in session.execute(
         sa.select(tables.receipts.task_id, tables.receipts.received_at_ms)
         .where(tables.receipts.task_id.in_(ids)))}
@@ -224,7 +226,8 @@ def _hop(name: str, kind: Literal["consumer", "task", "plain_task"], mid: str, f
     return Hop(name=name, kind=kind, state=state, processed_at_ms=processed,
                latency_ms=None if processed is None or published_at_ms is None else processed - published_at_ms,
                failed_deliveries=att[0] if att else 0, first_failed_at_ms=att[1] if att else None,
-               last_error=(att[2] or None) if att else None, parked_at_ms=parked, dead_letters=list(dead))
+               last_error=(mask_secrets(att[2]) or None) if att and att[2] else None, parked_at_ms=parked,
+               dead_letters=list(dead))
 
 
 def _seen_consumers(mid: str, found: _Related) -> list[str]:
@@ -268,7 +271,8 @@ def _trace_row(row: OutboxRow, found: _Related, *, routes: Mapping[str, Sequence
         publish_latency_ms=None if row.published_at_ms is None else row.published_at_ms - row.created_at_ms,
         publish_attempts_failed=row.attempts,
         next_attempt_at_ms=row.next_attempt_at_ms if row.published_at_ms is None else None,
-        last_publish_error=row.last_error, dead_lettered_at_ms=row.dead_lettered_at_ms, hops=hops)
+        last_publish_error=mask_secrets(row.last_error) if row.last_error else None,
+        dead_lettered_at_ms=row.dead_lettered_at_ms, hops=hops)
 
 
 def _trace_orphan(mid: str, found: _Related) -> MessageTrace | None:

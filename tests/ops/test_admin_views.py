@@ -132,3 +132,19 @@ def test_pages_never_show_a_url_password_a_stored_error_quotes(client: FlaskClie
                  f"/admin/dead-letters/consumer:{cid}"):
         r = client.get(path, headers=BEARER)
         assert r.status_code == 200 and secret not in r.get_data(as_text=True), path
+
+
+def test_the_trace_page_never_shows_a_url_password_a_stored_error_quotes(client: FlaskClient, tables: Tables,
+                                                                         sqlite_sessions: sessionmaker[Session]) -> None:
+    # Given a message the relay could not publish and a consumer dead-lettered, both errors quoting a password
+    secret = "pw-in-an-error-9"
+    error = f"ConnectionError: max retries exceeded with url https://api:{secret}@pay.example/v1"
+    with sqlite_sessions() as s:
+        row = outbox_row(s, tables=tables, attempts=3, last_error=error, payload=order_payload("42"))
+        consumer_dead_letter(s, tables=tables, consumer="billing", env={**envelope("42"), "message_id": str(row.message_id)})
+        s.execute(sa.update(tables.dead_letters).values(last_error=error))
+        s.commit()
+        message_id = str(row.message_id)
+    # When its story is opened; Then the errors are there, masked
+    page = client.get(f"/admin/dead-letters/trace?key={message_id}", headers=BEARER).get_data(as_text=True)
+    assert "pay.example" in page and secret not in page
