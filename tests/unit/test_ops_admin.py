@@ -232,3 +232,21 @@ def test_fetch_metadata_decides_same_origin(client: FlaskClient, sqlite_sessions
     r = client.post(url, headers={**BEARER, "Sec-Fetch-Site": "same-origin", "Origin": "null"},
                     data={"csrf_token": token})
     assert r.status_code == 303 and state(sqlite_sessions, tables)[0] == [(row.seq, None, 0)]
+
+
+@pytest.mark.parametrize("headers", [{"Origin": "http://[::1"}, {"Referer": "http://[localhost/admin/"},
+                                     {"Origin": "http://localhost]"}])
+def test_an_origin_that_is_no_url_is_refused_not_a_500(client: FlaskClient, sqlite_sessions: sessionmaker[Session],
+                                                       tables: Tables, headers: dict[str, str]) -> None:
+    # Given a dead letter and the page's CSRF token
+    with sqlite_sessions() as s:
+        row = outbox_row(s, tables=tables, dead_lettered_at_ms=T0, attempts=10)
+    token = csrf_of(client, client.get("/admin/dead-letters/", headers=BEARER).get_data(as_text=True))
+    before = state(sqlite_sessions, tables)
+    # When a POST carries an Origin or Referer that no URL parser reads (an unclosed IPv6 bracket)
+    r = client.post(f"/admin/dead-letters/outbox:{row.seq}/replay", headers={**BEARER, **headers},
+                    data={"csrf_token": token})
+    # Then it is the CSRF refusal (403, one line), not an internal error, and nothing changed
+    assert r.status_code == 403, r.get_data(as_text=True)
+    assert r.get_data(as_text=True) == "CSRF check failed: reload the page and try again\n"
+    assert state(sqlite_sessions, tables) == before

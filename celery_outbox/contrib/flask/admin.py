@@ -97,14 +97,19 @@ def _authorized(token: str) -> bool:
 def _same_origin() -> bool:
     """A browser's ``Sec-Fetch-Site`` (a header no page can set) must say same-origin. Without it, the
     Origin (or Referer) must be this host. The page's ``Referrer-Policy: no-referrer`` makes browsers send
-    ``Origin: null`` on its own forms, which is why Fetch Metadata is asked first; a bare ``null`` is refused."""
+    ``Origin: null`` on its own forms, which is why Fetch Metadata is asked first; a bare ``null`` is refused,
+    and so is an Origin or Referer that is no URL (``http://[::1``: the parser raises on it)."""
     site = request.headers.get("Sec-Fetch-Site")
     if site is not None:
         return site == "same-origin"
     origin = request.headers.get("Origin") or request.headers.get("Referer")
     if not origin or origin == "null":
         return origin is None
-    return urlparse(origin).netloc == request.host
+    try:
+        netloc = urlparse(origin).netloc
+    except ValueError:
+        return False
+    return netloc == request.host
 
 
 def _csrf_token() -> str:
