@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_outbox.errors import MalformedMessageError, MessageTooLargeError, SerializationError
+from celery_outbox.task_route import check_names, check_properties
 
 TASK_ID_NAMESPACE = uuid.UUID("7d1b1c6e-0c1e-4f0a-9a53-5a3f0c2d8e11")
 REQUIRED_FIELDS = ("message_id", "type", "payload")
@@ -390,6 +391,10 @@ def task_row_message(*, message_id: uuid.UUID | str, type: str, payload: Any, he
         raise MalformedMessageError("task row properties must be a JSON object")
     properties = {k: raw_props[k] for k in TASK_PROPERTIES if raw_props.get(k) is not None}
     properties.setdefault("correlation_id", str(message_id))
+    # what no broker client encodes fails every batch the row is in: judged here, dead-lettered as unpublishable
+    check_names([("exchange", exchange), ("routing key", routing_key)] + ([] if queue is None else [
+        ("queue name", queue.name), ("queue exchange", queue.exchange), ("queue routing key", queue.routing_key)]))
+    check_properties(properties)
     delivery_mode = headers.get("delivery_mode", 2)
     if delivery_mode not in (1, 2):
         delivery_mode = 2

@@ -91,7 +91,8 @@ from celery_outbox.errors import (
 from celery_outbox.inbox.receipts import RECEIPT_HEADER
 from celery_outbox.messages import TASK_KIND, QueueSpec, check_size, encode_json, task_name
 from celery_outbox.schema import Tables
-from celery_outbox.task_rules import TaskRules, check_call
+from celery_outbox.task_route import check_names, check_properties
+from celery_outbox.task_rules import TaskRules, _check_storable, check_call
 from celery_outbox.workers import VERSION_HEADER
 
 OWN_PREFIXES = ("celery.", "celery_outbox.")
@@ -477,6 +478,7 @@ class Interceptor:
             "priority": properties.get("priority"),
             "delivery_mode": DELIVERY_MODES.get(publish.get("delivery_mode") or 2, 2),
         }
+        self._check_route(name, row_headers)
         version = getattr(task, "outbox_task_version", None)
         if isinstance(version, int) and not isinstance(version, bool) and version > 0:
             row_headers[VERSION_HEADER] = version  # the relay holds it for a worker that runs it (workers.py)
@@ -497,6 +499,23 @@ class Interceptor:
             row_headers["held_until_ms"] = due
         return {"message_id": message_id, "type": name, "payload": payload, "headers": row_headers,
                 "created_at_ms": now, "next_attempt_at_ms": now if due is None else due, "attempts": 0}
+
+    @staticmethod
+    def _check_route(name: str, row_headers: Mapping[str, Any]) -> None:
+        """The route and properties the relay will send (``task_route``), refused here rather than stored: text no
+        database column stores fails the caller's commit, and what no broker client encodes fails every relay
+        batch the row is in."""
+        try:
+            _check_storable({k: row_headers[k] for k in ("properties", "exchange", "routing_key", "queue")},
+                            what="message properties")
+            queue = row_headers["queue"]
+            spec = None if queue is None else QueueSpec.from_dict(queue)
+            check_names([("exchange", row_headers["exchange"]), ("routing key", row_headers["routing_key"])] + (
+                [] if spec is None else [("queue name", spec.name), ("queue exchange", spec.exchange),
+                                         ("queue routing key", spec.routing_key)]))
+            check_properties(row_headers["properties"])
+        except MalformedMessageError as e:
+            raise ValidationError(f"task {name[:200]!r}: {e}; nothing was written") from None
 
     def held_until(self, task_headers: Mapping[str, Any], now_ms: int) -> int | None:
         """The eta in ms when it is more than ``enqueue_hold_eta_after_ms`` ahead of ``now_ms`` (the row is then

@@ -1,0 +1,142 @@
+"""Task options whose route or message properties no broker client encodes (a priority past an octet or not an
+integer, text past AMQP's 255-byte short string, a timestamp that is no integer) or that no database column stores
+(NUL in a property): refused by ``outbox.enqueue`` / ``delay()`` with a ``ValidationError``, nothing written and
+the caller's transaction intact; a row already stored with them (an older release, another writer) is
+dead-lettered by the relay as unpublishable, and the rows behind it are published. Before, enqueue stored them,
+and on RabbitMQ py-amqp's encoding error failed every relay batch holding the row: nothing behind it went out."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from kombu import Connection, Queue
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox import Outbox, Settings
+from celery_outbox.celery.kombu_publisher import KombuPublisher
+from celery_outbox.clock import ManualClock
+from celery_outbox.errors import ValidationError
+from celery_outbox.relay.dispatch import dispatch_with_settings
+from celery_outbox.schema import Tables
+
+HOSTILE_OPTIONS = [
+    pytest.param({"priority": "high"}, "priority", id="priority-text"),
+    pytest.param({"priority": 300}, "priority", id="priority-past-an-octet"),
+    pytest.param({"priority": -1}, "priority", id="priority-negative"),
+    pytest.param({"priority": True}, "priority", id="priority-bool"),
+    pytest.param({"correlation_id": "c" * 256}, "correlation_id", id="correlation-id-256-bytes"),
+    pytest.param({"reply_to": "é" * 128}, "reply_to", id="reply-to-256-utf8-bytes"),
+    pytest.param({"app_id": "a\x00"}, "NUL", id="app-id-nul"),
+    pytest.param({"reply_to": "r\ud800"}, "lone surrogate", id="reply-to-surrogate"),
+    pytest.param({"timestamp": "now"}, "timestamp", id="timestamp-text"),
+    pytest.param({"timestamp": 1.5}, "timestamp", id="timestamp-float"),
+    pytest.param({"queue": "q" * 256}, "256 bytes", id="queue-name-256-bytes"),
+    pytest.param({"queue": 5}, "queue declaration", id="queue-name-int"),
+    pytest.param({"expiration": -5}, "expiration", id="expiration-negative"),
+    pytest.param({"expiration": "soon"}, "expiration", id="expiration-text"),
+]
+
+
+def _outbox(engine: sa.Engine, queue: str, broker: str = "memory://") -> tuple[Outbox, Any]:
+    app = Celery("t", broker=broker, set_as_current=False)
+    app.conf.task_default_queue = queue
+    outbox = Outbox(app, engine=engine, settings=Settings(), clock=ManualClock())
+
+    @app.task(name="hostile.plain", shared=False)  # type: ignore[untyped-decorator]
+    def plain(*args: Any, **kwargs: Any) -> None:
+        """A plain task the outbox captures."""
+
+    return outbox, plain
+
+
+def _rows(engine: sa.Engine, tables: Tables) -> int:
+    with engine.connect() as c:
+        return int(c.scalar(sa.select(sa.func.count()).select_from(tables.table(tables.outbox))) or 0)
+
+
+@pytest.mark.parametrize(("options", "said"), HOSTILE_OPTIONS)
+def test_enqueue_refuses_what_no_broker_or_column_takes(any_db_url: str, tables: Tables, namespace: str,
+                                                        options: dict[str, Any], said: str) -> None:
+    engine = sa.create_engine(any_db_url)
+    outbox, plain = _outbox(engine, f"{namespace}_tasks")
+    sessions = sessionmaker(engine)
+    try:
+        with sessions() as s:
+            # Given the caller's own write in its transaction
+            s.execute(sa.insert(tables.table(tables.outbox)), [{
+                "message_id": uuid.uuid4(), "type": "Own", "payload": {}, "headers": {}, "created_at_ms": 0,
+                "next_attempt_at_ms": 0, "attempts": 0}])
+            # When a task is enqueued with an option no broker client encodes or no column stores
+            with pytest.raises(ValidationError, match=said) as e:
+                outbox.enqueue(s, plain.s(1), **options)
+            # Then it is refused in one line saying so, and the caller's transaction still commits its own write
+            assert "nothing was written" in str(e.value) and "\n" not in str(e.value)
+            s.commit()
+        assert _rows(engine, tables) == 1
+    finally:
+        engine.dispose()
+
+
+def test_enqueue_keeps_what_every_broker_takes(sqlite_url: str, tables: Tables, namespace: str) -> None:
+    # Given options at the edges of what the brokers take; When enqueued; Then each is written
+    engine = sa.create_engine(sqlite_url)
+    outbox, plain = _outbox(engine, f"{namespace}_tasks")
+    with sessionmaker(engine)() as s:
+        for options in ({"priority": 0}, {"priority": 255}, {"correlation_id": "c" * 255}, {"timestamp": 1_700_000_000},
+                        {"expires": 30}, {"queue": "q" * 255}):
+            outbox.enqueue(s, plain.s(1), **options)
+        s.commit()
+    assert _rows(engine, tables) == 6
+    engine.dispose()
+
+
+@pytest.fixture
+def task_queue(rabbitmq_url: str, namespace: str) -> Iterator[str]:
+    name = f"{namespace}_tasks"
+    yield name
+    with Connection(rabbitmq_url) as conn, contextlib.suppress(Exception):
+        Queue(name, no_declare=True)(conn.channel()).delete()
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.parametrize("properties", [{"priority": "high"}, {"priority": 300}, {"correlation_id": "c" * 300},
+                                        {"timestamp": "now"}])
+def test_a_stored_row_no_broker_encodes_is_dead_lettered_and_the_rows_behind_it_go_out(
+        rabbitmq_url: str, sqlite_url: str, tables: Tables, namespace: str, task_queue: str,
+        properties: dict[str, Any]) -> None:
+    engine = sa.create_engine(sqlite_url)
+    outbox, plain = _outbox(engine, task_queue, broker=rabbitmq_url)
+    sessions: sessionmaker[Session] = sessionmaker(engine)
+    with sessions() as s:
+        bad, good = outbox.enqueue(s, plain.s(1)), outbox.enqueue(s, plain.s(2))
+        s.commit()
+    # Given a task row stored with a property no broker client encodes (written by an older release or another
+    # writer), ahead of a good one
+    o = tables.outbox
+    with sessions() as s:
+        row = s.execute(sa.select(o).where(o.message_id == uuid.UUID(bad.id))).scalar_one()
+        headers = dict(row.headers)
+        headers["properties"] = {**headers["properties"], **properties}
+        s.execute(sa.update(tables.table(o)).where(tables.table(o).c.message_id == uuid.UUID(bad.id))
+                  .values(headers=headers))
+        s.commit()
+    # When the relay sends a batch to RabbitMQ
+    settings = Settings(namespace=namespace, broker_url=rabbitmq_url)
+    with KombuPublisher(broker_url=rabbitmq_url, settings=settings) as pub, sessions() as s:
+        result = dispatch_with_settings(s, pub, ManualClock(), settings, tables=tables)
+    # Then the bad row is dead-lettered as unpublishable, saying which property, and the good one is published
+    assert (result.published, result.dead_lettered) == (1, 1), result
+    with sessions() as s:
+        states = {str(r.message_id): (r.published_at_ms is not None, r.last_error) for r in s.scalars(sa.select(o))}
+    assert states[good.id] == (True, None)
+    assert states[bad.id][0] is False and next(iter(properties)) in str(states[bad.id][1])
+    with Connection(rabbitmq_url) as conn:
+        got = Queue(task_queue, no_declare=True)(conn.channel()).get(no_ack=True)
+    assert got is not None and got.headers["id"] == good.id
+    engine.dispose()
