@@ -86,6 +86,8 @@ class KombuPublisher:
         self._task_producer: Any = None
         self._lean: Any = None  # py-amqp's channel when messages skip kombu's Producer (``_publish_one``)
         self._declared: set[str] = set()  # task queues declared on this connection
+        self._exchanges: dict[str, bool] = {}  # exchanges only named by tasks: exist? (asked once per connection)
+        self._refused: dict[int, str] = {}  # this batch's messages not sent: the broker would close the channel
         self._next_tag = 0
         self._outstanding: dict[int, int] = {}
         self._nacked: set[int] = set()
@@ -129,6 +131,7 @@ class KombuPublisher:
                                        on_return=self._on_return if self.is_rabbitmq else None)
         self._lean = channel if self.is_rabbitmq and isinstance(channel, amqp.Channel) else None
         self._declared.clear()
+        self._exchanges.clear()
         self._quiet_blocked_check()
         self.connections_opened += 1
         return self._producer
@@ -147,6 +150,7 @@ class KombuPublisher:
         conn, self._conn, self._channel, self._producer = self._conn, None, None, None
         self._task_producer = self._lean = None
         self._declared.clear()
+        self._exchanges.clear()
         self._outstanding.clear()
         self._nacked.clear()
         self._returned.clear()
@@ -279,12 +283,48 @@ class KombuPublisher:
         if self._amqp_transport() is not None:
             with suppress(socket.timeout):
                 self._conn.drain_events(timeout=0)  # once per batch: a blocked/closed connection shows here
-        for m in messages:  # declaring is a round trip: never inside the collected writes
-            if m.exchange is not None and m.queue is not None:
+        self._refused = {}
+        for i, m in enumerate(messages):  # declaring is a round trip: never inside the collected writes
+            if m.exchange is None:
+                continue
+            why = self._channel_refusal(m)
+            if why is not None:
+                self._refused[i] = why
+            elif m.queue is not None:
                 self._declare_task_queue(m.queue)
         with self._coalesced_writes():
             for i, m in enumerate(messages):
-                self._publish_one(producer, i, m, confirm=confirm)
+                if i not in self._refused:
+                    self._publish_one(producer, i, m, confirm=confirm)
+
+    def _channel_refusal(self, m: TaskMessage) -> str | None:
+        """Why RabbitMQ would close the channel on this task's publish, or None. A closed channel fails the whole
+        batch as an outage, never charged to a row, so a task routed to an exchange nothing declares (a
+        ``task_routes`` entry naming no queue), or one whose ``user_id`` is not the user the relay connects as,
+        would stop the relay publishing anything. Not sent, it is this message's own failure (``rejected``): an
+        attempt charged, dead-lettered at max_attempts (docs/design.md, rule 3: a failure of this message)."""
+        if not self.is_rabbitmq:
+            return None
+        user = m.properties.get("user_id")
+        if user is not None and user != (self._conn.userid or "guest"):
+            return (f"user_id {str(user)[:60]!r} is not the user the relay connects as: RabbitMQ refuses the "
+                    "message for the whole channel")
+        name = m.exchange
+        if not name or (m.queue is not None and m.queue.exchange == name):
+            return None  # the default exchange, or one declared with the task's queue
+        if name not in self._exchanges:
+            channel = self._conn.channel()  # a passive declare of a missing exchange closes its channel
+            try:
+                channel.exchange_declare(exchange=name, type="direct", passive=True)
+                self._exchanges[name] = True
+            except tuple(self._conn.channel_errors):
+                self._exchanges[name] = False
+            finally:
+                with suppress(Exception):
+                    channel.close()
+        if not self._exchanges[name]:
+            return f"unroutable: exchange {name!r} does not exist (no queue of the task declares it)"
+        return None
 
     def _publish_one(self, producer: Any, index: int, m: TaskMessage, *, confirm: bool) -> None:
         if confirm:  # registered before the write: its ack may be read during the batch
@@ -354,6 +394,7 @@ class KombuPublisher:
         elif self.is_rabbitmq and self.confirm_mode == "tx":
             self._channel.tx_commit()
         rejected: dict[int, str] = {i: "broker nacked the message" for i in self._nacked}
+        rejected.update(self._refused)
         if self._returned:
             for i, m in enumerate(messages):
                 why = self._returned.get(str(m.properties.get("correlation_id")))

@@ -140,3 +140,43 @@ def test_a_stored_row_no_broker_encodes_is_dead_lettered_and_the_rows_behind_it_
         got = Queue(task_queue, no_declare=True)(conn.channel()).get(no_ack=True)
     assert got is not None and got.headers["id"] == good.id
     engine.dispose()
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.parametrize("mode", ["confirm", "tx", "none"])
+def test_a_task_the_broker_would_refuse_for_the_channel_is_charged_to_its_row_not_to_the_broker(
+        rabbitmq_url: str, sqlite_url: str, tables: Tables, namespace: str, task_queue: str, mode: str) -> None:
+    engine = sa.create_engine(sqlite_url)
+    outbox, plain = _outbox(engine, task_queue, broker=rabbitmq_url)
+    # Given a task routed to an exchange nothing declares (task_routes naming no queue), one carrying a user_id
+    # that is not the relay's broker user (RabbitMQ closes the channel for either), then a good one
+    outbox.app.conf.task_routes = {"hostile.elsewhere": {"exchange": f"{namespace}_missing", "routing_key": "x"}}
+
+    @outbox.app.task(name="hostile.elsewhere", shared=False)  # type: ignore[untyped-decorator]
+    def elsewhere() -> None:
+        """Routed to an exchange that does not exist."""
+
+    sessions: sessionmaker[Session] = sessionmaker(engine)
+    with sessions() as s:
+        missing = outbox.enqueue(s, elsewhere.s())
+        other_user = outbox.enqueue(s, plain.s(1), user_id="nobody")
+        good = outbox.enqueue(s, plain.s(2))
+        s.commit()
+    # When the relay sends a batch to RabbitMQ, twice
+    settings = Settings(namespace=namespace, broker_url=rabbitmq_url, relay_confirm_mode=mode)
+    with KombuPublisher(broker_url=rabbitmq_url, settings=settings) as pub:
+        with sessions() as s:
+            first = dispatch_with_settings(s, pub, ManualClock(), settings, tables=tables)
+        # Then the broker is not taken for down: the good row is published, each bad one is charged an attempt
+        # saying why (retried with backoff, dead-lettered at max_attempts like any message the broker refuses)
+        assert (first.broker_unavailable, first.published, first.failed) == (False, 1, 2), first
+        with sessions() as s:
+            later = dispatch_with_settings(s, pub, ManualClock(), settings, tables=tables)
+        assert pub.connections_opened == 1 and not later.broker_unavailable
+    o = tables.outbox
+    with sessions() as s:
+        rows = {str(r.message_id): r for r in s.scalars(sa.select(o))}
+    assert rows[good.id].published_at_ms is not None
+    assert rows[missing.id].attempts == 1 and f"{namespace}_missing" in str(rows[missing.id].last_error)
+    assert rows[other_user.id].attempts == 1 and "user_id" in str(rows[other_user.id].last_error)
+    engine.dispose()
