@@ -86,6 +86,7 @@ class KombuPublisher:
         self._task_producer: Any = None
         self._lean: Any = None  # py-amqp's channel when messages skip kombu's Producer (``_publish_one``)
         self._declared: set[str] = set()  # task queues declared on this connection
+        self._declaring: Any = None  # RabbitMQ: the channel task queues are declared on (``_declare_task_queue``)
         self._exchanges: dict[str, bool] = {}  # exchanges only named by tasks: exist? (asked once per connection)
         self._refused: dict[int, str] = {}  # this batch's messages not sent: the broker would close the channel
         self._next_tag = 0
@@ -136,18 +137,36 @@ class KombuPublisher:
         self.connections_opened += 1
         return self._producer
 
-    def _declare_task_queue(self, spec: QueueSpec) -> None:
-        """Declare a task's queue (and its exchange and binding) once per connection, before its first publish."""
+    def _declare_task_queue(self, spec: QueueSpec) -> str | None:
+        """Declare a task's queue (and its exchange and binding) once per connection, before its first publish.
+
+        Why not, when RabbitMQ refuses the declaration (a task given its own declaration of a queue that exists
+        with other arguments): that is the task's own failure, charged to its row, so the declaration is made
+        on a channel of its own, which the refusal closes instead of the batch's."""
         if spec.name in self._declared:
-            return
+            return None
         exchange = Exchange(spec.exchange, type=spec.exchange_type, durable=spec.durable) if spec.exchange else ""
-        Queue(spec.name, exchange, routing_key=spec.routing_key or spec.name, durable=spec.durable,
-              auto_delete=spec.auto_delete, exclusive=spec.exclusive, queue_arguments=spec.arguments,
-              max_priority=spec.max_priority)(self._channel).declare()
+        queue = Queue(spec.name, exchange, routing_key=spec.routing_key or spec.name, durable=spec.durable,
+                      auto_delete=spec.auto_delete, exclusive=spec.exclusive, queue_arguments=spec.arguments,
+                      max_priority=spec.max_priority)
+        if not self.is_rabbitmq:
+            queue(self._channel).declare()
+        else:
+            channel = self._declaring if self._declaring is not None else self._conn.channel()
+            self._declaring = channel
+            try:
+                queue(channel).declare()
+            except tuple(self._conn.channel_errors) as e:
+                self._declaring = None
+                with suppress(Exception):
+                    channel.close()
+                return f"the broker refused to declare queue {spec.name[:100]!r}: {e}"
         self._declared.add(spec.name)
+        return None
 
     def _reset(self) -> None:
         conn, self._conn, self._channel, self._producer = self._conn, None, None, None
+        self._declaring = None
         self._task_producer = self._lean = None
         self._declared.clear()
         self._exchanges.clear()
@@ -288,10 +307,10 @@ class KombuPublisher:
             if m.exchange is None:
                 continue
             why = self._channel_refusal(m)
+            if why is None and m.queue is not None:
+                why = self._declare_task_queue(m.queue)
             if why is not None:
                 self._refused[i] = why
-            elif m.queue is not None:
-                self._declare_task_queue(m.queue)
         with self._coalesced_writes():
             for i, m in enumerate(messages):
                 if i not in self._refused:

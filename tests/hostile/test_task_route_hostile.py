@@ -180,3 +180,31 @@ def test_a_task_the_broker_would_refuse_for_the_channel_is_charged_to_its_row_no
     assert rows[missing.id].attempts == 1 and f"{namespace}_missing" in str(rows[missing.id].last_error)
     assert rows[other_user.id].attempts == 1 and "user_id" in str(rows[other_user.id].last_error)
     engine.dispose()
+
+
+@pytest.mark.rabbitmq
+def test_a_queue_declaration_the_broker_refuses_is_charged_to_its_row_not_to_the_broker(
+        rabbitmq_url: str, sqlite_url: str, tables: Tables, namespace: str, task_queue: str) -> None:
+    engine = sa.create_engine(sqlite_url)
+    outbox, plain = _outbox(engine, task_queue, broker=rabbitmq_url)
+    sessions: sessionmaker[Session] = sessionmaker(engine)
+    # Given the task queue as the workers declared it, and a task given its own declaration of that queue with
+    # other arguments (RabbitMQ answers PRECONDITION_FAILED and closes the channel), ahead of a good task
+    with Connection(rabbitmq_url) as conn:
+        Queue(task_queue, durable=True)(conn.channel()).declare()
+    with sessions() as s:
+        clash = outbox.enqueue(s, plain.s(1), queue=Queue(task_queue, durable=True, max_priority=10))
+        good = outbox.enqueue(s, plain.s(2))
+        s.commit()
+    # When the relay sends a batch
+    settings = Settings(namespace=namespace, broker_url=rabbitmq_url)
+    with KombuPublisher(broker_url=rabbitmq_url, settings=settings) as pub, sessions() as s:
+        result = dispatch_with_settings(s, pub, ManualClock(), settings, tables=tables)
+    # Then the broker is not taken for down: the good task is published, the clashing one charged an attempt
+    assert (result.broker_unavailable, result.published, result.failed) == (False, 1, 1), result
+    o = tables.outbox
+    with sessions() as s:
+        rows = {str(r.message_id): r for r in s.scalars(sa.select(o))}
+    assert rows[good.id].published_at_ms is not None
+    assert rows[clash.id].attempts == 1 and "PRECONDITION_FAILED" in str(rows[clash.id].last_error)
+    engine.dispose()
