@@ -32,9 +32,10 @@ def test_the_readme_example_publishes_and_its_consumer_runs_once(tmp_path: Path,
         monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)
     code = readme_example()
-    body = [line for line in code.splitlines() if line.strip() and not line.startswith(("import ", "from "))]
-    assert len(body) <= 10, body  # "in ten lines", the imports apart
-    namespace: dict[str, object] = {"__name__": "shop"}
+    body = [line for line in code.splitlines()
+            if line.strip() and not line.startswith(("import ", "from ", "if __name__ == "))]
+    assert len(body) <= 10, body  # "in ten lines", the imports and the __main__ guard apart
+    namespace: dict[str, object] = {"__name__": "__main__"}  # `python shop.py`
     exec(compile(code, "README.md", "exec"), namespace)
     outbox = namespace["outbox"]
     try:
@@ -65,3 +66,21 @@ def test_the_readme_example_names_the_broker_its_relay_publishes_to(tmp_path: Pa
     finally:
         outbox.close()  # type: ignore[attr-defined]
         namespace["engine"].dispose()  # type: ignore[attr-defined]
+
+
+def test_importing_the_readme_example_places_no_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the README's example saved as shop.py, When `celery -A shop worker` and `outbox -A shop relay` import it
+    (as the module ``shop``, each in its own process), Then no order is placed by the import: the one order is
+    `python shop.py`'s, so the consumer prints it once, not once more per process that imported shop."""
+    for key in [k for k in os.environ if k.startswith("OUTBOX_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    for _process in ("worker", "relay"):
+        namespace: dict[str, object] = {"__name__": "shop"}
+        exec(compile(readme_example(), "README.md", "exec"), namespace)
+        outbox = namespace["outbox"]
+        try:
+            assert run_pending(outbox) == {}  # type: ignore[arg-type]
+        finally:
+            outbox.close()  # type: ignore[attr-defined]
+            namespace["engine"].dispose()  # type: ignore[attr-defined]
