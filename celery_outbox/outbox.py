@@ -293,6 +293,13 @@ class Outbox:
         """The broker the settings or, when they name none, the Celery app name ('' when neither does)."""
         return str(self.settings.broker_url or self.app.conf.broker_url or "")
 
+    @property
+    def schema_command(self) -> str:
+        """The command that creates and upgrades this outbox's tables, the one the CLI's hints name: the library's
+        own migrations, ``outbox db upgrade`` (``DjangoOutbox``: ``python manage.py migrate`` in a project that
+        installs the app ``celery_outbox.contrib.django``)."""
+        return "outbox db upgrade"
+
     def broker_url(self) -> str:
         url = self.settings.broker_url or self.app.conf.broker_url or ""
         if not url:

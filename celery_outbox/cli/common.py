@@ -113,7 +113,25 @@ def get_settings(ctx: click.Context) -> Settings:
 
 
 _MISSING_TABLE = re.compile(r'no such table|relation "[^"]*" does not exist|undefinedtable', re.IGNORECASE)
-UPGRADE_HINT = "the outbox tables are missing: run `outbox db upgrade`"
+DB_UPGRADE = "outbox db upgrade"
+
+
+def upgrade_hint() -> str:
+    """What to do about missing outbox tables: run the command that makes them for the outbox this invocation
+    loaded (``Outbox.schema_command``: ``python manage.py migrate`` in a Django project with the app installed),
+    ``outbox db upgrade`` before one is loaded."""
+    command = DB_UPGRADE
+    ctx = click.get_current_context(silent=True)
+    while ctx is not None:
+        found = ctx.obj.get("outbox") if isinstance(ctx.obj, dict) else None
+        if isinstance(found, Outbox):
+            try:
+                command = found.schema_command
+            except Exception:  # a hint must never hide the error it explains
+                command = DB_UPGRADE
+            break
+        ctx = ctx.parent
+    return f"the outbox tables are missing: run `{command}`"
 TRACEBACK_ENV = "OUTBOX_TRACEBACK"
 
 
@@ -167,7 +185,7 @@ def database_message(orig: BaseException) -> str:
     first = one_line(str(orig)) or name
     lowered = f"{name} {first}".lower()
     if _MISSING_TABLE.search(lowered):
-        return f"database error: {first} ({UPGRADE_HINT})"
+        return f"database error: {first} ({upgrade_hint()})"
     return f"database error: {name}: {first}"
 
 
@@ -185,7 +203,7 @@ def cli_errors() -> Iterator[None]:
         cause = e.__cause__
         hint = ""
         if isinstance(cause, sa_exc.DBAPIError) and _MISSING_TABLE.search(f"{type(cause.orig).__name__} {cause.orig}"):
-            hint = f" ({UPGRADE_HINT})"
+            hint = f" ({upgrade_hint()})"
         raise click.ClickException(f"{one_line(str(e)) or 'database error'}{hint}") from None
     except OutboxError as e:
         raise click.ClickException(one_line(str(e)) or e.__class__.__name__) from None

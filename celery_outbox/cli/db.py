@@ -8,7 +8,7 @@ import click
 from sqlalchemy.engine import make_url
 
 from celery_outbox import autovacuum, migrate
-from celery_outbox.cli.common import UPGRADE_HINT, get_outbox, handle_errors, shown
+from celery_outbox.cli.common import DB_UPGRADE, BadInput, get_outbox, handle_errors, shown, upgrade_hint
 from celery_outbox.cli.partitions import partitions
 
 
@@ -50,6 +50,12 @@ def upgrade(ctx: click.Context, revision: str) -> None:
     """Create or upgrade the library's tables (own version table; your tables are never touched)."""
     outbox = get_outbox(ctx)
     url, prefix = outbox.sessions.url, outbox.settings.table_prefix
+    command = outbox.schema_command
+    if command != DB_UPGRADE and migrate.current(url, prefix=prefix) != migrate.head():
+        # Django's migrations own these tables: made here first, `manage.py migrate` fails on them (docs/django.md)
+        raise BadInput(f"this project's outbox tables are created and upgraded by `{command}`, not `{DB_UPGRADE}` "
+                       f"(tables made outside its migrations make `{command}` fail on a table that already exists): "
+                       f"run `{command}`")
     migrate.upgrade(url, revision, prefix=prefix)
     click.echo(f"outbox tables at {migrate.current(url, prefix=prefix)} ({_where(url)})")
 
@@ -74,7 +80,7 @@ def current(ctx: click.Context) -> None:
     """Print the current schema revision."""
     outbox = get_outbox(ctx)
     revision = migrate.current(outbox.sessions.url, prefix=outbox.settings.table_prefix)
-    click.echo(revision or f"empty ({UPGRADE_HINT})")
+    click.echo(revision or f"empty ({upgrade_hint()})")
 
 
 @db.command()
@@ -91,7 +97,7 @@ def check(ctx: click.Context) -> None:
                 f"the outbox tables exist but carry no library schema version "
                 f"({outbox.tables.version_table} is missing: your own migrations created them?): run "
                 "`outbox db upgrade` once; it keeps existing tables, records the version and adds the NOTIFY trigger")
-        raise click.ClickException(UPGRADE_HINT)  # one line, not a diff of every table
+        raise click.ClickException(upgrade_hint())  # one line, not a diff of every table
     problems = migrate.check(outbox.sessions.url, prefix=outbox.settings.table_prefix)
     for p in problems:
         click.echo(p, err=True)

@@ -40,7 +40,8 @@ def check(ctx: click.Context, no_broker: bool, timeout_ms: int, as_json: bool) -
         raise click.BadParameter("must be > 0", param_hint="--timeout")
     outbox = get_outbox(ctx)
     probe = None if no_broker else broker_probe(outbox.broker_url, timeout_s=timeout_ms / 1000, settings=outbox.settings)
-    result = health.readiness(outbox.sessions(), prefix=outbox.settings.table_prefix, broker=probe)
+    result = health.readiness(outbox.sessions(), prefix=outbox.settings.table_prefix, broker=probe,
+                              upgrade_command=outbox.schema_command)
     # On Postgres, once it answers: the role's grants, its timeouts and a pooler in between (ops/postgres_checks.py)
     findings = (postgres_checks.production_checks(outbox.sessions(), tables=outbox.tables, settings=outbox.settings)
                 if result.checks[0].ok else [])

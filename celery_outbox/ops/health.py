@@ -89,7 +89,8 @@ def head_revision() -> str | None:
     return migrate.head()
 
 
-def _database_and_schema(session_factory: sessionmaker[Session], prefix: str) -> tuple[Check, Check]:
+def _database_and_schema(session_factory: sessionmaker[Session], prefix: str,
+                         upgrade_command: str) -> tuple[Check, Check]:
     from alembic.runtime.migration import MigrationContext
 
     version_table = f"{check_prefix(prefix)}schema_version"  # Tables.version_table, without mapping the tables
@@ -110,10 +111,10 @@ def _database_and_schema(session_factory: sessionmaker[Session], prefix: str) ->
     head = head_revision()
     if revision is None:
         schema = Check(name="schema", ok=False, reason="not migrated",
-                       detail=f"no {version_table} revision: run 'outbox db upgrade'")
+                       detail=f"no {version_table} revision: run '{upgrade_command}'")
     elif revision != head:
         schema = Check(name="schema", ok=False, reason="not at head revision",
-                       detail=f"revision {revision}, this library needs {head}: run 'outbox db upgrade'")
+                       detail=f"revision {revision}, this library needs {head}: run '{upgrade_command}'")
     else:
         schema = Check(name="schema", ok=True, reason="ok", detail=f"revision {revision}")
     return database, schema
@@ -130,11 +131,12 @@ def _broker(probe: BrokerProbe) -> Check:
 
 
 def readiness(session_factory: sessionmaker[Session], *, prefix: str = DEFAULT_PREFIX,
-              broker: BrokerProbe | None = None) -> Readiness:
+              broker: BrokerProbe | None = None, upgrade_command: str = "outbox db upgrade") -> Readiness:
     """Database reachable (``SELECT 1``), schema of ``prefix`` at the library's head revision, and,
     when ``broker`` is given, the broker reachable. A dependency that fails is a failed check, never an
-    exception; read ``.ok`` and ``.failed``."""
-    checks = list(_database_and_schema(session_factory, prefix))
+    exception; read ``.ok`` and ``.failed``. A schema behind says to run ``upgrade_command``
+    (``Outbox.schema_command``: a Django project's ``python manage.py migrate``)."""
+    checks = list(_database_and_schema(session_factory, prefix, upgrade_command))
     if broker is not None:
         checks.append(_broker(broker))
     return Readiness(tuple(checks))

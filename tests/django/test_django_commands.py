@@ -11,6 +11,7 @@ import io
 import json
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from django.db import transaction
 from django.test import override_settings
 from kombu import Queue
 
-from celery_outbox import Event
+from celery_outbox import Event, migrate
 from celery_outbox.contrib.django import DjangoOutbox, publish, use
 from celery_outbox.contrib.django.management.commands.outbox import Command
 from celery_outbox.contrib.django.models import OutboxMessage
@@ -134,6 +135,64 @@ def test_check_and_prune_from_the_command_line(outbox: DjangoOutbox, capsys: pyt
     code, out, err = from_command_line("prune", "--published-older-than", "1d", "--json", capsys=capsys)
     assert code == 0, err
     assert json.loads(out)["outbox_deleted"] == 0
+
+
+@contextmanager
+def schema_version(revision: str | None) -> Iterator[None]:
+    """The test database's ``outbox_schema_version`` set to ``revision`` (None: no row) and committed, as a
+    database behind Django's migrations of the installed package would be; restored after."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT version_num FROM outbox_schema_version")
+        saved = [row[0] for row in cursor.fetchall()]
+        cursor.execute("DELETE FROM outbox_schema_version")
+        if revision is not None:
+            cursor.execute("INSERT INTO outbox_schema_version (version_num) VALUES (%s)", [revision])
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DELETE FROM outbox_schema_version")
+            for value in saved:
+                cursor.execute("INSERT INTO outbox_schema_version (version_num) VALUES (%s)", [value])
+
+
+def current_revision() -> list[str]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT version_num FROM outbox_schema_version")
+        return [row[0] for row in cursor.fetchall()]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_db_upgrade_refuses_tables_djangos_migrations_own(outbox: DjangoOutbox,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Given a project that installs celery_outbox.contrib.django, its database a revision behind the library's,
+    When the user runs `manage.py outbox db upgrade` (the Flask and plain-SQLAlchemy habit),
+    Then it is refused, exit 2 with one line naming `python manage.py migrate`, and Alembic changed nothing:
+    tables it made first would make Django's `migrate` fail on a table that already exists."""
+    previous = migrate.revisions()[-2]
+    with schema_version(previous):
+        code, out, err = from_command_line("--skip-checks", "db", "upgrade", capsys=capsys)
+        assert (code, out) == (2, ""), err
+        assert err.count("\n") == 1 and "run `python manage.py migrate`" in err, err
+        assert current_revision() == [previous]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_missing_schema_names_manage_py_migrate(outbox: DjangoOutbox, capsys: pytest.CaptureFixture[str]) -> None:
+    """Given a project that installs celery_outbox.contrib.django and a database with no schema revision,
+    When `manage.py outbox db current` and `check` say what to do,
+    Then they name `python manage.py migrate`, the command that makes this project's tables, not `outbox db upgrade`."""
+    with schema_version(None):
+        code, out, err = from_command_line("--skip-checks", "db", "current", capsys=capsys)
+        assert (code, out.strip()) == (0, "empty (the outbox tables are missing: run `python manage.py migrate`)"), err
+        code, out, err = from_command_line("--skip-checks", "check", "--no-broker", "--json", capsys=capsys)
+        assert code == 3, err
+        [schema] = [c for c in json.loads(out)["checks"] if c["name"] == "schema"]
+        assert schema["detail"] == "no outbox_schema_version revision: run 'python manage.py migrate'", schema
 
 
 def test_help_and_usage_errors_are_the_outbox_commands(capsys: pytest.CaptureFixture[str]) -> None:

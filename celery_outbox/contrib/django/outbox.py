@@ -163,6 +163,18 @@ class DjangoOutbox(Outbox):
         django_loaded()
         return super().known_consumers()
 
+    @property
+    def schema_command(self) -> str:
+        """``python manage.py migrate`` when the project installs the app ``celery_outbox.contrib.django``: its
+        migrations create and upgrade the tables, and tables ``outbox db upgrade`` made first would make
+        ``migrate`` fail on a table that already exists (docs/django.md). Else the library's own migrations."""
+        from django.apps import apps
+
+        django_loaded()
+        if apps.is_installed("celery_outbox.contrib.django"):
+            return "python manage.py migrate"
+        return super().schema_command
+
     def include(self, spec: ConsumerSpec) -> ConsumerSpec:
         """``Outbox.include``; a Django consumer declared without ``using=`` runs on this outbox's database.
         One naming another database is refused: its inbox row and effect would commit on one database and
