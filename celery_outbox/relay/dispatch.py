@@ -71,13 +71,22 @@ class ClaimedRow:
     headers: dict[str, Any]
     created_at_ms: int
     attempts: int
+    # why the stored row can never be published (``build_messages`` dead-letters it), None when it can
+    problem: str | None = None
 
     @classmethod
     def of(cls, columns: Sequence[Any]) -> ClaimedRow:
-        """The row from a claim's columns, in ``queries.CLAIM_COLUMNS`` order (both claims read them so)."""
+        """The row from a claim's columns, in ``queries.CLAIM_COLUMNS`` order (both claims read them so).
+
+        Headers that are no JSON object (a row another writer stored) are read as none, with the ``problem``
+        that dead-letters the row: raised here, they failed every batch holding the row, so nothing behind it
+        was published."""
         seq, message_id, type_, payload, headers, created_at_ms, attempts = columns
+        problem = None
+        if headers is not None and not isinstance(headers, Mapping):
+            headers, problem = None, f"headers must be a JSON object, got {type(headers).__name__}"
         return cls(seq=seq, message_id=message_id, type=type_, payload=payload, headers=dict(headers or {}),
-                   created_at_ms=created_at_ms, attempts=attempts)
+                   created_at_ms=created_at_ms, attempts=attempts, problem=problem)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -300,6 +309,9 @@ def build_messages(rows: Sequence[ClaimedRow], routes: Mapping[str, Sequence[str
     held = held or {}
     for i, row in enumerate(rows):
         if i in held:
+            continue
+        if row.problem is not None:
+            unpublishable[i] = f"unpublishable: {row.problem}"
             continue
         if is_task_row(row.headers):
             try:

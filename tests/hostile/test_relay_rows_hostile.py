@@ -1,0 +1,41 @@
+"""A stored outbox row whose headers are no JSON object (written by raw SQL, another writer, a repair script) is
+dead-lettered by the relay saying why, and the rows behind it are published, on SQLite and on Postgres (whose claim
+stamps the batch published before it is built). Before, reading its headers raised in every batch that claimed
+the row, each batch was rolled back, and the relay published nothing behind it, for ever."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from celery_outbox.clock import ManualClock
+from celery_outbox.schema import Tables
+from celery_outbox.testing.memory import InMemoryPublisher
+from tests.unit.test_relay_dispatch import run
+
+
+@pytest.mark.parametrize("headers", ["h", 5, [["a", "b"]], True])
+def test_a_row_whose_headers_are_no_object_is_dead_lettered_and_the_rows_behind_it_go_out(
+        any_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables, headers: Any) -> None:
+    # Given a pending row whose headers are a JSON string, number, array or boolean, ahead of a good row
+    bad, good = uuid.uuid4(), uuid.uuid4()
+    with any_sessions() as s:
+        for mid, h in ((bad, headers), (good, {"correlation_id": "c-1"})):
+            s.execute(sa.insert(tables.table(tables.outbox)).values(
+                message_id=mid, type="OrderPlaced", payload={"order_id": "o-1"}, headers=h,
+                created_at_ms=clock.now_ms(), next_attempt_at_ms=clock.now_ms(), attempts=0))
+        s.commit()
+    publisher = InMemoryPublisher()
+    # When the relay runs a batch
+    result = run(any_sessions, publisher, clock, tables)
+    # Then the bad row is dead-lettered saying why, and the good one is published to every consumer
+    assert (result.published, result.dead_lettered) == (1, 1), result
+    assert {m.headers["outbox_message_id"] for m in publisher.published} == {str(good)}
+    with any_sessions() as s:
+        row = s.execute(sa.select(tables.outbox).where(tables.outbox.message_id == bad)).scalar_one()
+    assert row.dead_lettered_at_ms is not None and row.published_at_ms is None
+    assert "headers must be a JSON object" in str(row.last_error)
