@@ -11,7 +11,7 @@ replayed and committed (``ReplayProgress``), so the CLI can render a bar without
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,7 +73,7 @@ class DeadLetter:
     dead_lettered_at_ms: int
     first_failed_at_ms: int
     payload: Any  # decoded JSON where possible, else the raw text
-    headers: dict[str, Any] = field(default_factory=dict)
+    headers: Any = field(default_factory=dict)  # a JSON object, or what another writer stored instead
     replayed_at_ms: int | None = None
     task_id: str | None = None  # the dead-lettered delivery's Celery task id (its page in Flower); a replay reuses it
 
@@ -122,13 +122,21 @@ class ReplayProgress:
 ReplayCallback = Callable[[ReplayProgress], None]
 
 
+def _stored_headers(value: Any) -> Any:
+    """The row's headers as stored: a JSON object as a dict; anything else (a row another writer stored, which the
+    relay dead-letters for it) shown as it is, so one such row never makes the list unreadable."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    return {} if value is None else value
+
+
 def _from_outbox(row: OutboxRow) -> DeadLetter:
     assert row.dead_lettered_at_ms is not None
     return DeadLetter(
         id=DeadLetterId(source="outbox", row_id=row.seq), consumer=None, message_id=str(row.message_id),
         type=row.type, error=mask_secrets(row.last_error or ""), attempts=row.attempts,
         dead_lettered_at_ms=row.dead_lettered_at_ms, first_failed_at_ms=row.created_at_ms,
-        payload=row.payload, headers=dict(row.headers or {}),
+        payload=row.payload, headers=_stored_headers(row.headers),
     )
 
 
@@ -150,7 +158,7 @@ def _from_consumer(row: DeadLetterRow) -> DeadLetter:
         id=DeadLetterId(source="consumer", row_id=row.id), consumer=row.consumer, message_id=row.message_id,
         type=row.type, error=mask_secrets(row.last_error), attempts=row.delivery_count,
         dead_lettered_at_ms=row.last_failed_at_ms, first_failed_at_ms=row.first_failed_at_ms,
-        payload=_decode_body(row.body), headers=dict(row.headers or {}), replayed_at_ms=row.replayed_at_ms,
+        payload=_decode_body(row.body), headers=_stored_headers(row.headers), replayed_at_ms=row.replayed_at_ms,
         task_id=row.task_id,
     )
 

@@ -1,7 +1,8 @@
 """A stored outbox row whose headers are no JSON object (written by raw SQL, another writer, a repair script) is
 dead-lettered by the relay saying why, and the rows behind it are published, on SQLite and on Postgres (whose claim
 stamps the batch published before it is built). Before, reading its headers raised in every batch that claimed
-the row, each batch was rolled back, and the relay published nothing behind it, for ever."""
+the row, each batch was rolled back, and the relay published nothing behind it, for ever; and once
+dead-lettered, the row made every list of dead letters (CLI, admin pages) fail."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from celery_outbox.clock import ManualClock
+from celery_outbox.ops import dead_letters
 from celery_outbox.schema import Tables
 from celery_outbox.testing.memory import InMemoryPublisher
 from tests.unit.test_relay_dispatch import run
@@ -39,3 +41,7 @@ def test_a_row_whose_headers_are_no_object_is_dead_lettered_and_the_rows_behind_
         row = s.execute(sa.select(tables.outbox).where(tables.outbox.message_id == bad)).scalar_one()
     assert row.dead_lettered_at_ms is not None and row.published_at_ms is None
     assert "headers must be a JSON object" in str(row.last_error)
+    # And the dead letters stay readable (the CLI's and the admin pages' list), showing the headers as stored
+    with any_sessions() as s:
+        (shown,) = dead_letters.list_dead_letters(s, tables=tables)
+        assert dead_letters.get(s, shown.id, tables=tables).headers == headers == shown.to_dict(now_ms=0)["headers"]
