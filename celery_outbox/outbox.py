@@ -63,7 +63,7 @@ from celery_outbox.policy import RetryPolicy
 from celery_outbox.relay.loop import RelayLoop
 from celery_outbox.schema import OutboxRow, Tables, define_tables
 from celery_outbox.settings import Settings, broker_relation_problems
-from celery_outbox.writer import Event, add
+from celery_outbox.writer import Event, add, require_event
 
 Ambient = Callable[["Outbox"], "task_capture.Writer | None"]
 """A framework's open transaction as a task writer for an outbox (None: no such transaction here)."""
@@ -211,6 +211,7 @@ class Outbox:
         """Stage ``event`` in ``session``'s transaction (a ``Session`` or a ``scoped_session`` such as
         Flask-SQLAlchemy's ``db.session``); it commits or rolls back with your data."""
         self.require_settings()
+        event = require_event(event)
         return add(resolve_session(session, verb="publish"), event, tables=self.tables, clock=self.clock,
                    max_message_bytes=self.settings.max_message_bytes, known_types=self._checked_routes(event.type))
 

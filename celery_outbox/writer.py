@@ -64,6 +64,7 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
     the consumers accept (measured exactly as the relay and the consumers measure it), or (when
     ``known_types`` is given) a type that no consumer is routed for.
     """
+    require_event(event)
     if not isinstance(event.type, str) or not event.type.strip():
         raise ValidationError("event type must be a non-empty string")
     if len(event.type) > TYPE_MAX_CHARS or not event.type.isprintable() or not is_storable(event.type):
@@ -103,6 +104,14 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
         "next_attempt_at_ms": now,
         "attempts": 0,
     }
+
+
+def require_event(event: object, *, verb: str = "publish") -> Event:
+    """``event`` itself when it is an ``Event``; anything else (a dict, None) is a ``TypeError`` naming the verb,
+    as a session of the wrong type is (``db.resolve_session``), not an ``AttributeError`` from inside."""
+    if not isinstance(event, Event):
+        raise TypeError(f"outbox.{verb}() needs an Event(type, payload), got {type(event).__name__}")
+    return event
 
 
 def _message_id(value: Any) -> uuid.UUID:

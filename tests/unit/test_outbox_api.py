@@ -61,6 +61,22 @@ def test_an_event_type_nobody_consumes_is_refused_at_publish(engine: sa.Engine) 
         outbox.publish(s, Event("Nobody", {}))
 
 
+@pytest.mark.parametrize("event", [{"type": "OrderPlaced", "payload": {}}, None, "OrderPlaced", ("OrderPlaced", {})])
+def test_publishing_what_is_no_event_is_a_type_error_naming_the_verb(engine: sa.Engine, event: object) -> None:
+    # Given an outbox with a consumer of OrderPlaced
+    outbox = make(engine)
+
+    @outbox.consumer("OrderPlaced", name="ledger")
+    def ledger(session: Session, envelope: Envelope) -> None:
+        """Records nothing."""
+
+    # When something that is no Event is published; Then a TypeError says what publish needs, and nothing is written
+    with Session(engine) as s:
+        with pytest.raises(TypeError, match=r"outbox\.publish\(\) needs an Event\(type, payload\), got "):
+            outbox.publish(s, event)  # type: ignore[arg-type]
+        assert not s.new
+
+
 def test_a_settings_route_to_an_unknown_consumer_fails_at_start_up(engine: sa.Engine) -> None:
     outbox = make(engine, routes={"OrderPlaced": ("ghost",)})
     with pytest.raises(ConfigError, match=r"'ghost'.*outbox\.route"):
