@@ -96,7 +96,8 @@ def check(ctx: click.Context) -> None:
             raise click.ClickException(
                 f"the outbox tables exist but carry no library schema version "
                 f"({outbox.tables.version_table} is missing: your own migrations created them?): run "
-                "`outbox db upgrade` once; it keeps existing tables, records the version and adds the NOTIFY trigger")
+                "`outbox db upgrade` once; it keeps existing tables, records the version and adds its triggers "
+                "(the relay's NOTIFY, the parked marker)")
         raise click.ClickException(upgrade_hint())  # one line, not a diff of every table
     problems = migrate.check(outbox.sessions.url, prefix=outbox.settings.table_prefix)
     for p in problems:
