@@ -39,6 +39,7 @@ from celery_outbox.celery import (
     registry_step,
     relay_tasks,
     tracing_hook,
+    warmup,
 )
 from celery_outbox.celery import enqueue as task_capture
 from celery_outbox.celery.config import (
@@ -104,6 +105,7 @@ class Outbox:
         app.steps["worker"].add(self._boot_check_step())
         app.steps["worker"].add(receipts.receipt_step(self))  # plain outbox tasks' receipts (reconciler)
         app.steps["worker"].add(registry_step.registry_step(self))  # the worker registry (deploy hold)
+        app.steps["worker"].add(warmup.warmup_step(self))  # contexts and a connection before the first message
 
     # -- schema ----------------------------------------------------------------------------------
     def define_tables(self, metadata: sa.MetaData) -> Tables:

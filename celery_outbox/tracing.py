@@ -118,6 +118,11 @@ _API: _Api | None = None
 _LOADED = False
 
 
+def preload() -> None:
+    """Import the OpenTelemetry API now (if installed) rather than at the first message or publish."""
+    _api()
+
+
 def _api() -> _Api | None:
     """The API, or None when ``opentelemetry`` is not installed (or cannot be imported)."""
     global _API, _LOADED

@@ -87,13 +87,17 @@ class BatchRunner:
         self.ctx, self.spec, self.policy = ctx, spec, policy
         self._context: DeliveryContext | None = None
 
-    def __call__(self, items: Sequence[BatchItem]) -> list[Delivery]:
-        ctx = self.ctx
-        if self._context is None:  # built at the first batch, in the pool process (the tables may be defined late)
+    def context(self) -> DeliveryContext:
+        """Built at the first batch (the tables may be defined late), or as the worker starts (celery/warmup.py)."""
+        if self._context is None:
+            ctx = self.ctx
             self._context = DeliveryContext.build(self.spec, tables=ctx.tables, settings=ctx.settings, clock=ctx.clock,
                                                   crash_points=ctx.crash_points, policy=self.policy)
+        return self._context
+
+    def __call__(self, items: Sequence[BatchItem]) -> list[Delivery]:
         # the worker's strategy gated every message (size, depth) before it entered the buffer
-        return deliver_batch_with(self._context, ctx.sessions(), items, gated=True)
+        return deliver_batch_with(self.context(), self.ctx.sessions(), items, gated=True)
 
 
 def run_batch(task_name: str, items: list[BatchItem], retries: list[int]) -> list[Settled]:

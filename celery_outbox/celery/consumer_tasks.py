@@ -144,6 +144,7 @@ def define(app: Celery, ctx: Context, spec: ConsumerSpec) -> Any:
         outbox_max_eta_s=float(policy.max_s) + 60.0,
         outbox_batch_size=spec.batch_size, outbox_batch_wait_ms=spec.batch_wait_ms,
         outbox_batch_runner=batch_tasks.BatchRunner(ctx, spec, policy) if spec.batch_size is not None else None,
+        outbox_context=staticmethod(context),  # built ahead of the first message by celery/warmup.py
     )
     def run(self: Any, body: Any) -> str:
         parsed = parse_body(body, max_depth=max_depth)

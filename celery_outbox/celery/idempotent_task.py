@@ -185,6 +185,7 @@ def define(app: Celery, ctx: Context, fn: TaskFunction, *, name: str, policy: Re
     task = app.task(
         name=name, bind=True, acks_late=True, reject_on_worker_lost=True, acks_on_timeout=False, max_retries=None,
         time_limit=hard_limit, soft_time_limit=soft_limit, shared=False, lazy=False,  # registered now: one per name
-        outbox_task_key=key, outbox_policy=policy, outbox_function=fn, **options,
+        outbox_task_key=key, outbox_policy=policy, outbox_function=fn, outbox_context=staticmethod(context),
+        **options,
     )(run)
     return task
