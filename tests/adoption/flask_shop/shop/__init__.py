@@ -1,0 +1,1 @@
+# empty: shop is a package (Flask("shop") finds its root path from it)
