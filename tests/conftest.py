@@ -26,7 +26,7 @@ from tests.services import require_service
 
 # The reference deployment names its Outbox like any user does (docker-compose.yml, Makefile): the tests that run
 # a bare `outbox` (CliRunner or a process inheriting this environment) run it on relay.app. Tests of how the
-# command finds an app when none is named remove it (tests/unit/test_cli_app.py, tests/packaging/).
+# command finds an app when none is named remove it (tests/unit/test_cli_app.py, tests/package/).
 os.environ.setdefault("OUTBOX_APP", "relay.app")
 
 PG_ADMIN_URL = os.environ.get("OUTBOX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
