@@ -197,6 +197,8 @@ def cli_errors() -> Iterator[None]:
         yield
     except (click.ClickException, click.exceptions.Exit, click.Abort):
         raise
+    except BrokenPipeError:  # the reader of stdout went away (`| head -1`): click exits 1 quietly, as for any command
+        raise
     except ConfigError as e:
         raise BadInput(f"bad configuration: {one_line(str(e))}") from None
     except DatabaseError as e:  # the core's wrapped driver error: its message, plus what to do

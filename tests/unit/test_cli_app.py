@@ -338,3 +338,21 @@ def test_an_app_that_is_not_module_attr_is_refused_by_its_form(spec: str) -> Non
         load_outbox(spec)
     message = mask_secrets(str(raised.value))  # as the CLI shows it (cli.common.one_line)
     assert message.endswith("is not MODULE[:ATTR]") and "pw-app-77" not in message, message
+
+
+@pytest.mark.parametrize("args", [["db", "check"], ["db", "current"]])
+def test_a_reader_that_stops_reading_is_no_error_of_ours(tmp_path: Path, args: list[str]) -> None:
+    """Given a user's migrated app, When a command's stdout is a pipe nobody reads any more (`outbox db check |
+    head -1` once head has its line), Then it exits as every click command does there, 1 and quiet: not an
+    'unexpected BrokenPipeError' line asking for OUTBOX_TRACEBACK."""
+    write_app(tmp_path, "pipe_outbox")
+    env = user_env(OUTBOX_APP="pipe_outbox")
+    assert outbox("db", "upgrade", cwd=tmp_path, env=env).returncode == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the command writes anything
+    try:
+        r = subprocess.run([OUTBOX, *args], cwd=tmp_path, env=env, stdout=write_end, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stderr) == (1, "")
