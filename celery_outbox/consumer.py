@@ -18,7 +18,7 @@ from celery_outbox.inbox import handle as inbox
 from celery_outbox.inbox.batch import MAX_BATCH_SIZE, BatchHandler, handle_batch
 from celery_outbox.inbox.claim import CrashSite, Handler, Prepare
 from celery_outbox.inbox.outcome import Outcome
-from celery_outbox.messages import Envelope
+from celery_outbox.messages import TYPE_MAX_CHARS, Envelope
 from celery_outbox.names import check_name
 from celery_outbox.policy import RetryPolicy
 from celery_outbox.schema import Tables
@@ -115,6 +115,29 @@ def check_batch(name: str, *, batch_size: int | None, batch_wait_ms: int | None,
     return batch_size, wait
 
 
+def _event_types(name: str, event: Any) -> frozenset[str]:
+    """The event types a consumer declares: each one an event the writer accepts (non-empty printable text of at
+    most ``TYPE_MAX_CHARS`` characters), else a ``ConfigError``: a consumer of a type no event can have would wait
+    for ever without a word."""
+    try:
+        events: frozenset[Any] = frozenset([event] if isinstance(event, str) else event)
+    except TypeError:  # not iterable (5, None), or holding unhashable items (a list of lists)
+        events = frozenset()
+    if not events or not all(isinstance(e, str) and e.strip() for e in events):
+        raise ConfigError(f"consumer {name!r} needs at least one non-empty event type (text, or a list of them), "
+                          f"got {type(event).__name__}")
+    for e in events:
+        check_event_type(e, owner=f"consumer {name!r}")
+    return events
+
+
+def check_event_type(event_type: str, *, owner: str) -> None:
+    """An event type some event can have (the writer's rule): at most ``TYPE_MAX_CHARS`` printable characters."""
+    if len(event_type) > TYPE_MAX_CHARS or not event_type.isprintable():
+        raise ConfigError(f"{owner}: event type {repr(event_type)[:60]} must be at most {TYPE_MAX_CHARS} printable "
+                          "characters (what an event's type can be)")
+
+
 def consumer(*, name: str, event: str | Iterable[str], ordering: bool = False, fast_path: bool = True,
              prepare: Prepare | None = None, max_retries: int | None = None, retry_backoff: bool | float = True,
              retry_backoff_max: float | None = None, retry_jitter: bool = False, batch_size: int | None = None,
@@ -130,9 +153,7 @@ def consumer(*, name: str, event: str | Iterable[str], ordering: bool = False, f
     duplicate; see inbox/handle.py).
     """
     check_name(name)
-    events = frozenset([event] if isinstance(event, str) else event)
-    if not events or not all(isinstance(e, str) and e.strip() for e in events):
-        raise ConfigError(f"consumer {name!r} needs at least one non-empty event type")
+    events = _event_types(name, event)
     policy = RetryPolicy(max_retries=max_retries, retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
                          retry_jitter=retry_jitter)
     if ordering and prepare is not None:

@@ -52,7 +52,7 @@ from celery_outbox.celery.config import (
 )
 from celery_outbox.clock import Clock, SystemClock
 from celery_outbox.config.declare import broker_kind
-from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, consumer
+from celery_outbox.consumer import ConsumerRegistry, ConsumerSpec, check_event_type, consumer
 from celery_outbox.crashpoints import CrashPoints
 from celery_outbox.db import SessionSource, resolve_session
 from celery_outbox.errors import ConfigError, UnknownEventTypeError, ValidationError
@@ -155,6 +155,7 @@ class Outbox:
         """Route ``event_type`` to consumers that live in another service (declared there)."""
         if not isinstance(event_type, str) or not event_type.strip():
             raise ConfigError("route() needs a non-empty event type")
+        check_event_type(event_type, owner="route()")
         if not consumers:
             raise ConfigError(f"route({event_type!r}) names no consumer")
         names = self._remote.setdefault(event_type, [])

@@ -77,6 +77,25 @@ def test_publishing_what_is_no_event_is_a_type_error_naming_the_verb(engine: sa.
         assert not s.new
 
 
+@pytest.mark.parametrize(("event", "said"), [(5, "needs at least one non-empty event type"),
+                                             (None, "needs at least one non-empty event type"),
+                                             ([["a"]], "needs at least one non-empty event type"),
+                                             ("Order\x00Placed", "at most 200 printable characters"),
+                                             ("x" * 201, "at most 200 printable characters"),
+                                             (["OrderPlaced", "Order\nShipped"], "at most 200 printable characters")])
+def test_a_consumer_of_an_event_type_no_event_can_have_is_a_config_error(engine: sa.Engine, event: object,
+                                                                         said: str) -> None:
+    # Given event types no event can have (the writer refuses them) or that are no event type at all
+    outbox = make(engine)
+    # When a consumer declares them; Then one ConfigError line says so (was a TypeError, or accepted in silence)
+    with pytest.raises(ConfigError, match=said) as e:
+        outbox.consumer(event, name="ledger")  # type: ignore[arg-type]
+    assert "\n" not in str(e.value)
+    # And route() judges an event type the same way
+    with pytest.raises(ConfigError, match="at most 200 printable characters"):
+        outbox.route("Order\x00Placed", "billing")
+
+
 def test_a_settings_route_to_an_unknown_consumer_fails_at_start_up(engine: sa.Engine) -> None:
     outbox = make(engine, routes={"OrderPlaced": ("ghost",)})
     with pytest.raises(ConfigError, match=r"'ghost'.*outbox\.route"):
