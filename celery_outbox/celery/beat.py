@@ -26,7 +26,10 @@ from typing import Any
 from celery.schedules import crontab
 from celery.schedules import schedule as interval
 
-from celery_outbox.errors import ConfigError
+from celery_outbox.errors import ConfigError, OutboxError
+from celery_outbox.messages import TYPE_MAX_CHARS, encode_json
+from celery_outbox.task_route import TEXT_PROPERTIES, check_properties
+from celery_outbox.task_rules import _check_storable
 
 BEAT_HEADER = "outbox_beat"
 BEAT_EVERY_HEADER = "outbox_beat_every_ms"
@@ -71,7 +74,29 @@ def entry(name: str, task: str, schedule: Any, *, args: Any = (), kwargs: Mappin
     if not isinstance(name, str) or not name or len(name) > 150 or not name.isprintable():
         raise ConfigError(f"a periodic task's name must be 1-150 printable characters, got {name!r}")
     opts = dict(options or {})
+    _check_call(name, task, args, kwargs, opts)
     headers = dict(opts.pop("headers", None) or {})
     headers.update({BEAT_HEADER: name, BEAT_EVERY_HEADER: every_ms(schedule)})
     return {"task": task, "schedule": schedule, "args": tuple(args), "kwargs": dict(kwargs or {}),
             "options": {**opts, "headers": headers}}
+
+
+def _check_call(name: str, task: Any, args: Any, kwargs: Any, options: Mapping[str, Any]) -> None:
+    """What every tick would send, judged once here: a task name, JSON arguments every database stores, and
+    message properties every broker takes (``task_route``). Found only at a tick, each tick would fail in beat's
+    log, period after period, and the task never run."""
+    where = f"periodic task {name!r}"
+    if not isinstance(task, str) or not task or len(task) > TYPE_MAX_CHARS or not task.isprintable():
+        raise ConfigError(f"{where}: the task must be a task name (1-{TYPE_MAX_CHARS} printable characters), "
+                          f"got {repr(task)[:60]}")
+    if isinstance(args, (str, bytes, Mapping)) or not isinstance(args, (list, tuple)):
+        raise ConfigError(f"{where}: args must be a list or tuple, got {type(args).__name__}")
+    if kwargs is not None and (not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs)):
+        raise ConfigError(f"{where}: kwargs must be a mapping with text keys, got {type(kwargs).__name__}")
+    try:
+        encode_json([list(args), dict(kwargs or {})], what="arguments (JSON only)")
+        _check_storable([list(args), dict(kwargs or {})], what="arguments")
+        check_properties({k: options[k] for k in ("priority", "timestamp", "expiration", *TEXT_PROPERTIES)
+                          if options.get(k) is not None})
+    except OutboxError as e:
+        raise ConfigError(f"{where}: {e}") from None

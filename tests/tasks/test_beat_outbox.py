@@ -88,3 +88,28 @@ def test_bad_schedules_and_names_are_refused(schedule: Any) -> None:
         beat.entry("e", "t", schedule)
     with pytest.raises(ConfigError, match="name"):
         beat.entry("", "t", 10)
+
+
+@pytest.mark.parametrize(("call", "said"), [
+    ({"args": (object(),)}, "cannot be encoded as JSON"),
+    ({"args": (float("nan"),)}, "cannot be encoded as JSON"),
+    ({"args": (b"raw",)}, "cannot be encoded as JSON"),
+    ({"kwargs": {"to": "ops\x00@example.com"}}, "NUL character"),
+    ({"kwargs": {1: "a"}}, "kwargs must be a mapping with text keys"),
+    ({"args": 5}, "args must be a list or tuple"),
+    ({"args": "ops@example.com"}, "args must be a list or tuple"),
+    ({"task": 5}, "the task must be a task name"),
+    ({"task": ""}, "the task must be a task name"),
+    ({"priority": "high"}, "priority must be an integer"),
+])
+def test_a_periodic_task_no_tick_could_send_is_refused_when_declared(tasks: TaskApp, call: dict[str, Any],
+                                                                     said: str) -> None:
+    # Given a periodic task whose every tick would be refused (arguments no JSON or no column takes, no task
+    # name, a property no broker encodes): found only at a tick, beat logged it each period and never ran it
+    call = dict(call)
+    task = call.pop("task", "enq.mail")
+    # When it is declared; Then one ConfigError line names the entry and what is wrong, and no entry is added
+    with pytest.raises(ConfigError, match=said) as e:
+        tasks.outbox.periodic("bad-entry", task, EVERY_S, **call)
+    assert "periodic task 'bad-entry'" in str(e.value) and "\n" not in str(e.value)
+    assert "bad-entry" not in tasks.app.conf.beat_schedule
