@@ -7,9 +7,20 @@ import logging
 
 import click
 
+from celery_outbox import migrate
 from celery_outbox.celery import relay_tasks
-from celery_outbox.cli.common import AsciiInt, AsciiSeconds, BadInput, get_outbox, handle_errors, one_line, shown
+from celery_outbox.cli.common import (
+    AsciiInt,
+    AsciiSeconds,
+    BadInput,
+    get_outbox,
+    handle_errors,
+    one_line,
+    shown,
+    upgrade_hint,
+)
 from celery_outbox.errors import ConfigError
+from celery_outbox.outbox import Outbox
 from celery_outbox.settings import Settings
 
 # The setting each option stands for: its value is judged by that setting's own rule (celery_outbox/settings.py).
@@ -28,6 +39,19 @@ def with_options(settings: Settings, changes: dict[str, object], given: tuple[st
         return dataclasses.replace(settings, **changes)  # type: ignore[arg-type]
     except ConfigError as e:
         raise BadInput(f"{', '.join(FLAGS[n] for n in given)} with the settings: {one_line(str(e))}") from None
+
+
+def require_tables(outbox: Outbox) -> None:
+    """A database that answers but has no outbox tables is a setup step not done: one line naming the command that
+    makes them, exit 1, instead of a relay logging a traceback at every poll until someone reads it. A database
+    that does not answer is left to the loop, which waits for it and goes on (a blip must not stop a relay)."""
+    url, prefix = outbox.sessions.url, outbox.settings.table_prefix
+    try:
+        missing = migrate.current(url, prefix=prefix) is None and not migrate.tables_present(url, prefix=prefix)
+    except Exception:
+        return
+    if missing:
+        raise click.ClickException(upgrade_hint())
 
 
 @click.command("relay")
@@ -64,6 +88,7 @@ def relay(ctx: click.Context, once: bool, batch_size: int | None, max_in_flight:
                                                ("relay_poll_interval_s", poll_interval), ("relay_confirm_mode", confirm_mode))
                       if value is not None)
         outbox.settings = with_options(outbox.settings, changes, given)
+    require_tables(outbox)  # before the log handler: alembic's INFO lines are no relay log
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop = outbox.relay_loop(listen=not no_listen)

@@ -356,3 +356,17 @@ def test_a_reader_that_stops_reading_is_no_error_of_ours(tmp_path: Path, args: l
     finally:
         os.close(write_end)
     assert (r.returncode, r.stderr) == (1, "")
+
+
+def test_a_relay_on_a_database_without_the_outbox_tables_says_what_to_run(tmp_path: Path) -> None:
+    """Given a user's app whose database has no outbox tables yet (`outbox db upgrade` not run),
+    When the standalone relay starts, Then it exits 1 with one line naming `outbox db upgrade`: it looped,
+    logging a traceback of the missing table at every poll and never saying what to do."""
+    write_app(tmp_path, "bare_outbox")
+    try:
+        r = subprocess.run([OUTBOX, "relay", "--no-listen", "--poll-interval", "0.05"], cwd=tmp_path,
+                           env=user_env(OUTBOX_APP="bare_outbox"), capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the relay kept running on a database without its tables: {e.stderr!r:.2000}") from None
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines() == ["Error: the outbox tables are missing: run `outbox db upgrade`"], r.stderr
