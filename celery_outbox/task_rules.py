@@ -299,7 +299,7 @@ _EXACT = _SCALARS | {str, dict, list, tuple}  # exact JSON types: never a subcla
 
 
 def _check_storable(value: Any, *, what: str) -> None:
-    """No NUL, no lone surrogate in any string or key (iterative; depth is bounded by the caller).
+    """No NUL, no lone surrogate in any string or key, and every key text (iterative; depth is bounded by the caller).
 
     The exact JSON types are dispatched on ``type()`` first: both doors run this on every message, and
     ``isinstance(x, Mapping)`` (an ABC check) on every scalar was half its cost. Subclasses take the
@@ -316,7 +316,14 @@ def _check_storable(value: Any, *, what: str) -> None:
         elif kind in _SCALARS:
             continue
         elif kind is dict or (kind not in _EXACT and isinstance(item, Mapping)):
-            extend(item.keys())
+            for key in item:
+                if type(key) is not str and not isinstance(key, str):
+                    # JSON writes the key as text: {1: "a"} would arrive as {"1": "a"}, and {1: .., "1": ..} as one
+                    raise Bad(f"{what} hold an object key that is not text ({type(key).__name__} "
+                              f"{storable_text(repr(key), limit=40)}): JSON would change it")
+                if not is_storable(key):
+                    raise Bad(f"{what} hold a NUL character or a lone surrogate, which no database column stores: "
+                              f"{storable_text(key, limit=60)!r}")
             extend(item.values())
         elif kind is list or kind is tuple or (kind not in _EXACT and isinstance(item, (list, tuple))):
             extend(item)

@@ -58,3 +58,15 @@ def test_storable_subclasses_pass() -> None:
     value = [Text("a"), OrderedDict([("k", "v")]), UserDict({"k": 1}), Pair("x", [1.5, None, False])]
     call = check_call(headers(custom=value), [value, {}, None], rules=RULES)
     assert call.task_id == TID
+
+
+@pytest.mark.parametrize("value", [{1: "a"}, {1: "a", "1": "b"}, {None: 1}, {1.5: 1}, {True: 1}, [{"ok": {(1, 2): 1}}],
+                                   OrderedDict([(2, "x")])])
+def test_an_object_key_that_is_not_text_is_refused_not_rewritten(value: Any) -> None:
+    # Given an argument or header holding an object key JSON would write as text ({1: "a"} arrives as {"1": "a"};
+    # {1: "a", "1": "b"} as one of the two)
+    # When the rule table checks the call; Then it is refused, saying so, instead of arriving changed
+    with pytest.raises(MalformedMessageError, match="object key that is not text"):
+        check_call(headers(), [[value], {}, None], rules=RULES)
+    with pytest.raises(MalformedMessageError, match="object key that is not text"):
+        check_call(headers(custom=value), [[1], {}, None], rules=RULES)
