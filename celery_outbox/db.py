@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import socket
 import threading
 import time
@@ -262,6 +263,23 @@ def is_unique_violation(error: BaseException) -> bool:
         current = orig if isinstance(orig, BaseException) else current.__cause__
     text = str(getattr(error, "orig", None) or error.__cause__ or error)
     return "UNIQUE constraint failed" in text
+
+
+_MISSING_TABLE = re.compile(r'no such table|relation "[^"]*" does not exist|undefinedtable', re.IGNORECASE)
+
+
+def is_missing_table(error: BaseException) -> bool:
+    """True when ``error`` (or the driver error it wraps) says a table does not exist: Postgres's UndefinedTable,
+    SQLite's "no such table". A database that answers without the outbox tables: the migrations were not run."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _MISSING_TABLE.search(f"{type(current).__name__} {current}"):
+            return True
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    return False
 
 
 @contextmanager

@@ -18,6 +18,7 @@ from typing import Any
 from celery import bootsteps
 
 from celery_outbox import workers
+from celery_outbox.db import is_missing_table
 from celery_outbox.runtime import Context
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,26 @@ def consumed_queues(app: Any) -> list[str]:
     return sorted(str(name) for name in chosen)
 
 
+def why(error: Exception, outbox: Any) -> str:
+    """``error`` in one line for the worker's log (a driver's message goes on with the SQL it ran); a table that
+    does not exist names the command that makes the outbox tables (``Outbox.schema_command``)."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    if is_missing_table(error):
+        try:
+            command = str(outbox.schema_command)
+        except Exception:  # the hint must never hide the error it explains
+            command = "outbox db upgrade"
+        text += f" (the outbox tables are missing: run `{command}`)"
+    return text
+
+
 class Heartbeat:
     """Registers one worker, refreshes its row on a daemon thread, and unregisters it at ``stop``."""
 
     def __init__(self, outbox: Any, *, hostname: str) -> None:
         self.ctx: Context = outbox
+        self.outbox = outbox
         self.app = outbox.app
         self.worker = uuid.uuid4()  # one row per worker start: a restart never revives a stale row
         self.name = hostname
@@ -75,7 +91,7 @@ class Heartbeat:
                 self._register()
         except Exception as e:
             log.warning("worker registry: could not refresh %s %s (the relay stops holding tasks for it after 3 "
-                        "missed heartbeats): %s: %s", self.name, self.worker, type(e).__name__, e)
+                        "missed heartbeats): %s", self.name, self.worker, why(e, self.outbox))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -94,8 +110,8 @@ class Heartbeat:
             with self.ctx.sessions()() as session:
                 workers.unregister(session, worker=self.worker, tables=self.ctx.tables)
         except Exception as e:
-            log.warning("worker registry: could not unregister %s (it expires after 3 heartbeats): %s: %s",
-                        self.worker, type(e).__name__, e)
+            log.warning("worker registry: could not unregister %s (it expires after 3 heartbeats): %s",
+                        self.worker, why(e, self.outbox))
 
 
 def registry_step(outbox: Any) -> type[bootsteps.StartStopStep]:

@@ -8,6 +8,7 @@ the outbox's ``ManualClock``; the registry is written with the functions the wor
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -192,3 +193,27 @@ def test_the_worker_heartbeat_registers_refreshes_prunes_and_unregisters(tasks: 
         beat.stop()
     # Then a warm stop leaves no row
     assert rows() == []
+
+
+def test_a_worker_without_the_registry_table_says_in_one_line_what_to_run(tasks: TaskApp, tables: Tables,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Given a worker whose database has no registry table (the migrations not run), When it beats,
+    Then its warning is one line that names `outbox db upgrade`: it carried the driver's SQL over several lines
+    every heartbeat and never said what to do."""
+    from celery_outbox.celery.registry_step import Heartbeat
+
+    table = tables.table(tables.workers).name
+    engine = tasks.sessions.kw["bind"]
+    with engine.begin() as c:
+        c.exec_driver_sql(f"ALTER TABLE {table} RENAME TO {table}_away")
+    try:
+        beat = Heartbeat(tasks.outbox, hostname="celery@new")
+        with caplog.at_level(logging.WARNING, logger="celery_outbox.celery.registry_step"):
+            beat.beat()
+        [record] = [r for r in caplog.records if r.name == "celery_outbox.celery.registry_step"]
+        message = record.getMessage()
+        assert "\n" not in message, message
+        assert message.endswith("(the outbox tables are missing: run `outbox db upgrade`)"), message
+    finally:
+        with engine.begin() as c:
+            c.exec_driver_sql(f"ALTER TABLE {table}_away RENAME TO {table}")
