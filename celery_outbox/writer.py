@@ -81,6 +81,7 @@ def outbox_values(event: Event, *, clock: Clock | None = None, max_message_bytes
             f"no consumer is routed for event type {event.type!r}; add it to OUTBOX_ROUTES"
         )
     _check_entity(event)
+    _check_ids(event)
     headers = event.headers()
     _check_storable(event.payload, what=f"{event.type} event payload")
     _check_storable(headers, what=f"{event.type} event headers")
@@ -136,6 +137,22 @@ def _check_entity(event: Event) -> None:
     off for the event without a word."""
     if (problem := entity_problem(event.entity_key, event.entity_version)) is not None:
         raise ValidationError(problem)
+
+
+# ``outbox trace`` finds a message by its correlation id: printable text of at most this many characters
+ID_MAX_CHARS = 200
+
+
+def _check_ids(event: Event) -> None:
+    """``correlation_id`` and ``causation_id``: text a person can trace by (``outbox trace``, the admin pages), or
+    None. Another type was written as it was (an int, a list, an object), and a longer or unprintable id could
+    never be traced."""
+    for name in ("correlation_id", "causation_id"):
+        value = getattr(event, name)
+        if value is not None and (not isinstance(value, str) or len(value) > ID_MAX_CHARS or not value.isprintable()):
+            shown = repr(value) if isinstance(value, str) else type(value).__name__
+            raise ValidationError(f"{name} must be printable text of at most {ID_MAX_CHARS} characters (or None), "
+                                  f"got {shown[:60]}{'...' if len(shown) > 60 else ''}")
 
 
 def _check_storable(value: Any, *, what: str) -> None:

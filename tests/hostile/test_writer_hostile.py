@@ -189,3 +189,20 @@ def test_entity_of_refuses_what_the_writer_refuses() -> None:
     env = Envelope(message_id=uuid.uuid4(), type="T", payload={}, headers={"entity_key": "k"})
     with pytest.raises(MalformedMessageError, match="entity_version"):
         entity_of(env)
+
+
+@pytest.mark.parametrize(("field", "value"), [("correlation_id", 42), ("correlation_id", ["req-1"]),
+                                              ("correlation_id", "r" * 201), ("correlation_id", "req\n1"),
+                                              ("correlation_id", b"req-1"), ("causation_id", {"id": 1}),
+                                              ("causation_id", 7), ("causation_id", "c\x1b[2J")])
+def test_a_correlation_or_causation_id_no_trace_can_find_is_refused(field: str, value: Any) -> None:
+    # Given an event whose correlation or causation id is no text, or text `outbox trace` could never be given
+    # When the writer judges it; Then a ValidationError names the field (it was written as it was)
+    with pytest.raises(ValidationError, match=f"{field} must be printable text of at most 200 characters") as e:
+        outbox_values(Event("OrderPlaced", {"n": 1}, **{field: value}))
+    assert str(e.value).isprintable()
+
+
+def test_a_traceable_correlation_id_is_kept() -> None:
+    values = outbox_values(Event("OrderPlaced", {}, correlation_id="req-" + "x" * 196, causation_id="c-1"))
+    assert values["headers"]["correlation_id"] == "req-" + "x" * 196 and values["headers"]["causation_id"] == "c-1"
