@@ -220,6 +220,8 @@ class Outbox:
 
     def _checked_routes(self, event_type: str) -> Mapping[str, tuple[str, ...]]:
         """``routes()``, after checking that ``event_type`` has a consumer (``UnknownEventTypeError`` if not)."""
+        if not isinstance(event_type, str) or not event_type.strip():  # the writer's first rule, judged first
+            raise ValidationError(f"event type must be a non-empty string, got {type(event_type).__name__}")
         routes = self.routes()
         if event_type not in routes:
             raise UnknownEventTypeError(

@@ -19,6 +19,7 @@ from celery_outbox import (
     Outcome,
     Settings,
     UnknownEventTypeError,
+    ValidationError,
     migrate_database,
 )
 from celery_outbox.testing import InMemoryPublisher, drain, run_pending
@@ -94,6 +95,16 @@ def test_a_consumer_of_an_event_type_no_event_can_have_is_a_config_error(engine:
     # And route() judges an event type the same way
     with pytest.raises(ConfigError, match="at most 200 printable characters"):
         outbox.route("Order\x00Placed", "billing")
+
+
+@pytest.mark.parametrize("type_", [5, None, "", "  ", ["OrderPlaced"]])
+def test_an_event_type_that_is_no_text_is_a_validation_error_not_a_missing_route(engine: sa.Engine,
+                                                                                type_: object) -> None:
+    # Given an event whose type is no text (it was taken for an unrouted type: "declare @outbox.consumer(5, ...)")
+    outbox = make(engine)
+    # When it is published; Then the writer's own refusal says what a type must be
+    with Session(engine) as s, pytest.raises(ValidationError, match="event type must be a non-empty string"):
+        outbox.publish(s, Event(type_, {}))  # type: ignore[arg-type]
 
 
 def test_a_settings_route_to_an_unknown_consumer_fails_at_start_up(engine: sa.Engine) -> None:
