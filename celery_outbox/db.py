@@ -282,6 +282,16 @@ def is_missing_table(error: BaseException) -> bool:
     return False
 
 
+def missing_tables_hint(outbox: object) -> str:
+    """What a person reading a log should do about missing outbox tables: run the command that makes them for
+    ``outbox`` (``Outbox.schema_command``: ``python manage.py migrate`` in a Django project with the app installed)."""
+    try:
+        command = str(getattr(outbox, "schema_command", "outbox db upgrade"))
+    except Exception:  # a hint must never hide the error it explains
+        command = "outbox db upgrade"
+    return f"the outbox tables are missing: run `{command}`"
+
+
 @contextmanager
 def wrap_driver_errors(what: str) -> Iterator[None]:
     """Turn a bare driver error into ``DatabaseError`` with a message that names the operation."""

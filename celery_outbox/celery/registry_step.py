@@ -18,7 +18,7 @@ from typing import Any
 from celery import bootsteps
 
 from celery_outbox import workers
-from celery_outbox.db import is_missing_table
+from celery_outbox.db import is_missing_table, missing_tables_hint
 from celery_outbox.runtime import Context
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,7 @@ def why(error: Exception, outbox: Any) -> str:
     lines = str(error).strip().splitlines()
     text = f"{type(error).__name__}: {lines[0] if lines else ''}"
     if is_missing_table(error):
-        try:
-            command = str(outbox.schema_command)
-        except Exception:  # the hint must never hide the error it explains
-            command = "outbox db upgrade"
-        text += f" (the outbox tables are missing: run `{command}`)"
+        text += f" ({missing_tables_hint(outbox)})"
     return text
 
 

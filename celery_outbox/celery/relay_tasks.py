@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from celery import Celery
@@ -17,6 +18,8 @@ from celery_outbox.celery import events
 from celery_outbox.celery.config import DRAIN_TASK, RECONCILE_TASK, add_task_routes, sentinel_options
 from celery_outbox.celery.kombu_publisher import KombuPublisher
 from celery_outbox.celery.queue_inspector import KombuQueueInspector
+from celery_outbox.db import is_missing_table, missing_tables_hint
+from celery_outbox.errors import DatabaseError
 from celery_outbox.relay import lease
 from celery_outbox.relay.loop import DrainResult, RelayLoop
 from celery_outbox.relay.reconcile import ReconcileResult, reconcile
@@ -83,6 +86,19 @@ def reconcile_announcer_for(ctx: Context) -> Callable[[ReconcileResult], None] |
     return reconcile_announcer(app) if isinstance(app, Celery) else None
 
 
+@contextmanager
+def tables_named(ctx: Context) -> Iterator[None]:
+    """A task failing on a database without the outbox tables says, in the first line of the worker's log entry,
+    which command makes them; any other error passes as it is."""
+    try:
+        yield
+    except DatabaseError as e:
+        if not is_missing_table(e):
+            raise
+        lines = str(e).strip().splitlines()
+        raise DatabaseError(f"{lines[0] if lines else type(e).__name__} ({missing_tables_hint(ctx)})") from e
+
+
 def register(app: Celery, ctx: Context) -> None:
     """Define the drain and reconcile tasks on ``app``, routed to ``<namespace>.relay``."""
     lock = threading.Lock()
@@ -102,7 +118,7 @@ def register(app: Celery, ctx: Context) -> None:
 
         Its result (in Flower: the task's result) is the drain's counts; each row it dead-letters is an
         ``outbox-dead-lettered`` event from this worker's node name."""
-        with lock:
+        with lock, tables_named(ctx):
             result = loop().drain_once()
         announce_drain(app, result, **events.task_sender(self))
         return drain_summary(result)
@@ -119,7 +135,7 @@ def register(app: Celery, ctx: Context) -> None:
         the pass's counts per kind; each message sent again is an ``outbox-reconciled`` event."""
         relay = loop()
         settings = ctx.settings
-        with lock:
+        with lock, tables_named(ctx):
             if not reconcile_lease.claim(relay.session_factory, relay.clock, tables=ctx.tables):
                 return {"skipped": "not due: this interval's pass ran elsewhere"}
         with lock, relay.session_factory() as session:
