@@ -45,6 +45,7 @@ from celery_outbox.messages import Envelope, TaskMessage, celery_task_messages, 
 from celery_outbox.relay.breaker import CircuitBreaker
 from celery_outbox.relay.publisher import Publisher, PublishReport, SendsAhead
 from celery_outbox.relay.queries import RelayStatements, due_pending, mark_published_pg
+from celery_outbox.relay.undecodable import UNDECODABLE, dead_letter_undecodable
 from celery_outbox.schema import Tables
 from celery_outbox.settings import Settings
 from celery_outbox.sql import translates_schema
@@ -567,11 +568,19 @@ def claim_batch(session: Session, clock: Clock, config: RelayConfig, *, limit: i
         stamped_sql = _driver_sql(session.connection(), statements.claim_mark_sql) \
             if stamp and statements is not None and statements.claim_mark_sql is not None else None
         stripe: str | None = None
-        if stamped_sql is not None:
-            rows, due, stripe = claimed_and_stamped(session, stamped_sql, now, limit)
-            result.next_due_ms, result.next_due_read = due, True
-        else:
-            rows = claim_due(session, now, limit, tables=tables, statements=statements)
+        try:
+            if stamped_sql is not None:
+                rows, due, stripe = claimed_and_stamped(session, stamped_sql, now, limit)
+                result.next_due_ms, result.next_due_read = due, True
+            else:
+                rows = claim_due(session, now, limit, tables=tables, statements=statements)
+        except UNDECODABLE:  # a due row's stored JSON the driver cannot decode (relay/undecodable.py)
+            session.rollback()
+            result.dead_lettered = result.claimed = dead_letter_undecodable(session, now, limit, tables=tables)
+            if not result.dead_lettered:
+                raise
+            log.warning("dead-lettered %s due row(s) whose stored JSON cannot be decoded", result.dead_lettered)
+            return Claimed(session=session, rows=[], built=_EMPTY, spans=spans, result=result, limit=limit)
         result.claimed = len(rows)
         held = held_rows(session, rows, now, hold=hold, tables=tables, cache=registry_cache) if rows else {}
         if not rows and read_next_due and statements is not None and not result.next_due_read:

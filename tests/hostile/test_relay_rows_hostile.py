@@ -45,3 +45,29 @@ def test_a_row_whose_headers_are_no_object_is_dead_lettered_and_the_rows_behind_
     with any_sessions() as s:
         (shown,) = dead_letters.list_dead_letters(s, tables=tables)
         assert dead_letters.get(s, shown.id, tables=tables).headers == headers == shown.to_dict(now_ms=0)["headers"]
+
+
+@pytest.mark.parametrize("stored", ["deep", "long-number"])
+def test_a_row_whose_stored_json_the_driver_cannot_decode_is_dead_lettered_and_the_rows_behind_it_go_out(
+        any_sessions: sessionmaker[Session], clock: ManualClock, tables: Tables, stored: str) -> None:
+    # Given a due row written by raw SQL whose payload the database keeps but Python cannot decode (nested 999
+    # deep: SQLite keeps up to 1000 levels; a 5000-digit number: past Python's 4300), ahead of a good row
+    payload = "[" * 999 + "]" * 999 if stored == "deep" else '{"n": ' + "7" * 5000 + "}"
+    bad, good = uuid.uuid4(), uuid.uuid4()
+    outbox = tables.table(tables.outbox)
+    with any_sessions() as s:
+        postgres = s.get_bind().dialect.name == "postgresql"
+        for mid, text in ((bad, payload), (good, '{"order_id": "o-1"}')):
+            s.execute(sa.text(f"INSERT INTO {outbox.name} (message_id, type, payload, headers, created_at_ms, "
+                              "next_attempt_at_ms, attempts) VALUES (:m, 'OrderPlaced', :p, '{}', 0, 0, 0)"),
+                      {"m": str(mid) if postgres else mid.hex, "p": text})
+        s.commit()
+    publisher = InMemoryPublisher()
+    # When the relay runs batches until nothing is due
+    results = [run(any_sessions, publisher, clock, tables) for _ in range(3)]
+    # Then the bad row is dead-lettered saying why, and the good one is published to every consumer
+    assert sum(r.dead_lettered for r in results) == 1 and sum(r.published for r in results) == 1, results
+    assert {m.headers["outbox_message_id"] for m in publisher.published} == {str(good)}
+    with any_sessions() as s:
+        error = s.scalar(sa.select(outbox.c.last_error).where(outbox.c.dead_lettered_at_ms.is_not(None)))
+    assert error is not None and "stored payload" in error
