@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from celery_outbox.clock import Clock
 from celery_outbox.config.masking import mask_secrets
@@ -32,6 +32,7 @@ Sender = Callable[[str, dict[str, Any]], None]
 # superscript, circled and Arabic-Indic digits (read as another id, or a crash), so the pattern is the whole rule.
 _ID = re.compile(r"\A(outbox|consumer):([1-9][0-9]{0,18})\Z", re.ASCII)
 MAX_ROW_ID = 2**63 - 1
+_SHOWN_DEPTH = 256  # an outbox row's stored JSON read for a person: deeper than any a writer accepts
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -130,13 +131,33 @@ def _stored_headers(value: Any) -> Any:
     return {} if value is None else value
 
 
-def _from_outbox(row: OutboxRow) -> DeadLetter:
+def _outbox_rows(tables: Tables) -> Any:  # a Select of (row, payload text, headers text)
+    """Outbox rows with their payload and headers read as text (``_from_outbox`` decodes them): a value the
+    driver cannot decode (a row written by raw SQL, nested past Python's recursion limit or holding a number past
+    its 4300 digits, which the relay dead-letters for it) made every list of dead letters fail."""
+    o = tables.outbox
+    table = tables.table(o)
+    return (sa.select(o, sa.cast(table.c.payload, sa.Text), sa.cast(table.c.headers, sa.Text))
+            .options(defer(o.payload), defer(o.headers)))
+
+
+def _stored_json(text: str | None) -> Any:
+    """A stored JSON value as the consumers' decoder reads it, else its text as stored."""
+    if text is None:
+        return None
+    try:
+        return decode_json(text, max_depth=_SHOWN_DEPTH, what="stored value")
+    except MalformedMessageError:
+        return text
+
+
+def _from_outbox(row: OutboxRow, payload: str | None, headers: str | None) -> DeadLetter:
     assert row.dead_lettered_at_ms is not None
     return DeadLetter(
         id=DeadLetterId(source="outbox", row_id=row.seq), consumer=None, message_id=str(row.message_id),
         type=row.type, error=mask_secrets(row.last_error or ""), attempts=row.attempts,
         dead_lettered_at_ms=row.dead_lettered_at_ms, first_failed_at_ms=row.created_at_ms,
-        payload=row.payload, headers=_stored_headers(row.headers),
+        payload=_stored_json(payload), headers=_stored_headers(_stored_json(headers)),
     )
 
 
@@ -181,11 +202,9 @@ def list_dead_letters(session: Session, *, tables: Tables, source: Source | None
     check_consumer(consumer, known_consumers)
     found: list[DeadLetter] = []
     if source in (None, "outbox") and consumer is None:
-        rows = session.scalars(
-            sa.select(tables.outbox).where(tables.outbox.dead_lettered_at_ms.is_not(None))
-            .order_by(tables.outbox.seq)
-        )
-        found.extend(_from_outbox(r) for r in rows)
+        rows = session.execute(
+            _outbox_rows(tables).where(tables.outbox.dead_lettered_at_ms.is_not(None)).order_by(tables.outbox.seq))
+        found.extend(_from_outbox(row, payload, headers) for row, payload, headers in rows)
     if source in (None, "consumer"):
         stmt = sa.select(tables.dead_letters).where(tables.dead_letters.replayed_at_ms.is_(None))
         if consumer is not None:
@@ -199,11 +218,11 @@ def get(session: Session, dl_id: DeadLetterId | str, *, tables: Tables) -> DeadL
     """One dead letter (replayed consumer rows included, so ``show`` works after a replay)."""
     ref = DeadLetterId.parse(dl_id) if isinstance(dl_id, str) else dl_id
     if ref.source == "outbox":
-        row = session.get(tables.outbox, ref.row_id)
-        if row is None or row.dead_lettered_at_ms is None:
-            state = "does not exist" if row is None else "is not dead-lettered"
+        found = session.execute(_outbox_rows(tables).where(tables.outbox.seq == ref.row_id)).first()
+        if found is None or found[0].dead_lettered_at_ms is None:
+            state = "does not exist" if found is None else "is not dead-lettered"
             raise NotFoundError(f"{ref}: outbox row {state}")
-        return _from_outbox(row)
+        return _from_outbox(found[0], found[1], found[2])
     crow = session.get(tables.dead_letters, ref.row_id)
     if crow is None:
         raise NotFoundError(f"{ref}: no such consumer dead letter")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from celery_outbox.config.masking import mask_secrets
 from celery_outbox.db import wrap_driver_errors
@@ -134,9 +134,9 @@ def _rows_for(session: Session, key: str, *, tables: Tables, limit: int) -> tupl
     o = tables.outbox
     mid = _as_uuid(key)
     if mid is not None:
-        row = session.scalar(sa.select(o).where(o.message_id == mid))
+        row = session.scalar(sa.select(o).options(defer(o.payload)).where(o.message_id == mid))
         return ([row], []) if row is not None else ([], [str(mid)])
-    stmt = sa.select(o).where(sa.or_(o.headers["entity_key"].as_string() == key,
+    stmt = sa.select(o).options(defer(o.payload)).where(sa.or_(o.headers["entity_key"].as_string() == key,
                                      o.headers["correlation_id"].as_string() == key))
     return list(session.scalars(stmt.order_by(o.seq.desc()).limit(limit)))[::-1], []
 
