@@ -156,6 +156,29 @@ def test_the_list_pages_show_the_dead_letters_of_both_stores(
     assert f"consumer:{cid}" in html(root.get(CONSUMER_LIST + "?replayed=no&consumer=fulfilment"))
 
 
+@pytest.mark.parametrize("stored", ["[" * 999 + "]" * 999, '{"n": ' + "7" * 5000 + "}"], ids=["deep", "long-number"])
+def test_an_outbox_dead_letter_the_driver_cannot_decode_is_listed_and_shown_as_stored(
+        root: Client, sa_sessions: sessionmaker[Session], tables: Tables, stored: str) -> None:
+    # Given a dead-lettered outbox row written by raw SQL whose payload Python cannot decode (the relay
+    # dead-letters such a row), beside an ordinary dead letter
+    dead = outbox_dead_letter({"order_id": "dead-order"})
+    with sa_sessions() as s:
+        seq = s.execute(sa.insert(tables.table(tables.outbox)).values(
+            message_id=uuid.uuid4(), type="OrderPlaced", payload={}, headers={}, created_at_ms=0,
+            next_attempt_at_ms=0, attempts=0, dead_lettered_at_ms=1_700_000_100_000, last_error="unreadable")
+                        .returning(tables.table(tables.outbox).c.seq)).scalar_one()
+        s.execute(sa.text(f"UPDATE {tables.table(tables.outbox).name} SET payload = CAST(:p AS jsonb) WHERE seq = :s"),
+                  {"p": stored, "s": seq})
+        s.commit()
+    # When the list and the row's page are opened; Then both answer, the list with both rows, the page with the
+    # payload as stored (it was a 500: Django's JSONField decoded every row)
+    listed = root.get(OUTBOX_LIST)
+    assert listed.status_code == 200 and f"outbox:{seq}" in html(listed) and f"outbox:{dead.seq}" in html(listed)
+    page = root.get(outbox_detail(seq))
+    assert page.status_code == 200 and stored[:40].replace('"', "&quot;") in html(page)
+    assert "dead-order" in html(root.get(outbox_detail(dead.seq)))
+
+
 def test_a_consumer_dead_letter_is_found_by_the_task_id_flower_shows(
         root: Client, sa_sessions: sessionmaker[Session], tables: Tables) -> None:
     # Given two consumer dead letters, one kept with the task id of its FAILURE in Flower
