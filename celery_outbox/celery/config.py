@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery_outbox.config.declare import broker_kind
-from celery_outbox.errors import missing_extra
+from celery_outbox.errors import MissingExtraError, missing_extra
 from celery_outbox.settings import Settings
 
 DRAIN_TASK = "celery_outbox.drain"
@@ -52,6 +52,24 @@ def require_broker_client(broker_url: str) -> None:
     if broker_kind(broker_url) == "redis" and importlib.util.find_spec("redis") is None:
         scheme = broker_url.split("://", 1)[0]
         raise missing_extra("redis", needed_by=f"the {scheme}:// broker")
+
+
+class BrokerClientCheck:
+    """A ``celeryd_init`` receiver: a worker of ``app`` whose broker needs a client that is not installed
+    (``redis://`` without the ``[redis]`` extra) stops with one line naming the extra, exit 1, before kombu imports
+    its transport and fails with a traceback naming none. A ``SystemExit``: Celery's signal swallows exceptions."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __call__(self, sender: Any = None, instance: Any = None, **_kw: Any) -> None:
+        app: Any = self.app
+        if getattr(instance, "app", None) is not app:
+            return
+        try:
+            require_broker_client(str(self.app.conf.broker_url or ""))
+        except MissingExtraError as e:
+            raise SystemExit(f"Error: bad configuration: {e}") from None
 
 
 def queue_arguments(settings: Settings, broker_url: str) -> dict[str, Any]:
