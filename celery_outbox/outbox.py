@@ -104,8 +104,8 @@ class Outbox:
             (self.settings.exchange_name, f"{self.settings.namespace}.relay")))
         tracing_hook.install(self)  # OUTBOX_TRACER_PROVIDER: here and in each worker pool process
         app.steps["worker"].add(self._boot_check_step())
-        self._broker_client = BrokerClientCheck(app)  # celeryd_init holds it weakly: it goes with this outbox
-        signals.celeryd_init.connect(self._broker_client, weak=True)
+        self._broker_client = BrokerClientCheck(app)  # the signal holds it weakly: it goes with this outbox
+        signals.import_modules.connect(self._broker_client, weak=True)
         app.steps["worker"].add(receipts.receipt_step(self))  # plain outbox tasks' receipts (reconciler)
         app.steps["worker"].add(registry_step.registry_step(self))  # the worker registry (deploy hold)
         app.steps["worker"].add(warmup.warmup_step(self))  # contexts and a connection before the first message

@@ -55,16 +55,18 @@ def require_broker_client(broker_url: str) -> None:
 
 
 class BrokerClientCheck:
-    """A ``celeryd_init`` receiver: a worker of ``app`` whose broker needs a client that is not installed
+    """An ``import_modules`` receiver (sent with the app when a ``celery worker`` or ``celery beat`` of it loads
+    its tasks, before either opens a broker connection): one whose broker needs a client that is not installed
     (``redis://`` without the ``[redis]`` extra) stops with one line naming the extra, exit 1, before kombu imports
-    its transport and fails with a traceback naming none. A ``SystemExit``: Celery's signal swallows exceptions."""
+    its transport and fails with a traceback naming none. A ``SystemExit``: Celery would show an exception's
+    traceback."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    def __call__(self, sender: Any = None, instance: Any = None, **_kw: Any) -> None:
+    def __call__(self, sender: Any = None, **_kw: Any) -> None:
         app: Any = self.app
-        if getattr(instance, "app", None) is not app:
+        if sender is not app:
             return
         try:
             require_broker_client(str(self.app.conf.broker_url or ""))

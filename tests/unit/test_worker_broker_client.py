@@ -1,11 +1,10 @@
-"""A worker whose broker needs a client that is not installed (``redis://`` without the ``[redis]`` extra) stops
-before kombu imports its transport: one line naming the extra, not kombu's traceback naming none."""
+"""A worker or beat whose broker needs a client that is not installed (``redis://`` without the ``[redis]`` extra)
+stops before kombu imports its transport: one line naming the extra, not kombu's traceback naming none."""
 
 from __future__ import annotations
 
 import importlib.util
 import uuid
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,12 +29,13 @@ def no_redis_client(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def worker_starts(app: Celery) -> None:
-    """What ``celery worker`` sends before it resolves its broker's transport (celery/apps/worker.py)."""
-    signals.celeryd_init.send(sender="celery@test", instance=SimpleNamespace(app=app), conf=app.conf, options={})
+    """What ``celery worker`` and ``celery beat`` send before they resolve the broker's transport: the loader's
+    ``init_worker`` imports the task modules (celery/loaders/base.py)."""
+    signals.import_modules.send(sender=app)
 
 
 def test_a_worker_on_redis_without_the_client_stops_with_one_line_naming_the_extra(no_redis_client: None) -> None:
-    """Given an app on redis:// and no redis client installed, When its worker starts,
+    """Given an app on redis:// and no redis client installed, When its worker (or beat) starts,
     Then it exits with one line naming the [redis] extra: it was kombu's AttributeError traceback
     ('NoneType' object has no attribute 'Redis'), naming nothing to install."""
     outbox = an_outbox("redis://127.0.0.1:6379/0")
