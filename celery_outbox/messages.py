@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_outbox.errors import MalformedMessageError, MessageTooLargeError, SerializationError
-from celery_outbox.task_route import check_names, check_properties
+from celery_outbox.task_route import check_exchange_type, check_names, check_properties
 
 TASK_ID_NAMESPACE = uuid.UUID("7d1b1c6e-0c1e-4f0a-9a53-5a3f0c2d8e11")
 REQUIRED_FIELDS = ("message_id", "type", "payload")
@@ -395,6 +395,8 @@ def task_row_message(*, message_id: uuid.UUID | str, type: str, payload: Any, he
     check_names([("exchange", exchange), ("routing key", routing_key)] + ([] if queue is None else [
         ("queue name", queue.name), ("queue exchange", queue.exchange), ("queue routing key", queue.routing_key)]))
     check_properties(properties)
+    if queue is not None:
+        check_exchange_type(queue.exchange_type)
     delivery_mode = headers.get("delivery_mode", 2)
     if delivery_mode not in (1, 2):
         delivery_mode = 2

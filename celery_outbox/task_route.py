@@ -41,6 +41,19 @@ def check_names(names: Iterable[tuple[str, Any]]) -> None:
                                         f"property holds: {_short(name)}")
 
 
+# RabbitMQ's own exchange types and those of its common plugins: another type is refused by the broker for the
+# whole connection (503 COMMAND_INVALID), which the relay takes for an outage
+EXCHANGE_TYPES = frozenset({"direct", "topic", "fanout", "headers", "x-delayed-message", "x-consistent-hash",
+                            "x-modulus-hash", "x-random", "x-recent-history", "x-jms-topic", "x-local-random"})
+
+
+def check_exchange_type(exchange_type: Any) -> None:
+    """A queue declaration's exchange type: one a broker knows."""
+    if exchange_type not in EXCHANGE_TYPES:
+        raise MalformedMessageError(f"exchange type {_short(exchange_type)} is none a broker knows "
+                                    f"({', '.join(sorted(EXCHANGE_TYPES))})")
+
+
 def check_properties(properties: Mapping[str, Any]) -> None:
     """The message properties of a task row (``None`` values are left out by the relay, so not judged)."""
     check_names((f"message property {k}", properties[k]) for k in TEXT_PROPERTIES if properties.get(k) is not None)

@@ -91,7 +91,7 @@ from celery_outbox.errors import (
 from celery_outbox.inbox.receipts import RECEIPT_HEADER
 from celery_outbox.messages import TASK_KIND, QueueSpec, check_size, encode_json, task_name
 from celery_outbox.schema import Tables
-from celery_outbox.task_route import check_names, check_properties
+from celery_outbox.task_route import check_exchange_type, check_names, check_properties
 from celery_outbox.task_rules import TaskRules, _check_storable, check_call
 from celery_outbox.workers import VERSION_HEADER
 
@@ -514,6 +514,8 @@ class Interceptor:
                 [] if spec is None else [("queue name", spec.name), ("queue exchange", spec.exchange),
                                          ("queue routing key", spec.routing_key)]))
             check_properties(row_headers["properties"])
+            if spec is not None:
+                check_exchange_type(spec.exchange_type)
         except MalformedMessageError as e:
             raise ValidationError(f"task {name[:200]!r}: {e}; nothing was written") from None
 
