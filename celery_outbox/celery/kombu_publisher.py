@@ -39,6 +39,7 @@ log = logging.getLogger("relay.kombu")
 
 CONFIRM_MODES = ("confirm", "tx", "none")
 WRITE_CHUNK = 256 * 1024  # bytes of frames collected before one socket write (``_coalesced_writes``)
+VIRTUAL_EXCHANGE_TYPES = ("direct", "topic", "fanout")  # what kombu's virtual transports (Redis) implement
 NACK_PAUSE_S = 0.2  # before nacked messages are sent again (``_await``)
 
 
@@ -150,6 +151,10 @@ class KombuPublisher:
                       auto_delete=spec.auto_delete, exclusive=spec.exclusive, queue_arguments=spec.arguments,
                       max_priority=spec.max_priority)
         if not self.is_rabbitmq:
+            if spec.exchange and spec.exchange_type not in VIRTUAL_EXCHANGE_TYPES:
+                # kombu's Redis transport raises KeyError for another type, which would read as an outage
+                return (f"exchange type {spec.exchange_type!r} of queue {spec.name[:100]!r} is none this broker "
+                        f"has ({', '.join(VIRTUAL_EXCHANGE_TYPES)})")
             queue(self._channel).declare()
         else:
             channel = self._declaring if self._declaring is not None else self._conn.channel()

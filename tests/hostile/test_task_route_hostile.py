@@ -214,3 +214,33 @@ def test_a_queue_declaration_the_broker_refuses_is_charged_to_its_row_not_to_the
     assert rows[good.id].published_at_ms is not None
     assert rows[clash.id].attempts == 1 and "PRECONDITION_FAILED" in str(rows[clash.id].last_error)
     engine.dispose()
+
+
+@pytest.mark.redis
+def test_on_redis_a_queue_exchange_type_kombu_lacks_is_charged_to_its_row_not_to_the_broker(
+        redis_url: str, sqlite_url: str, tables: Tables, namespace: str) -> None:
+    engine = sa.create_engine(sqlite_url)
+    queue = f"{namespace}_tasks"
+    outbox, plain = _outbox(engine, queue, broker=redis_url)
+    sessions: sessionmaker[Session] = sessionmaker(engine)
+    # Given a task whose own queue declaration names a headers exchange (RabbitMQ has it, kombu's Redis transport
+    # does not: its KeyError read as an outage on every batch), ahead of a good task
+    with sessions() as s:
+        other = outbox.enqueue(s, plain.s(1), queue=Queue(f"{namespace}_h", Exchange(f"{namespace}_hx", type="headers")))
+        good = outbox.enqueue(s, plain.s(2))
+        s.commit()
+    # When the relay sends a batch to Redis
+    settings = Settings(namespace=namespace, broker_url=redis_url)
+    try:
+        with KombuPublisher(broker_url=redis_url, settings=settings) as pub, sessions() as s:
+            result = dispatch_with_settings(s, pub, ManualClock(), settings, tables=tables)
+        # Then the broker is not taken for down: the good task is published, the other charged an attempt saying why
+        assert (result.broker_unavailable, result.published, result.failed) == (False, 1, 1), result
+        with sessions() as s:
+            rows = {str(r.message_id): r for r in s.scalars(sa.select(tables.outbox))}
+        assert rows[good.id].published_at_ms is not None
+        assert rows[other.id].attempts == 1 and "exchange type 'headers'" in str(rows[other.id].last_error)
+    finally:
+        with Connection(redis_url) as conn, contextlib.suppress(Exception):
+            Queue(queue, no_declare=True)(conn.channel()).delete()
+        engine.dispose()
