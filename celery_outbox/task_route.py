@@ -11,11 +11,12 @@ which the relay takes for a broker outage. docs/tasks.md ("Transactional enqueue
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from celery_outbox.errors import MalformedMessageError
+from celery_outbox.errors import MalformedMessageError, ValidationError
 
 SHORT_STR_BYTES = 255  # an AMQP 0-9-1 short string: exchange, routing key and queue names, text properties
 TEXT_PROPERTIES = ("correlation_id", "reply_to", "message_id", "user_id", "app_id")
@@ -39,6 +40,21 @@ def check_names(names: Iterable[tuple[str, Any]]) -> None:
         if size > SHORT_STR_BYTES:
             raise MalformedMessageError(f"{what} is {size} bytes, over the {SHORT_STR_BYTES} a broker name or "
                                         f"property holds: {_short(name)}")
+
+
+# A message's headers travel in one AMQP frame (RabbitMQ's frame_max: 131072 bytes by default); larger, the broker
+# closes the relay's connection (FRAME_ERROR) on every batch holding the row. The headers' UTF-8 JSON is held to
+# half of it (the frame's own encoding of a table adds a few bytes per entry).
+MAX_HEADERS_CHARS = 64 * 1024
+
+
+def check_headers_size(headers: Any, *, what: str) -> None:
+    """A task message's headers as UTF-8 JSON: at most ``MAX_HEADERS_CHARS`` bytes (``ValidationError``)."""
+    text = json.dumps(headers, separators=(",", ":"), ensure_ascii=False, default=str)
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_HEADERS_CHARS:
+        raise ValidationError(f"{what}: the message headers are {size} bytes as JSON, over the "
+                              f"{MAX_HEADERS_CHARS} one broker frame holds; nothing was written")
 
 
 # RabbitMQ's own exchange types and those of its common plugins: another type is refused by the broker for the

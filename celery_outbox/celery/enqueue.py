@@ -91,7 +91,13 @@ from celery_outbox.errors import (
 from celery_outbox.inbox.receipts import RECEIPT_HEADER
 from celery_outbox.messages import TASK_KIND, QueueSpec, check_size, encode_json, task_name
 from celery_outbox.schema import Tables
-from celery_outbox.task_route import check_exchange_type, check_names, check_properties
+from celery_outbox.task_route import (
+    MAX_HEADERS_CHARS,
+    check_exchange_type,
+    check_headers_size,
+    check_names,
+    check_properties,
+)
 from celery_outbox.task_rules import TaskRules, _check_storable, check_call
 from celery_outbox.workers import VERSION_HEADER
 
@@ -486,6 +492,8 @@ class Interceptor:
         if sent_body is not body or signals.before_task_publish.receivers:  # a receiver may have changed it
             body_json = encode_json(sent, what=what)
         headers_json = encode_json(row_headers, what=f"task {name!r} message headers (JSON only)")
+        if len(headers_json) > MAX_HEADERS_CHARS:  # the row's ASCII JSON bounds the UTF-8 bytes of the message's headers
+            check_headers_size(row_headers["task_headers"], what=f"task {name!r}")
         # The row as JSON (``encode_json({"headers": ..., "payload": {"body": ...}})``, keys sorted), without
         # encoding it again: what the size limit measures.
         check_size(f'{{"headers":{headers_json},"payload":{{"body":{body_json}}}}}',

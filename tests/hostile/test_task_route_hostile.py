@@ -244,3 +244,20 @@ def test_on_redis_a_queue_exchange_type_kombu_lacks_is_charged_to_its_row_not_to
         with Connection(redis_url) as conn, contextlib.suppress(Exception):
             Queue(queue, no_declare=True)(conn.channel()).delete()
         engine.dispose()
+
+
+@pytest.mark.parametrize("header", ["x" * 70_000, "é" * 40_000])
+def test_task_headers_past_one_broker_frame_are_refused_at_enqueue(sqlite_url: str, tables: Tables, namespace: str,
+                                                                   header: str) -> None:
+    # Given a task sent with a header larger than one AMQP frame holds (RabbitMQ closed the relay's connection with
+    # FRAME_ERROR on every batch holding such a row, so nothing behind it was published)
+    engine = sa.create_engine(sqlite_url)
+    outbox, plain = _outbox(engine, f"{namespace}_tasks")
+    with sessionmaker(engine)() as s:
+        # When it is enqueued; Then it is refused, nothing written; a header within the bound is kept
+        with pytest.raises(ValidationError, match="over the 65536 one broker frame holds"):
+            outbox.enqueue(s, plain.s(1), headers={"note": header})
+        outbox.enqueue(s, plain.s(1), headers={"note": header[:20_000]})
+        s.commit()
+    assert _rows(engine, tables) == 1
+    engine.dispose()
