@@ -30,10 +30,11 @@ from kombu.exceptions import KombuError
 from celery_outbox.celery.amqp_wire import event_message, task_message
 from celery_outbox.celery.config import celery_config, require_broker_client, sentinel_options
 from celery_outbox.config.declare import broker_kind
-from celery_outbox.errors import BrokerUnavailableError, ConfigError
+from celery_outbox.errors import BrokerUnavailableError, ConfigError, ValidationError
 from celery_outbox.messages import QueueSpec, TaskMessage
 from celery_outbox.relay.publisher import PublishReport
 from celery_outbox.settings import Settings
+from celery_outbox.task_route import check_headers_size, headers_may_be_large
 
 log = logging.getLogger("relay.kombu")
 
@@ -333,6 +334,11 @@ class KombuPublisher:
         if user is not None and user != (self._conn.userid or "guest"):
             return (f"user_id {str(user)[:60]!r} is not the user the relay connects as: RabbitMQ refuses the "
                     "message for the whole channel")
+        if headers_may_be_large(m.headers):  # a row stored before enqueue refused them (task_route.py)
+            try:
+                check_headers_size(m.headers, what=f"task {m.consumer[:100]!r}")
+            except ValidationError as e:
+                return f"{str(e).removesuffix('; nothing was written')}: RabbitMQ closes the connection on it"
         name = m.exchange
         if not name or (m.queue is not None and m.queue.exchange == name):
             return None  # the default exchange, or one declared with the task's queue
