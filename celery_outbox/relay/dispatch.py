@@ -42,6 +42,7 @@ from celery_outbox.clock import Clock
 from celery_outbox.db import is_postgres, wrap_driver_errors
 from celery_outbox.errors import BrokerUnavailableError, MalformedMessageError, MessageTooLargeError, SerializationError
 from celery_outbox.messages import Envelope, TaskMessage, celery_task_messages, is_task_row, task_row_message
+from celery_outbox.prepared import Prepared
 from celery_outbox.relay.breaker import CircuitBreaker
 from celery_outbox.relay.publisher import Publisher, PublishReport, SendsAhead
 from celery_outbox.relay.queries import RelayStatements, due_pending, mark_published_pg
@@ -163,16 +164,26 @@ def claim_due(session: Session, now_ms: int, limit: int, *, tables: Tables,
         return [ClaimedRow.of(columns) for columns in result]
 
 
-def claimed_and_stamped(session: Session, sql: str, now_ms: int, limit: int) -> tuple[list[ClaimedRow], int | None,
-                                                                                  str | None]:
+def claimed_and_stamped(session: Session, sql: str, now_ms: int, limit: int, *,
+                        prepared: Prepared | None = None) -> tuple[list[ClaimedRow], int | None, str | None]:
     """Postgres: claim up to ``limit`` due rows and stamp them published at ``now_ms`` in one statement
-    (``queries.claim_mark_pg``, compiled ``sql``), in the session's transaction (the caller commits only
-    after the broker confirmed them). Returns the rows, the next due time of the other pending rows and the
-    counter row the count went to."""
+    (``queries.claim_mark_pg``, compiled ``sql``; ``prepared``: the same as a server-side prepared statement),
+    the first of the session's transaction (the caller commits only after the broker confirmed them).
+    Returns the rows, the next due time of the other pending rows and the counter row the count went to."""
+    params = {"now_ms": now_ms, "claim_limit": limit, "scope": counters.RELAY, "name": counters.PUBLISHED,
+              "stripe": counters.stripe_prefix(counters.PUBLISHED)}
+    result: Sequence[Any]
     with wrap_driver_errors("claiming due outbox rows"):
-        result = session.connection().exec_driver_sql(sql, {
-            "now_ms": now_ms, "claim_limit": limit, "scope": counters.RELAY, "name": counters.PUBLISHED,
-            "stripe": counters.stripe_prefix(counters.PUBLISHED)}).all()
+        if prepared is not None and prepared.enabled:
+            try:
+                result = prepared.execute(session.connection(), params).all()
+            except sa.exc.DBAPIError as e:
+                if not prepared.lost(e):
+                    raise
+                session.rollback()  # the claim is the transaction's first statement: nothing else is lost
+                result = session.connection().exec_driver_sql(sql, params).all()
+        else:
+            result = session.connection().exec_driver_sql(sql, params).all()
     due, stripe = result[0][0], result[0][1]
     rows = [ClaimedRow.of(columns[2:]) for columns in result if columns[2] is not None]
     return rows, None if due is None else int(due), None if stripe is None else str(stripe)
@@ -570,7 +581,8 @@ def claim_batch(session: Session, clock: Clock, config: RelayConfig, *, limit: i
         stripe: str | None = None
         try:
             if stamped_sql is not None:
-                rows, due, stripe = claimed_and_stamped(session, stamped_sql, now, limit)
+                rows, due, stripe = claimed_and_stamped(
+                    session, stamped_sql, now, limit, prepared=statements.claim_mark_prepared if statements else None)
                 result.next_due_ms, result.next_due_read = due, True
             else:
                 rows = claim_due(session, now, limit, tables=tables, statements=statements)

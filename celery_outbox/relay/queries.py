@@ -13,6 +13,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 
 from celery_outbox import counters
 from celery_outbox.db import LIBPQ_DRIVERS
+from celery_outbox.prepared import Prepared
 from celery_outbox.schema import PENDING_SQL, Tables
 
 # The columns ``dispatch.claim_due`` copies into a ``ClaimedRow``, in this order.
@@ -76,6 +77,9 @@ class RelayStatements:
     # not Postgres through a libpq driver, and the relay claims and marks in two statements.
     claim_mark_sql: str | None = None
     unstamp: sa.TextClause | None = None  # ``unstamp_pg`` (Postgres): the rare path after ``claim_mark_sql``
+    # psycopg2 only (psycopg 3 prepares on its own): ``claim_mark_sql`` as a server-side prepared statement,
+    # planned once per connection instead of at every wake-up (celery_outbox/prepared.py)
+    claim_mark_prepared: Prepared | None = None
 
     @classmethod
     def build(cls, tables: Tables, dialect: sa.Dialect) -> RelayStatements:
@@ -85,10 +89,13 @@ class RelayStatements:
         mark = mark_published_pg(tables, dialect) if postgres else None
         # libpq drivers' own adapters give the claim's columns the types SQLAlchemy's would (a UUID, decoded JSON)
         driver = postgres and dialect.driver in LIBPQ_DRIVERS
+        claim_mark_sql = str(claim_mark_pg(tables, dialect).compile(dialect=dialect)) if driver else None
+        prepared = Prepared(text=claim_mark_sql, types=CLAIM_MARK_TYPES, label="relay's claim") \
+            if claim_mark_sql is not None and dialect.driver == "psycopg2" else None
         return cls(claim=claim, mark=mark, next_due=next_due(tables),
                    claim_sql=str(claim.compile(dialect=dialect)) if driver else None,
                    mark_sql=str(mark.compile(dialect=dialect)) if driver and mark is not None else None,
-                   claim_mark_sql=str(claim_mark_pg(tables, dialect).compile(dialect=dialect)) if driver else None,
+                   claim_mark_sql=claim_mark_sql, claim_mark_prepared=prepared,
                    unstamp=unstamp_pg(tables, dialect) if postgres else None)
 
 
@@ -128,6 +135,10 @@ def mark_published_pg(tables: Tables, dialect: sa.Dialect) -> sa.TextClause:
         f"SELECT (SELECT n FROM m), (SELECT min(next_attempt_at_ms) FROM {outbox} "
         f"WHERE {PENDING_SQL} AND seq <> ALL(:ids))"
     ).bindparams(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)))
+
+
+# The SQL types of ``claim_mark_pg``'s parameters, for its prepared form.
+CLAIM_MARK_TYPES = {"now_ms": "bigint", "claim_limit": "integer", "scope": "text", "name": "text", "stripe": "text"}
 
 
 def claim_mark_pg(tables: Tables, dialect: sa.Dialect) -> sa.TextClause:

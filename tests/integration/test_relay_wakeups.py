@@ -261,7 +261,10 @@ class Recorder:
     def _sql(self, _c: object, _cur: object, statement: str, *_: object) -> None:
         self.statements.append(statement)
         s = " ".join(statement.split()).upper()
-        self.kinds.append("mark" if s.startswith("WITH MARKED AS") else "claim" if "SKIP LOCKED" in s else s[:60])
+        # the claim runs as a prepared statement on psycopg2 (celery_outbox/prepared.py): EXECUTE is the claim,
+        # PREPARE (once per connection) its preparation
+        self.kinds.append("mark" if s.startswith("WITH MARKED AS") else "prepare" if s.startswith("PREPARE OUTBOX_")
+                          else "claim" if "SKIP LOCKED" in s or s.startswith("EXECUTE OUTBOX_") else s[:60])
 
     def _clause(self, _c: object, clause: object, *_: object) -> None:
         self.clauses.append(clause)
@@ -304,8 +307,9 @@ def test_a_wake_up_that_publishes_one_commit_runs_one_statement_that_claims_and_
     # Then it published them with BEGIN, the claim (which also stamps, counts and reads the next due time:
     # ``queries.claim_mark_pg``) and COMMIT: no mark of its own, no second transaction, no registry read, no
     # next-due query, no lease statement. A statement that comes back fails here.
-    assert seen.kinds == ["claim"]
-    assert seen.statements[0] is loop.config.statements.claim_mark_sql  # type: ignore[union-attr]
+    assert seen.kinds == ["claim"]  # prepared on this connection at the first wake-up, executed by name now
+    prepared = loop.config.statements.claim_mark_prepared  # type: ignore[union-attr]
+    assert prepared is not None and seen.statements[0] is prepared.execute_sql
     assert seen.ends == ["BEGIN", "COMMIT"]
     assert (loop.stats.published, loop._registry_cache is not None and loop._registry_cache.hits) == (6, 1)
     loop.close()
@@ -339,23 +343,27 @@ def test_the_relay_builds_its_claim_and_mark_once_not_per_wake_up(
     loop = RelayLoop(settings=settings(tmp_path, pg_url), tables=tables, session_factory=pg_sessions,
                      publisher=InMemoryPublisher(), clock=clock, listen=False)
     # When two wake-ups each claim and mark a commit's rows
-    claims = []
+    kinds, claims = [], []
     for _ in range(2):
         insert_pending(pg_sessions, clock.now_ms(), 2, tables=tables)
         with Recorder(pg_engine) as seen:
             assert loop.drain_once().published == 2
-        assert seen.kinds == ["claim"]
-        claims.append(seen.statements[0])
-    # Then both ran the same SQL text, compiled once for the relay (``RelayStatements.claim_mark_sql``: no
-    # statement built, no cache key computed and no compile-cache lookup per wake-up), and it is the SQL of
-    # claim_mark_pg, whose claim is due_pending's (the partial index's predicate word for word, its order,
-    # limit and SKIP LOCKED)
-    assert claims[0] is claims[1]
+        kinds.append(seen.kinds)
+        claims.append(seen.statements)
+    # Then the first prepared the claim on its connection (psycopg2: celery_outbox/prepared.py) and both executed
+    # it by name; its text was compiled once for the relay (``RelayStatements.claim_mark_sql``: no statement
+    # built, no cache key computed and no compile-cache lookup per wake-up), and it is the SQL of claim_mark_pg,
+    # whose claim is due_pending's (the partial index's predicate word for word, its order, limit and SKIP LOCKED)
+    assert kinds == [["prepare", "claim"], ["claim"]]
+    prepared = loop.config.statements.claim_mark_prepared  # type: ignore[union-attr]
+    assert prepared is not None and claims[0][1] is claims[1][0] is prepared.execute_sql
+    assert prepared.text is loop.config.statements.claim_mark_sql  # type: ignore[union-attr]
     dialect = pg_engine.dialect
-    assert claims[0] == str(claim_mark_pg(tables, dialect).compile(dialect=dialect))
+    text = prepared.text
+    assert text == str(claim_mark_pg(tables, dialect).compile(dialect=dialect))
     outbox = dialect.identifier_preparer.format_table(tables.table(tables.outbox))
     assert (f"SELECT seq FROM {outbox} WHERE {PENDING_SQL} AND next_attempt_at_ms <= %(now_ms)s ORDER BY "
-            "next_attempt_at_ms, seq LIMIT %(claim_limit)s FOR UPDATE SKIP LOCKED") in claims[0]
+            "next_attempt_at_ms, seq LIMIT %(claim_limit)s FOR UPDATE SKIP LOCKED") in text
     loop.close()
 
 
