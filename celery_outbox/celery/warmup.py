@@ -32,17 +32,14 @@ from celery_outbox.config.masking import mask_secrets
 log = logging.getLogger(__name__)
 
 
-def build_contexts(outbox: Any) -> int:
-    """Build the delivery context of every consumer and idempotent task of ``outbox.app``; how many."""
-    built = 0
+def build_contexts(outbox: Any) -> None:
+    """Build the delivery context of every consumer and idempotent task of ``outbox.app``."""
     for task in list(outbox.app.tasks.values()):
         sources = [getattr(task, "outbox_context", None), getattr(getattr(task, "outbox_batch_runner", None),
                                                                   "context", None)]
         for source in sources:
             if callable(source):
                 source()
-                built += 1
-    return built
 
 
 def warm_process(outbox: Any) -> None:

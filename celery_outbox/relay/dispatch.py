@@ -174,16 +174,16 @@ def claimed_and_stamped(session: Session, sql: str, now_ms: int, limit: int, *,
               "stripe": counters.stripe_prefix(counters.PUBLISHED)}
     result: Sequence[Any]
     with wrap_driver_errors("claiming due outbox rows"):
-        if prepared is not None and prepared.enabled:
-            try:
-                result = prepared.execute(session.connection(), params).all()
-            except sa.exc.DBAPIError as e:
-                if not prepared.lost(e):
-                    raise
-                session.rollback()  # the claim is the transaction's first statement: nothing else is lost
-                result = session.connection().exec_driver_sql(sql, params).all()
-        else:
-            result = session.connection().exec_driver_sql(sql, params).all()
+        try:
+            cursor: Any = prepared.execute(session.connection(), params) if prepared is not None \
+                else session.connection().exec_driver_sql(sql, params)
+            result = cursor.all()
+        except sa.exc.DBAPIError as e:
+            if prepared is None or not prepared.lost(e):
+                raise
+            session.rollback()  # the claim is the transaction's first statement: nothing else is lost
+            cursor = prepared.execute(session.connection(), params)  # off now: the text
+            result = cursor.all()
     due, stripe = result[0][0], result[0][1]
     rows = [ClaimedRow.of(columns[2:]) for columns in result if columns[2] is not None]
     return rows, None if due is None else int(due), None if stripe is None else str(stripe)
